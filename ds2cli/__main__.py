@@ -1,0 +1,3 @@
+from ds2cli.cli import main
+
+main()

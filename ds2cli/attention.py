@@ -1,0 +1,102 @@
+"""Multi-head Latent Attention (MLA) over the latent cache.
+
+Shape legend: T new tokens, S cached positions (including the new ones), H heads,
+C kv_lora_rank, R qk_rope_head_dim, d qk_nope_head_dim, v v_head_dim, D hidden size.
+
+Weights (prepared once at load by model.py, Hugging Face names kept):
+  q_proj (H*(d+R), D)  or  q_a_proj (q_lora_rank, D), q_a_layernorm, q_b_proj (H*(d+R), q_lora_rank)
+  kv_a_proj_with_mqa (C+R, D), kv_a_layernorm (C,), o_proj (D, H*v)
+  w_uk (H, d, C), w_uv (H, C, v): kv_b_proj split per head, the MLA weight absorption
+The RoPE rows of q and kv_a_proj_with_mqa are stored de-interleaved (see rope.deinterleave_rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds2cli.rope import apply_rope
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    variance = np.mean(np.square(x), axis=-1, keepdims=True)
+    return weight * (x / np.sqrt(variance + np.float32(eps)))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    x = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    x /= np.sum(x, axis=-1, keepdims=True)
+    return x
+
+
+def project_q(x: np.ndarray, w: dict, H: int, eps: float) -> np.ndarray:
+    if "q_proj" in w:
+        q = x @ w["q_proj"].T                                               # (T, H*(d+R))
+    else:
+        q_a = rms_norm(x @ w["q_a_proj"].T, w["q_a_layernorm"], eps)        # (T, q_lora_rank)
+        q = q_a @ w["q_b_proj"].T                                           # (T, H*(d+R))
+    return q.reshape(len(x), H, -1)                                         # (T, H, d+R)
+
+
+def absorbed_cost(T: int, S: int, H: int, C: int, R: int, d: int, v: int) -> int:
+    """Multiply-adds of attention straight against the latent (q folded through W_UK)."""
+    return H * T * (d * C + S * (2 * C + R) + C * v)
+
+
+def expanded_cost(T: int, S: int, H: int, C: int, R: int, d: int, v: int) -> int:
+    """Multiply-adds of expanding the cached latent into per-head k_nope and v first."""
+    return H * S * C * (d + v) + H * T * S * (d + R + v)
+
+
+def causal_mask(T: int, S: int) -> np.ndarray:
+    """True where query t (absolute position S-T+t) must not see cached position s."""
+    return np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]          # (T, S)
+
+
+def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
+    """q_lat = q_nope.W_UK; scores = q_lat.latent^T + q_pe.k_pe^T; ctx = (probs.latent).W_UV"""
+    T, H, _ = q_nope.shape
+    S = len(latent)
+    q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_uk)                      # (H, T, C)
+    q_pe = np.ascontiguousarray(q_pe.transpose(1, 0, 2))                    # (H, T, R)
+    scores = q_lat.reshape(H * T, -1) @ latent.T                            # (H*T, S)
+    scores += q_pe.reshape(H * T, -1) @ k_pe.T
+    scores *= np.float32(scale)
+    scores = scores.reshape(H, T, S)
+    if T > 1:
+        scores[:, causal_mask(T, S)] = -np.inf
+    probs = softmax(scores).reshape(H * T, S)
+    ctx_lat = (probs @ latent).reshape(H, T, -1)                            # (H, T, C)
+    return np.matmul(ctx_lat, w_uv).transpose(1, 0, 2)                      # (T, H, v)
+
+
+def attend_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
+    """The original's form: k_nope and v re-expanded from the latent for every cached position."""
+    T = q_nope.shape[0]
+    S = len(latent)
+    k_nope = np.matmul(latent, w_uk.transpose(0, 2, 1))                     # (H, S, d)
+    value = np.matmul(latent, w_uv)                                         # (H, S, v)
+    scores = np.matmul(q_nope.transpose(1, 0, 2), k_nope.transpose(0, 2, 1))  # (H, T, S)
+    scores += np.matmul(q_pe.transpose(1, 0, 2), k_pe.T)
+    scores *= np.float32(scale)
+    if T > 1:
+        scores[:, causal_mask(T, S)] = -np.inf
+    return np.matmul(softmax(scores), value).transpose(1, 0, 2)            # (T, H, v)
+
+
+def mla(x, w, latent_cache, k_pe_cache, start, cos, sin, H, eps, scale) -> np.ndarray:
+    """One MLA block for T new tokens at positions [start, start+T): writes their latent and
+    k_pe into the cache slots (this layer's views) and returns the attention output (T, D)."""
+    T = len(x)
+    C = w["kv_a_layernorm"].shape[0]
+    q = project_q(x, w, H, eps)                                             # (T, H, d+R)
+    d = w["w_uk"].shape[1]
+    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
+    kv = x @ w["kv_a_proj_with_mqa"].T                                      # (T, C+R)
+    end = start + T
+    latent_cache[start:end] = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)
+    k_pe_cache[start:end] = apply_rope(kv[:, C:], cos, sin)
+    latent, k_pe = latent_cache[:end], k_pe_cache[:end]                     # (S, C), (S, R)
+    dims = (T, end, H, C, k_pe.shape[1], d, w["w_uv"].shape[2])
+    attend = attend_absorbed if absorbed_cost(*dims) <= expanded_cost(*dims) else attend_expanded
+    ctx = attend(q_nope, q_pe, latent, k_pe, w["w_uk"], w["w_uv"], scale)   # (T, H, v)
+    return ctx.reshape(T, -1) @ w["o_proj"].T                               # (T, D)

@@ -1,0 +1,225 @@
+"""safetensors checkpoints: hostile-input-safe header parsing, validation against the config,
+and loading into `{hf_name: float32 array}`.
+
+Headers are parsed here rather than trusted to any library, because they are the untrusted part:
+every offset is bounds-checked against the file size before a byte of tensor data is touched,
+and no allocation is ever sized from a header field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with NumPy so safetensors can return them)
+import numpy as np
+from safetensors import safe_open
+
+from ds2cli.config import DeepseekV2Config
+from ds2cli.errors import CheckpointError
+
+# safetensors dtype name -> bytes per element (every dtype the format defines)
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+               "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
+               "BOOL": 1}
+LOADABLE_DTYPES = ("F32", "F16", "BF16")
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some exporters store; recomputed from config
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and bounds-check one safetensors file's header; the data is not read."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path.name}: truncated safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path.name}: header length {n} is larger than the file "
+                                      f"({size} bytes): truncated or not a safetensors file")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise CheckpointError(f"{path.name}: header is not valid JSON: not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path.name}: header is not a JSON object")
+    return _check_entries(path, header, data_len=size - 8 - n)
+
+
+def _check_entry(path: Path, name: str, e: object) -> tuple[str, tuple[int, ...], int, int]:
+    if not (isinstance(e, dict) and isinstance(e.get("dtype"), str)
+            and isinstance(e.get("shape"), list) and isinstance(e.get("data_offsets"), list)):
+        raise CheckpointError(f"{path.name}: malformed header entry for {name}")
+    shape, offs = e["shape"], e["data_offsets"]
+    ok_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    if not all(ok_int(v) for v in shape) or len(offs) != 2 or not all(ok_int(v) for v in offs):
+        raise CheckpointError(f"{path.name}: bad shape or offsets for {name}")
+    if e["dtype"] not in DTYPE_SIZES:
+        raise CheckpointError(f"{path.name}: tensor {name} has unknown dtype {e['dtype']!r}")
+    return e["dtype"], tuple(shape), offs[0], offs[1]
+
+
+def _check_entries(path: Path, header: dict, data_len: int) -> dict[str, TensorInfo]:
+    spans, infos = [], {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, begin, end = _check_entry(path, name, e)
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        if not begin <= end <= data_len:
+            raise CheckpointError(f"{path.name}: tensor {name} offsets [{begin}, {end}] lie outside "
+                                  f"the {data_len} data bytes (truncated file?)")
+        if end - begin != nbytes:
+            raise CheckpointError(f"{path.name}: tensor {name} occupies {end - begin} bytes but "
+                                  f"{dtype} {list(shape)} needs {nbytes}")
+        spans.append((begin, end, name))
+        infos[name] = TensorInfo(name, dtype, shape, path, nbytes)
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{path.name}: tensors {n0} and {n1} overlap")
+    return infos
+
+
+def shard_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by the index, or model.safetensors."""
+    index = model_dir / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map)") from None
+        bad = [f for f in files if not isinstance(f, str) or Path(f).name != f]
+        if bad:
+            raise CheckpointError(f"{index.name} names shard files outside the model folder: {bad[:3]}")
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index.name} names shards that do not exist: {', '.join(missing)}")
+        return [model_dir / f for f in files]
+    if (model_dir / SINGLE_NAME).is_file():
+        return [model_dir / SINGLE_NAME]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if len(found) == 1:
+        return found
+    raise CheckpointError(f"no {SINGLE_NAME} or {INDEX_NAME} in {model_dir}")
+
+
+def read_headers(model_dir: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint by name; a tensor held by two shards is an error."""
+    tensors: dict[str, TensorInfo] = {}
+    for path in shard_files(model_dir):
+        for name, info in read_header(path).items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name} appears in both {tensors[name].file.name} "
+                                      f"and {path.name}")
+            tensors[name] = info
+    return tensors
+
+
+def expected_shapes(cfg: DeepseekV2Config) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes the original DeepseekV2ForCausalLM holds for this config."""
+    D, H, V = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
+    C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (D,)
+        shapes[p + "post_attention_layernorm.weight"] = (D,)
+        a = p + "self_attn."
+        if cfg.q_lora_rank is None:
+            shapes[a + "q_proj.weight"] = (H * cfg.q_head_dim, D)
+        else:
+            shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, D)
+            shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            shapes[a + "q_b_proj.weight"] = (H * cfg.q_head_dim, cfg.q_lora_rank)
+        shapes[a + "kv_a_proj_with_mqa.weight"] = (C + R, D)
+        shapes[a + "kv_a_layernorm.weight"] = (C,)
+        shapes[a + "kv_b_proj.weight"] = (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), C)
+        shapes[a + "o_proj.weight"] = (D, H * cfg.v_head_dim)
+        if cfg.is_moe_layer(i):
+            shapes[p + "mlp.gate.weight"] = (cfg.n_routed_experts, D)
+            experts = [f"experts.{e}." for e in range(cfg.n_routed_experts)]
+            widths = [cfg.moe_intermediate_size] * len(experts)
+            if cfg.n_shared_experts:
+                experts.append("shared_experts.")
+                widths.append(cfg.moe_intermediate_size * cfg.n_shared_experts)
+            for e, width in zip(experts, widths):
+                shapes.update(_mlp_shapes(p + "mlp." + e, D, width))
+        else:
+            shapes.update(_mlp_shapes(p + "mlp.", D, cfg.intermediate_size))
+    return shapes
+
+
+def _mlp_shapes(prefix: str, D: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (width, D), prefix + "up_proj.weight": (width, D),
+            prefix + "down_proj.weight": (D, width)}
+
+
+def problems(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo]) -> list[str]:
+    """Every missing, unexpected, mis-shaped or unloadable tensor, one string each."""
+    want = expected_shapes(cfg)
+    out = [f"missing tensor {name} {list(shape)}" for name, shape in want.items() if name not in tensors]
+    for name, info in tensors.items():
+        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if name not in want:
+            out.append(f"unexpected tensor {name}")
+        elif info.shape != want[name]:
+            out.append(f"tensor {name} has shape {list(info.shape)}, config says {list(want[name])}")
+        elif info.dtype not in LOADABLE_DTYPES:
+            out.append(f"tensor {name} has unsupported dtype {info.dtype} "
+                       f"(ds2 loads {', '.join(LOADABLE_DTYPES)})")
+    return out
+
+
+def validate(cfg: DeepseekV2Config, model_dir: Path) -> dict[str, TensorInfo]:
+    tensors = read_headers(model_dir)
+    found = problems(cfg, tensors)
+    if found:
+        shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+        raise CheckpointError(f"checkpoint {model_dir} does not match its config "
+                              f"({len(found)} problem{'s' * (len(found) > 1)}): {shown}")
+    return tensors
+
+
+def iter_float32(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, float32 array) for `names`, one tensor at a time, so that only one tensor's
+    file bytes are ever held beside the float32 copies (the files are memory-mapped)."""
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(tensors[name].file, []).append(name)
+    for path, group in by_file.items():
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                for name in group:
+                    yield name, np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own types; report them as ours
+            raise CheckpointError(f"{path.name}: cannot read tensors: {e}") from None

@@ -1,0 +1,193 @@
+"""The DeepSeek-V2 model: load (config, weights, tokenizer, absorption), then
+embed -> blocks (MLA + dense MLP or MoE) -> norm -> lm_head over a LatentCache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ds2cli import checkpoint, rope
+from ds2cli.attention import mla, rms_norm
+from ds2cli.cache import LatentCache
+from ds2cli.config import DeepseekV2Config
+from ds2cli.errors import ConfigError, Ds2Error
+from ds2cli.moe import moe, swiglu
+from ds2cli.tokenizer import Tokenizer
+
+Progress = Callable[[int, int], None]  # (layers done, layers total)
+
+
+def bundled_model_dir() -> Path:
+    """ds2-tiny ships inside the package, so it is found wherever ds2cli is installed."""
+    return Path(__file__).resolve().parent / "models" / "ds2-tiny"
+
+
+def check_model_dir(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a model directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return path
+
+
+def read_generation_config(model_dir: Path) -> dict:
+    """generation_config.json is optional; a broken one is an error, not silently ignored."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return d
+
+
+def layer_tensor_names(names: list[str], i: int) -> list[str]:
+    prefix = f"model.layers.{i}."
+    return [n for n in names if n.startswith(prefix)]
+
+
+def prepare_attention(t: dict, cfg: DeepseekV2Config) -> dict:
+    """Permute the RoPE rows to the original's de-interleaved order and split kv_b_proj into
+    the absorbed per-head W_UK / W_UV, once, at load."""
+    H, d, R, C, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                     cfg.kv_lora_rank, cfg.v_head_dim)
+    q_rows = np.concatenate([h * (d + R) + np.concatenate([np.arange(d), d + rope.deinterleave_rows(R)])
+                             for h in range(H)])
+    q_name = "q_proj" if cfg.q_lora_rank is None else "q_b_proj"
+    w = {q_name: t.pop(q_name)[q_rows]}
+    if cfg.q_lora_rank is not None:
+        w["q_a_proj"], w["q_a_layernorm"] = t.pop("q_a_proj"), t.pop("q_a_layernorm")
+    kv_rows = np.concatenate([np.arange(C), C + rope.deinterleave_rows(R)])
+    w["kv_a_proj_with_mqa"] = t.pop("kv_a_proj_with_mqa")[kv_rows]
+    w["kv_a_layernorm"] = t.pop("kv_a_layernorm")
+    kv_b = t.pop("kv_b_proj").reshape(H, d + v, C)                          # (H, d+v, C)
+    w["w_uk"] = np.ascontiguousarray(kv_b[:, :d])                           # (H, d, C)
+    w["w_uv"] = np.ascontiguousarray(kv_b[:, d:].transpose(0, 2, 1))        # (H, C, v)
+    w["o_proj"] = t.pop("o_proj")
+    return w
+
+
+def fuse_gate_up(t: dict, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    gate_up = np.concatenate([t.pop(prefix + "gate_proj"), t.pop(prefix + "up_proj")])
+    return gate_up, t.pop(prefix + "down_proj")                             # (2I, D), (D, I)
+
+
+def prepare_mlp(t: dict, cfg: DeepseekV2Config, i: int) -> dict:
+    if not cfg.is_moe_layer(i):
+        gate_up, down = fuse_gate_up(t, "")
+        return {"gate_up": gate_up, "down_proj": down}
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    w = {"gate": t.pop("gate"),
+         "experts_gate_up": np.empty((E, 2 * I, D), np.float32),
+         "experts_down": np.empty((E, D, I), np.float32)}
+    for e in range(E):
+        w["experts_gate_up"][e], w["experts_down"][e] = fuse_gate_up(t, f"experts.{e}.")
+    if cfg.n_shared_experts:
+        w["shared_gate_up"], w["shared_down"] = fuse_gate_up(t, "shared_experts.")
+    return w
+
+
+def strip(name: str, prefix: str) -> str:
+    # "model.layers.3.self_attn.kv_b_proj.weight" -> "kv_b_proj"
+    return name[len(prefix):].removesuffix(".weight").removeprefix("self_attn.").removeprefix("mlp.")
+
+
+def load_layer(tensors, cfg: DeepseekV2Config, i: int) -> dict:
+    prefix = f"model.layers.{i}."
+    names = [n for n in layer_tensor_names(list(tensors), i) if not n.endswith(checkpoint.IGNORED_SUFFIXES)]
+    t = {strip(n, prefix): a for n, a in checkpoint.iter_float32(tensors, names)}
+    return {"input_layernorm": t.pop("input_layernorm"),
+            "post_attention_layernorm": t.pop("post_attention_layernorm"),
+            "attn": prepare_attention(t, cfg),
+            "mlp": prepare_mlp(t, cfg, i),
+            "is_moe": cfg.is_moe_layer(i)}
+
+
+class Model:
+    """A loaded DeepSeek-V2 checkpoint. `forward` appends tokens to a LatentCache and returns logits."""
+
+    def __init__(self, config: DeepseekV2Config, weights: dict, tokenizer: Tokenizer | None,
+                 generation_config: dict | None = None, path: Path | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config or {}
+        self.path = path
+        self.embed_tokens = weights["embed_tokens"]                          # (V, D)
+        self.norm = weights["norm"]                                          # (D,)
+        self.lm_head = weights["lm_head"]                                    # (V, D)
+        self.layers = weights["layers"]
+        self.inv_freq = rope.inv_freq(config)                                # (R/2,)
+        self.rope_scale = rope.cos_sin_scale(config.rope_scaling)
+        self.softmax_scale = rope.softmax_scale(config)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: config, generation_config and tokenizer may each list some."""
+        gen = self.generation_config.get("eos_token_id")
+        gen = gen if isinstance(gen, list) else [gen] if isinstance(gen, int) else []
+        tok = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        return tuple(dict.fromkeys([*self.config.eos_token_ids, *gen, *tok]))
+
+    def new_cache(self, capacity: int | None = None) -> LatentCache:
+        cfg = self.config
+        capacity = cfg.max_position_embeddings if capacity is None else capacity
+        return LatentCache(cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+    def forward(self, token_ids, cache: LatentCache, all_logits: bool = False) -> np.ndarray:
+        """Run `token_ids` after what `cache` holds; return float32 logits for the last position
+        (V,), or for every new position (T, V) with all_logits."""
+        cfg = self.config
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if len(ids) == 0:
+            raise Ds2Error("forward needs at least one token")
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise Ds2Error(f"token id out of range [0, {cfg.vocab_size}): {int(ids.max() if ids.max() >= cfg.vocab_size else ids.min())}")
+        cache.check_room(len(ids))
+        start = cache.length
+        cos, sin = rope.cos_sin(np.arange(start, start + len(ids)), self.inv_freq, self.rope_scale)
+        x = self.embed_tokens[ids]                                           # (T, D)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
+            x = x + mla(h, layer["attn"], cache.latent[i], cache.k_pe[i], start, cos, sin,
+                        cfg.num_attention_heads, cfg.rms_norm_eps, self.softmax_scale)
+            h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
+            w = layer["mlp"]
+            x = x + (moe(h, w, cfg) if layer["is_moe"] else swiglu(h, w["gate_up"], w["down_proj"]))
+        cache.length = start + len(ids)
+        x = rms_norm(x if all_logits else x[-1:], self.norm, cfg.rms_norm_eps)
+        logits = x @ self.lm_head.T                                          # (T or 1, V)
+        return logits if all_logits else logits[0]
+
+
+def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | None = None) -> dict:
+    tensors = checkpoint.validate(cfg, model_dir)
+    top = dict(checkpoint.iter_float32(tensors, [n for n in ("model.embed_tokens.weight", "model.norm.weight",
+                                                             "lm_head.weight") if n in tensors]))
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        layers.append(load_layer(tensors, cfg, i))
+        if progress:
+            progress(i + 1, cfg.num_hidden_layers)
+    embed = top["model.embed_tokens.weight"]
+    lm_head = embed if cfg.tie_word_embeddings else top["lm_head.weight"]
+    return {"embed_tokens": embed, "norm": top["model.norm.weight"], "lm_head": lm_head, "layers": layers}
+
+
+def load(path: str | Path | None = None, progress: Progress | None = None) -> Model:
+    """Load a checkpoint directory (default: the bundled ds2-tiny): config, weights as float32
+    with MLA absorption precomputed, tokenizer and generation_config."""
+    model_dir = check_model_dir(bundled_model_dir() if path is None else path)
+    cfg = DeepseekV2Config.from_file(model_dir / "config.json")
+    tokenizer = Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
+    gen = read_generation_config(model_dir)
+    weights = load_weights(model_dir, cfg, progress)
+    return Model(cfg, weights, tokenizer, gen, model_dir)

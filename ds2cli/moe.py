@@ -1,0 +1,70 @@
+"""DeepSeek-V2's mixture of experts: the gate (`route`), SwiGLU experts, and the mixture.
+
+Weights (prepared at load by model.py): gate (E, D); experts_gate_up (E, 2*I, D) with each
+expert's gate_proj and up_proj stacked so one matmul computes both; experts_down (E, D, I);
+shared_gate_up (2*I_s, D), shared_down (D, I_s) when there are shared experts.
+Dense layers use the same `swiglu` with gate_up (2*I, D) and down_proj (D, I)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds2cli.attention import softmax
+from ds2cli.config import DeepseekV2Config
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def swiglu(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """down(silu(gate(x)) * up(x)) with gate and up fused as one (2I, D) matrix."""
+    h = x @ gate_up.T                                                       # (T, 2I)
+    inter = gate_up.shape[0] // 2
+    return (silu(h[:, :inter]) * h[:, inter:]) @ down.T                     # (T, D)
+
+
+def topk(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices and values of the k largest entries of each row (unsorted, like torch.topk(sorted=False))."""
+    idx = np.argpartition(-scores, k - 1, axis=-1)[:, :k]                  # (T, k)
+    return idx, np.take_along_axis(scores, idx, axis=-1)
+
+
+def route(x: np.ndarray, gate: np.ndarray, cfg: DeepseekV2Config) -> tuple[np.ndarray, np.ndarray]:
+    """The original MoEGate: softmax scores, (group-limited) greedy top-k, then normalise or scale."""
+    scores = softmax(x @ gate.T)                                            # (T, E)
+    k = cfg.num_experts_per_tok
+    if cfg.topk_method == "group_limited_greedy":
+        T, E = scores.shape
+        group_scores = scores.reshape(T, cfg.n_group, -1).max(axis=-1)      # (T, n_group)
+        group_idx, _ = topk(group_scores, cfg.topk_group)                   # (T, topk_group)
+        keep = np.zeros_like(group_scores, dtype=bool)
+        np.put_along_axis(keep, group_idx, True, axis=-1)
+        scores = np.where(np.repeat(keep, E // cfg.n_group, axis=-1), scores, np.float32(0))
+    idx, weight = topk(scores, k)                                           # (T, k) each
+    if k > 1 and cfg.norm_topk_prob:
+        weight = weight / (weight.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+    else:
+        weight = weight * np.float32(cfg.routed_scaling_factor)
+    return idx, weight.astype(np.float32)
+
+
+def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config) -> np.ndarray:
+    """Run only the experts the gate selected, each once over the tokens routed to it."""
+    T = len(x)
+    idx, weight = route(x, w["gate"], cfg)                                  # (T, k)
+    k = idx.shape[1]
+    flat = idx.ravel()
+    order = np.argsort(flat, kind="stable")                                 # (T*k,) grouped by expert
+    bounds = np.cumsum(np.bincount(flat, minlength=len(w["experts_down"])))
+    y = np.zeros_like(x)                                                    # (T, D)
+    start = 0
+    for expert in np.flatnonzero(np.diff(bounds, prepend=0)):
+        picks = order[start:bounds[expert]]
+        start = bounds[expert]
+        tokens = picks // k
+        out = swiglu(x[tokens], w["experts_gate_up"][expert], w["experts_down"][expert])
+        y[tokens] += out * weight.ravel()[picks][:, None]
+    if "shared_gate_up" in w:
+        y += swiglu(x, w["shared_gate_up"], w["shared_down"])
+    return y
