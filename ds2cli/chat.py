@@ -1,0 +1,141 @@
+"""A multi-turn conversation over one persistent latent cache.
+
+Each turn renders the whole history through the chat template, keeps the longest prefix of
+tokens the cache already holds, and prefills only what differs (usually just the new turn)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ds2cli.errors import ContextFullError, Ds2Error
+from ds2cli.generate import Chunk, lstrip_reply, stream_generate
+from ds2cli.model import Model
+from ds2cli.sampling import Sampler
+
+ROLES = ("system", "user", "assistant")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path`, then rename: a crash never leaves half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_messages(path: Path) -> list[dict]:
+    """A saved conversation: a JSON list of {role, content} (or an object with "messages")."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise Ds2Error(f"conversation file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Ds2Error(f"cannot read conversation {path}: {e}") from None
+    messages = data.get("messages") if isinstance(data, dict) else data
+    ok = isinstance(messages, list) and all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        for m in messages)
+    if not ok:
+        raise Ds2Error(f"{path} is not a conversation: expected a JSON list of "
+                       f"{{\"role\", \"content\"}} messages")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class ChatSession:
+    def __init__(self, model: Model, capacity: int, system: str | None = None,
+                 warn: Callable[[str], None] = lambda message: None):
+        self.model = model
+        self.cache = model.new_cache(capacity)
+        self.cached_ids: list[int] = []      # the tokens whose latents the cache holds
+        self.messages: list[dict] = []
+        self.warn = warn
+        if system:
+            self.set_system(system)
+
+    def set_system(self, text: str) -> None:
+        self.messages = [m for m in self.messages if m["role"] != "system"]
+        self.messages.insert(0, {"role": "system", "content": text})
+
+    def clear(self) -> None:
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+        self.cache.reset()
+        self.cached_ids = []
+
+    def load(self, messages: list[dict]) -> None:
+        self.clear()
+        self.messages = list(messages)
+
+    def save(self, path: str | Path) -> None:
+        try:
+            write_atomic(Path(path), json.dumps(self.messages, ensure_ascii=False, indent=2) + "\n")
+        except OSError as e:
+            raise Ds2Error(f"cannot save the conversation to {path}: {e.strerror}") from None
+
+    def _fit(self, reserve: int) -> list[int]:
+        """Render the history with the generation prompt, dropping the oldest whole turns
+        (never the system message) until it leaves `reserve` free positions."""
+        while True:
+            ids = self.model.tokenizer.encode_chat(self.messages, add_generation_prompt=True)
+            if len(ids) + reserve <= self.cache.capacity:
+                return ids
+            first = next(i for i, m in enumerate(self.messages) if m["role"] != "system")
+            rest = self.messages[first + 1:]
+            # a turn is a user message and the assistant replies that follow it
+            nxt = next((i for i, m in enumerate(rest) if m["role"] == "user"), None)
+            if nxt is None:
+                raise ContextFullError(f"this message ({len(ids)} tokens with the history that "
+                                       f"cannot be dropped) does not fit in the context of "
+                                       f"{self.cache.capacity} tokens")
+            dropped = nxt + 1
+            self.messages = self.messages[:first] + rest[nxt:]
+            self.warn(f"context full: dropped the oldest turn ({dropped} message"
+                      f"{'s' * (dropped > 1)}) to make room")
+
+    def reply(self, text: str, sampler: Sampler, max_new_tokens: int,
+              stop: tuple[str, ...] = ()) -> Iterator[Chunk]:
+        """Add a user message and stream the assistant's reply. The reply (even a cut-off one)
+        joins the history; the cache keeps every token it processed."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            ids = self._fit(reserve=min(max_new_tokens, self.cache.capacity // 2))
+        except ContextFullError:
+            self.messages.pop()
+            raise
+        keep = common_prefix(self.cached_ids, ids)
+        keep = min(keep, len(ids) - 1)          # at least one token must run to get logits
+        self.cache.truncate(keep)
+        self.cached_ids = ids[:keep]
+        pieces, generated = [], []
+        try:
+            for chunk in lstrip_reply(stream_generate(self.model, ids[keep:], self.cache, sampler,
+                                                      max_new_tokens, stop, context=ids[:keep])):
+                pieces.append(chunk.text)
+                if chunk.finish_reason:
+                    generated = chunk.tokens
+                yield chunk
+        finally:
+            # Runs on completion, Ctrl-C or an error alike: the history gets what was shown,
+            # and cached_ids is whatever the cache really holds.
+            fed = ids + generated
+            self.cached_ids = fed[:self.cache.length] if generated else ids[:self.cache.length]
+            self.messages.append({"role": "assistant", "content": "".join(pieces).strip()})

@@ -1,0 +1,57 @@
+"""stderr helpers: errors, warnings, the stats line and the load progress bar. stdout is left
+to generated text."""
+
+from __future__ import annotations
+
+import time
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ds2cli.cache import LatentCache
+from ds2cli.generate import Chunk
+
+
+def error(message: str) -> None:
+    # one line, whatever the message held: the CLI contract is one line per error
+    click.secho("error: " + " ".join(str(message).split()), fg="red", err=True)
+
+
+def warn(message: str) -> None:
+    click.secho("warning: " + " ".join(str(message).split()), fg="yellow", err=True)
+
+
+def info(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def stats_line(load_s: float, last: Chunk, cache: LatentCache) -> str:
+    return (f"[load {load_s:.2f}s | prefill {last.prompt_tokens} tok, {last.prefill_tok_per_s:.1f} tok/s"
+            f" | decode {last.generated_tokens} tok, {last.decode_tok_per_s:.1f} tok/s"
+            f" | cache {cache.length}/{cache.capacity} tok, {cache.length * cache.bytes_per_token} bytes]")
+
+
+class LoadProgress:
+    """A progress callback for model.load that shows a bar on stderr only once loading has
+    taken more than `delay` seconds, so fast loads stay silent."""
+
+    def __init__(self, delay: float = 1.0):
+        self.start = time.perf_counter()
+        self.delay = delay
+        self.bar: Progress | None = None
+        self.task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None and time.perf_counter() - self.start > self.delay:
+            self.bar = Progress(TextColumn("loading"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
+                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("load", total=total)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None

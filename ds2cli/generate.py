@@ -1,0 +1,119 @@
+"""The generation loop: prefill once, then decode token by token, as a generator of chunks
+that the CLI renders (text streamed, stats and finish reason at the end)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ds2cli.cache import LatentCache
+from ds2cli.errors import GenerationError
+from ds2cli.model import Model
+from ds2cli.sampling import Sampler
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One step of generation: `text` is what may be printed now (never half a character)."""
+    text: str
+    token: int | None = None
+    finish_reason: str | None = None      # "eos" | "stop" | "length" on the last chunk
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    tokens: list = dataclasses.field(default_factory=list)  # every generated id, on the last chunk
+
+    @property
+    def prefill_tok_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        # the first generated token comes from the prefill logits; decode steps = generated - 1
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class StopMatcher:
+    """Holds back text that could be the start of a stop string, and cuts at the first stop."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = max((k for s in self.stops for k in range(1, len(s))
+                    if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def lstrip_reply(chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    """Drop the whitespace a chat reply starts with (templates end the prompt at "Assistant:")."""
+    started = False
+    for chunk in chunks:
+        if not started:
+            chunk.text = chunk.text.lstrip()
+            started = bool(chunk.text)
+        yield chunk
+
+
+def check_logits(logits: np.ndarray) -> np.ndarray:
+    if not np.all(np.isfinite(logits)):
+        raise GenerationError("the model produced non-finite logits (NaN or Inf): "
+                              "the weights are probably corrupt (try `ds2 inspect --check`)")
+    return logits
+
+
+def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache, sampler: Sampler,
+                    max_new_tokens: int, stop: Sequence[str] = (),
+                    eos_ids: Sequence[int] | None = None,
+                    context: Sequence[int] = ()) -> Iterator[Chunk]:
+    """Prefill `prompt_ids` after what `cache` holds, then sample up to max_new_tokens tokens.
+
+    The cache ends holding the prompt and every generated token that was fed back; the last
+    sampled token (eos or the limit's) is not fed back, since nothing needs its logits.
+    `context` lists the tokens already cached, for the repetition penalty."""
+    eos = set(model.eos_token_ids if eos_ids is None else eos_ids)
+    decoder, stops = model.tokenizer.stream_decoder(), StopMatcher(stop)
+    history = [*context, *prompt_ids]
+    t0 = time.perf_counter()
+    logits = check_logits(model.forward(prompt_ids, cache))
+    prefill_s, t1 = time.perf_counter() - t0, time.perf_counter()
+    generated: list[int] = []
+    reason = "length"
+    while len(generated) < max_new_tokens:
+        token = sampler(logits, history)
+        generated.append(token)
+        history.append(token)
+        if token in eos:
+            reason = "eos"
+            break
+        text, hit = stops.feed(decoder.push(token))
+        if hit:
+            reason = "stop"
+            yield Chunk(text, token)
+            break
+        if text:
+            yield Chunk(text, token)
+        if len(generated) == max_new_tokens or cache.free == 0:
+            break
+        logits = check_logits(model.forward([token], cache))
+    tail = "" if reason == "stop" else stops.feed(decoder.flush())[0] + stops.flush()
+    yield Chunk(tail, None, reason, len(prompt_ids), len(generated), prefill_s,
+                time.perf_counter() - t1, generated)

@@ -1,0 +1,97 @@
+"""Samplers: small logit filters composed into one `sample(logits, history) -> token` callable."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ds2cli.errors import Ds2Error
+
+Sampler = Callable[[np.ndarray, Sequence[int]], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7
+    top_k: int = 0            # 0 = off
+    top_p: float = 1.0        # 1 = off
+    min_p: float = 0.0        # 0 = off
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        checks = [(self.temperature >= 0, "temperature must be >= 0"),
+                  (self.top_k >= 0, "top-k must be >= 0"),
+                  (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
+                  (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
+                  (self.repetition_penalty > 0, "repetition penalty must be > 0")]
+        for ok, message in checks:
+            if not ok:
+                raise Ds2Error(message)
+
+    @staticmethod
+    def from_generation_config(gen: dict, **overrides) -> "SamplingParams":
+        """Defaults from generation_config.json (do_sample false means greedy), then overrides."""
+        base = {}
+        if gen.get("do_sample") is False:
+            base["temperature"] = 0.0
+        elif isinstance(gen.get("temperature"), (int, float)):
+            base["temperature"] = float(gen["temperature"])
+        for key in ("top_k", "top_p", "repetition_penalty"):
+            if isinstance(gen.get(key), (int, float)) and not isinstance(gen.get(key), bool):
+                base[key] = type(getattr(SamplingParams, key))(gen[key])
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**base)
+
+
+def apply_repetition_penalty(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
+    """CTRL-style, as Hugging Face does it: seen tokens' positive logits /penalty, negative *penalty."""
+    if penalty == 1.0 or len(history) == 0:
+        return logits
+    seen = np.unique(np.asarray(history, dtype=np.int64))
+    vals = logits[seen]
+    logits = logits.copy()
+    logits[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def filter_top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    if k <= 0 or k >= len(logits):
+        return logits
+    kth = np.partition(logits, -k)[-k]
+    return np.where(logits < kth, -np.inf, logits)
+
+
+def filter_top_p(probs: np.ndarray, p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose probability reaches p."""
+    if p >= 1.0:
+        return probs
+    order = np.argsort(-probs, kind="stable")
+    cumulative = np.cumsum(probs[order])
+    cut = int(np.searchsorted(cumulative, p)) + 1                # tokens needed to reach p
+    keep = np.zeros_like(probs, dtype=bool)
+    keep[order[:cut]] = True
+    return np.where(keep, probs, 0.0)
+
+
+def filter_min_p(probs: np.ndarray, min_p: float) -> np.ndarray:
+    if min_p <= 0:
+        return probs
+    return np.where(probs >= min_p * probs.max(), probs, 0.0)
+
+
+def make_sampler(params: SamplingParams) -> Sampler:
+    rng = np.random.default_rng(params.seed)
+
+    def sample(logits: np.ndarray, history: Sequence[int]) -> int:
+        logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+        if params.temperature == 0:
+            return int(np.argmax(logits))
+        logits = filter_top_k(logits.astype(np.float64) / params.temperature, params.top_k)
+        probs = np.exp(logits - logits.max())
+        probs = filter_min_p(filter_top_p(probs / probs.sum(), params.top_p), params.min_p)
+        return int(rng.choice(len(probs), p=probs / probs.sum()))
+
+    return sample

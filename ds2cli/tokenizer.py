@@ -1,0 +1,297 @@
+"""tokenizer.json + tokenizer_config.json -> ids, text, chat prompts, and a streaming detokenizer.
+
+Three jobs, one screen each:
+- `Tokenizer.load` reads the Hugging Face files, resolves bos/eos, and compiles the chat template once.
+- `Tokenizer.encode` honours `add_bos_token` without ever producing two bos (DeepSeek's own
+  tokenizer.json does not add bos; ds2-tiny's post-processor does).
+- `StreamDecoder` turns ids into printable text one token at a time without emitting half a UTF-8
+  character: byte-level BPE splits characters (an emoji can span two tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import Any, Iterable
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ds2cli.errors import TokenizerError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+# DeepSeek's special-token names, used when there is no tokenizer_config.json to name them.
+DEEPSEEK_BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+DEEPSEEK_EOS_TOKEN = "<｜end▁of▁sentence｜>"
+
+# DeepSeek-V2-Chat's template (as shipped in its tokenizer_config.json), used when a model
+# directory carries none: `{bos}[system\n\n]User: {q}\n\nAssistant: {a}{eos}...Assistant:`.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\n\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+# jinja2 names the frames of a template compiled from a string like this in tracebacks.
+TEMPLATE_FRAME_FILENAME = "<template>"
+
+# What a lossy UTF-8 decode writes for bytes that do not (yet) form a character.
+REPLACEMENT_CHAR = "\ufffd"
+
+# A real character is at most 4 bytes, so at most 3 tokens can wait for its end; more than this
+# means the model produced bytes that will never complete, and holding them back is pointless.
+MAX_PENDING_TOKENS = 8
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus what tokenizer_config.json says about bos/eos and chat."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, bos_token: str | None, eos_token: str | None,
+                 add_bos_token: bool, chat_template: str | None):
+        self._backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template          # as written in the config; None -> fallback
+        self._bos_id = _token_id(backend, bos_token, "bos_token")
+        self._eos_id = _token_id(backend, eos_token, "eos_token")
+        # Whether encode() starts with bos: the config asks for it, or tokenizer.json adds it itself.
+        self._add_bos = self._bos_id is not None and (add_bos_token or self._post_processor_adds_bos())
+        self._template = _compile_template(chat_template or FALLBACK_CHAT_TEMPLATE)
+
+    @classmethod
+    def load(cls, model_dir, vocab_size: int | None = None) -> "Tokenizer":
+        """Read `model_dir`/tokenizer.json and (if present) tokenizer_config.json.
+
+        `vocab_size` is the model's embedding size: a tokenizer that can produce ids past it is refused.
+        """
+        model_dir = Path(model_dir)
+        backend = _read_backend(model_dir / TOKENIZER_FILE)
+        if vocab_size is not None:
+            _check_vocab_size(backend, vocab_size)
+        config = _read_config(model_dir / TOKENIZER_CONFIG_FILE)
+        bos = _special_token(config, "bos_token", backend, DEEPSEEK_BOS_TOKEN)
+        eos = _special_token(config, "eos_token", backend, DEEPSEEK_EOS_TOKEN)
+        return cls(backend, bos, eos, config.get("add_bos_token") is True,
+                   _select_template(config.get("chat_template")))
+
+    # ---- ids ----
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's own eos; callers add the ids config.json / generation_config.json name."""
+        return () if self._eos_id is None else (self._eos_id,)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> ids. With special tokens, the ids start with exactly one bos when the tokenizer wants it."""
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if not (add_special_tokens and self._add_bos):
+            return ids
+        # Prepend bos ourselves (DeepSeek's tokenizer.json doesn't) and drop any the
+        # post-processor or a literal "<｜begin▁of▁sentence｜>" in the text already put there.
+        first = 0
+        while first < len(ids) and ids[first] == self._bos_id:
+            first += 1
+        return [self._bos_id] + ids[first:]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text, special tokens included (callers strip eos themselves)."""
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (may be '\\ufffd' where a character spans tokens)."""
+        return self.decode([token_id])
+
+    def _post_processor_adds_bos(self) -> bool:
+        """ds2-tiny's tokenizer.json prepends bos in its post-processor; DeepSeek's does not."""
+        return self._backend.encode("", add_special_tokens=True).ids[:1] == [self._bos_id]
+
+    # ---- chat ----
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Messages -> the prompt string, exactly as Hugging Face's apply_chat_template renders it."""
+        variables: dict[str, Any] = {"messages": messages,
+                                     "add_generation_prompt": add_generation_prompt}
+        # Like HF's special_tokens_map: an unset token is simply undefined (renders as "").
+        if self.bos_token is not None:
+            variables["bos_token"] = self.bos_token
+        if self.eos_token is not None:
+            variables["eos_token"] = self.eos_token
+        return _render(self._template, variables)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render, then encode without special tokens: the template writes bos itself."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Ids in, printable text out, never half a character.
+
+    Decoding each token alone is wrong twice over: a character split across tokens decodes as
+    '\\ufffd', and some decoders change spacing at a sequence's start. So (like TGI / HF's
+    TextStreamer) we decode a short window that starts one step back, emit only the text beyond
+    what that context already produced, and wait while the window ends in '\\ufffd'.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._window: list[int] = []    # ids from the previous emit's start: context + pending
+        self._read = 0                  # window[:_read] is context already printed
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the newly completed text (possibly "")."""
+        self._window.append(int(token_id))
+        prefix, text = self._decode_window()
+        waiting = len(text) <= len(prefix) or text.endswith(REPLACEMENT_CHAR)
+        if waiting and len(self._window) - self._read < MAX_PENDING_TOKENS:
+            return ""
+        self._advance()
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end of generation (incomplete bytes as '\\ufffd')."""
+        prefix, text = self._decode_window()
+        self._advance()
+        return text[len(prefix):]
+
+    def _advance(self) -> None:
+        # The just-emitted ids become the next window's context, so the window stays O(1) long.
+        self._window = self._window[self._read:]
+        self._read = len(self._window)
+
+    def _decode_window(self) -> tuple[str, str]:
+        decode = self._tokenizer.decode
+        return decode(self._window[:self._read]), decode(self._window)
+
+
+# ---- loading ----
+def _read_backend(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file():
+        raise TokenizerError(f"{path} not found: the model directory needs a Hugging Face tokenizer.json")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust loader raises a bare Exception for every kind of bad file
+        raise TokenizerError(f"{path} is not a valid tokenizer.json: {_one_line(str(exc))}") from exc
+
+
+def _read_config(path: Path) -> dict:
+    """tokenizer_config.json as a dict; {} when absent (every field has a default)."""
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"cannot read {path}: {_one_line(str(exc))}") from exc
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    return config
+
+
+def _special_token(config: dict, field: str, backend: tokenizers.Tokenizer,
+                   deepseek_name: str) -> str | None:
+    """The config's token (a string or an AddedToken object); without one, DeepSeek's name if the tokenizer has it."""
+    if field not in config:
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        return deepseek_name if deepseek_name in added else None
+    value = config[field]
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TokenizerError(f"{TOKENIZER_CONFIG_FILE}: {field} must be a string or an AddedToken object,"
+                         f" got {_one_line(json.dumps(value))}")
+
+
+def _token_id(backend: tokenizers.Tokenizer, token: str | None, field: str) -> int | None:
+    if token is None:
+        return None
+    token_id = backend.token_to_id(token)
+    if token_id is None:
+        raise TokenizerError(f"{field} {token!r} is not in {TOKENIZER_FILE}")
+    return token_id
+
+
+def _check_vocab_size(backend: tokenizers.Tokenizer, vocab_size: int) -> None:
+    """Refuse a tokenizer that can produce ids the model's embedding has no row for."""
+    added_ids = backend.get_added_tokens_decoder().keys()
+    n_ids = max([backend.get_vocab_size(with_added_tokens=True), *(i + 1 for i in added_ids)])
+    if n_ids > vocab_size:
+        raise TokenizerError(f"the tokenizer has {n_ids} token ids but the model's vocab_size is "
+                             f"{vocab_size}: tokenizer and checkpoint do not belong together")
+
+
+# ---- chat templates ----
+def _select_template(raw: Any) -> str | None:
+    """A template string, or HF's list of {name, template} of which we use "default"."""
+    if raw is None or isinstance(raw, str):
+        return raw
+    if isinstance(raw, list) and all(isinstance(t, dict) for t in raw):
+        named = {t.get("name"): t.get("template") for t in raw}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise TokenizerError(f"{TOKENIZER_CONFIG_FILE}: chat_template has no 'default' entry "
+                             f"(it has {sorted(map(str, named))})")
+    raise TokenizerError(f"{TOKENIZER_CONFIG_FILE}: chat_template must be a string or a list "
+                         f"of {{name, template}}, not {type(raw).__name__}")
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile once at load, in the same sandboxed environment Hugging Face uses."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerError(f"chat template line {exc.lineno}: {_one_line(exc.message or '')}") from exc
+
+
+def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:
+    try:
+        return template.render(**variables)
+    except Exception as exc:  # a template is user code: any failure in it is a template error
+        line = _template_line(exc)
+        where = f"chat template line {line}" if line is not None else "chat template"
+        raise TokenizerError(f"{where}: {_one_line(str(exc)) or type(exc).__name__}") from exc
+
+
+def _template_line(exc: BaseException) -> int | None:
+    """jinja2 rewrites tracebacks so that template frames carry the template's own line numbers."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f.filename == TEMPLATE_FRAME_FILENAME]
+    return frames[-1].lineno if frames else None
+
+
+def _raise_exception(message: str) -> None:
+    """The `raise_exception` templates call to reject a conversation (e.g. roles out of order)."""
+    raise TokenizerError(str(message))
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # HF's version: jinja2's own tojson HTML-escapes, which would corrupt prompts.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _one_line(message: str) -> str:
+    """Error messages are printed as a single line; collapse any whitespace runs in foreign text."""
+    return " ".join(message.split())
