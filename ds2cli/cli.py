@@ -110,7 +110,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str) -> 
         except LookupError:
             raise click.BadParameter(f"unknown encoding {encoding!r}", param_hint="--encoding") from None
     if prompt in (None, "-"):
-        stdin = click.get_binary_stream("stdin")
+        stdin = sys.stdin.buffer
         if prompt is None and stdin.isatty():
             raise click.UsageError("no prompt: pass one as an argument, with --prompt-file, or on stdin")
         try:
@@ -320,4 +320,5 @@ def inspect(directory, model_dir, as_json, check):
     for warning in report.get("warnings", []):
         console.warn(warning)
     if report["problems"]:
-        raise Ds2Error(f"{len(report['problems'])} problem(s) with the checkpoint: " + "; ".join(report["problems"]))
+        n = len(report["problems"])
+        raise Ds2Error(f"the checkpoint has {n} problem{'s' * (n > 1)} (listed above); first: {report['problems'][0]}")

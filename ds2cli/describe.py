@@ -1,0 +1,453 @@
+"""What `ds2 inspect` reports: a checkpoint described as JSON-ready data, and its rich rendering.
+
+`describe` reads config.json, the safetensors headers, tokenizer_config.json, tokenizer.json and
+generation_config.json, never tensor data (unless `check`), so it is instant on a 30 GB checkpoint.
+Parameter counts come from the stored headers, not from the config, so they describe what is
+actually on disk; disagreements with the config are listed in `problems`, not raised.
+
+Active parameters per token count what one token's forward pass multiplies by:
+  everything stored
+  - routed experts, + num_experts_per_tok / n_routed_experts of each MoE layer's routed experts
+  - the input embedding when untied: a token reads one row of it (D values), not the matrix
+    (DeepSeek's published "2.4B active" for V2-Lite counts the same way)
+  - a stored lm_head.weight when tied: the tied model reads the embedding matrix as its head
+so lm_head (or the tied embedding standing in for it) is counted once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ds2cli import checkpoint, rope
+from ds2cli.checkpoint import TensorInfo
+from ds2cli.config import DeepseekV2Config
+from ds2cli.errors import Ds2Error
+from ds2cli.model import check_model_dir, read_generation_config
+
+FLOAT32_BYTES = 4  # ds2 computes, and keeps its caches, in float32
+PARAM_CATEGORIES = ("embeddings", "attention", "dense_mlp", "routed_experts", "shared_experts",
+                    "router", "norms", "lm_head", "other")
+
+
+def describe(model_dir: str | Path, check: bool = False) -> dict:
+    """The report for one checkpoint directory (JSON-serialisable).
+
+    Raises ConfigError for a missing or invalid config.json and CheckpointError for unreadable
+    safetensors headers; every other defect (tensors that disagree with the config, a broken
+    tokenizer or generation config) is a string in `problems`. With `check`, every tensor's
+    values are scanned, one tensor at a time, and NaN/Inf counts become `warnings`."""
+    model_dir = check_model_dir(model_dir)
+    cfg = DeepseekV2Config.from_file(model_dir / "config.json")
+    tensors = checkpoint.read_headers(model_dir)
+    found = checkpoint.problems(cfg, tensors)
+    generation, gen_problems = _generation_config(model_dir)
+    tok, tok_problems = tokenizer_section(model_dir, cfg, generation)
+    params = params_section(cfg, tensors)
+    storage = storage_section(model_dir, tensors)
+    memory = memory_section(cfg, params["total"])
+    return {
+        "path": str(model_dir),
+        "model_type": cfg.model_type,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "total_params": params["total"],
+        "active_params_per_token": params["active_per_token"],
+        "dtypes": {dtype: d["params"] for dtype, d in storage["dtypes"].items()},
+        "moe_layers": cfg.moe_layers,
+        "dense_layers": cfg.dense_layers,
+        "latent_cache_bytes_per_token": memory["latent_cache_bytes_per_token"],
+        "mha_cache_bytes_per_token": memory["mha_cache_bytes_per_token"],
+        "model": model_section(cfg),
+        "mla": mla_section(cfg),
+        "moe": moe_section(cfg),
+        "params": params,
+        "storage": storage,
+        "memory": memory,
+        "tokenizer": tok,
+        "checked": check,
+        "warnings": nonfinite_warnings(tensors) if check else [],
+        "problems": found + gen_problems + tok_problems,
+    }
+
+
+# ---- config sections ----
+
+def model_section(cfg: DeepseekV2Config) -> dict:
+    return {"type": cfg.model_type,
+            "layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size,
+            "heads": cfg.num_attention_heads,
+            "vocab_size": cfg.vocab_size,
+            "context_length": cfg.max_position_embeddings,
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": rope_scaling(cfg),
+            "softmax_scale": rope.softmax_scale(cfg),
+            "tie_word_embeddings": cfg.tie_word_embeddings}
+
+
+def rope_scaling(cfg: DeepseekV2Config) -> dict | None:
+    """YaRN's parameters with the original's defaults filled in; None for plain RoPE."""
+    if cfg.rope_scaling is None:
+        return None
+    p = {**rope.YARN_DEFAULTS, **cfg.rope_scaling}
+    keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+            "mscale", "mscale_all_dim")
+    return {"type": "yarn", **{k: p[k] for k in keys}}
+
+
+def mla_section(cfg: DeepseekV2Config) -> dict:
+    return {"q_lora_rank": cfg.q_lora_rank,
+            "kv_lora_rank": cfg.kv_lora_rank,
+            "qk_nope_head_dim": cfg.qk_nope_head_dim,
+            "qk_rope_head_dim": cfg.qk_rope_head_dim,
+            "q_head_dim": cfg.q_head_dim,
+            "v_head_dim": cfg.v_head_dim}
+
+
+def moe_section(cfg: DeepseekV2Config) -> dict:
+    keys = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "topk_method",
+            "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+            "moe_intermediate_size", "intermediate_size", "first_k_dense_replace", "moe_layer_freq")
+    return {**{k: getattr(cfg, k) for k in keys},
+            "moe_layers": cfg.moe_layers, "dense_layers": cfg.dense_layers}
+
+
+# ---- parameters, from the stored headers ----
+
+def param_category(name: str) -> str:
+    """Which row of the Parameters table a checkpoint tensor belongs to."""
+    if name == "model.embed_tokens.weight":
+        return "embeddings"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if name.endswith("norm.weight"):  # input/post_attention/q_a/kv_a layernorms and model.norm
+        return "norms"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp.experts." in name:
+        return "routed_experts"
+    if ".mlp.shared_experts." in name:
+        return "shared_experts"
+    if ".mlp.gate." in name:
+        return "router"
+    if ".mlp." in name:
+        return "dense_mlp"
+    return "other"
+
+
+def parameters(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """The tensors that are parameters: rotary inv_freq buffers some exporters store are not."""
+    return {n: t for n, t in tensors.items() if not n.endswith(checkpoint.IGNORED_SUFFIXES)}
+
+
+def layer_index(name: str) -> int | None:
+    # "model.layers.3.mlp.experts.7.up_proj.weight" -> 3
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
+
+
+def routed_active(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo]) -> int:
+    """The routed-expert parameters one token runs: top-k of n experts in each MoE layer."""
+    if not cfg.n_routed_experts:
+        return 0
+    per_layer: dict[int | None, int] = {}
+    for name, t in tensors.items():
+        if param_category(name) == "routed_experts":
+            i = layer_index(name)
+            per_layer[i] = per_layer.get(i, 0) + t.numel
+    return sum(n * cfg.num_experts_per_tok // cfg.n_routed_experts for n in per_layer.values())
+
+
+def params_section(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo]) -> dict:
+    """Parameter counts by category, total and active per token (see the module docstring)."""
+    counts = dict.fromkeys(PARAM_CATEGORIES, 0)
+    for name, t in parameters(tensors).items():
+        counts[param_category(name)] += t.numel
+    total = sum(counts.values())
+    active_routed = routed_active(cfg, parameters(tensors))
+    unread = counts["lm_head"] if cfg.tie_word_embeddings else counts["embeddings"]
+    return {**counts,
+            "routed_experts_active": active_routed,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "total": total,
+            "active_per_token": total - counts["routed_experts"] + active_routed - unread}
+
+
+# ---- storage and memory ----
+
+def storage_section(model_dir: Path, tensors: dict[str, TensorInfo]) -> dict:
+    files = [{"name": p.name, "bytes": p.stat().st_size} for p in checkpoint.shard_files(model_dir)]
+    dtypes: dict[str, dict] = {}
+    for t in parameters(tensors).values():
+        d = dtypes.setdefault(t.dtype, {"params": 0, "bytes": 0})
+        d["params"] += t.numel
+        d["bytes"] += t.nbytes
+    return {"files": files,
+            "total_bytes": sum(f["bytes"] for f in files),
+            "n_tensors": len(tensors),
+            "dtypes": dtypes}
+
+
+def latent_cache_bytes_per_token(cfg: DeepseekV2Config) -> int:
+    """MLA caches one compressed latent (C) and one shared rope key (R) per layer."""
+    return cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * FLOAT32_BYTES
+
+
+def mha_cache_bytes_per_token(cfg: DeepseekV2Config) -> int:
+    """What a standard cache would hold: every head's K (q_head_dim) and V (v_head_dim)."""
+    per_head = cfg.q_head_dim + cfg.v_head_dim
+    return cfg.num_hidden_layers * cfg.num_attention_heads * per_head * FLOAT32_BYTES
+
+
+def memory_section(cfg: DeepseekV2Config, total_params: int) -> dict:
+    latent, mha = latent_cache_bytes_per_token(cfg), mha_cache_bytes_per_token(cfg)
+    n = cfg.max_position_embeddings
+    return {"float32_weights_bytes": total_params * FLOAT32_BYTES,
+            "latent_cache_bytes_per_token": latent,
+            "mha_cache_bytes_per_token": mha,
+            "mha_to_latent_ratio": mha / latent,
+            "context_length": n,
+            "latent_cache_bytes_at_context": latent * n,
+            "mha_cache_bytes_at_context": mha * n}
+
+
+# ---- tokenizer, from its JSON files (headers only: no tokenizers.Tokenizer is built) ----
+
+def _read_json(path: Path) -> tuple[dict | None, list[str]]:
+    """(object, []) / (None, []) when absent / (None, [problem]) when unusable."""
+    if not path.is_file():
+        return None, []
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        return None, [f"{path.name} is not valid JSON: {e}"]
+    if not isinstance(d, dict):
+        return None, [f"{path.name} must hold a JSON object"]
+    return d, []
+
+
+def _generation_config(model_dir: Path) -> tuple[dict, list[str]]:
+    try:
+        return read_generation_config(model_dir), []
+    except Ds2Error as e:
+        return {}, [str(e)]
+
+
+def _ids(value) -> list[int]:
+    """An eos_token_id given as an int, a list of ints, or absent -> a list."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def token_content(token) -> str | None:
+    """bos_token / eos_token as a string, or as {"__type": "AddedToken", "content": ...}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def vocabulary(tokenizer_json: dict) -> dict[str, int]:
+    """token -> id over model.vocab (a dict, or Unigram's list of [token, score]) and added_tokens."""
+    model = tokenizer_json.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):
+        out = {t: i for t, i in vocab.items() if isinstance(i, int)}
+    elif isinstance(vocab, list):
+        out = {e[0]: i for i, e in enumerate(vocab)
+               if isinstance(e, list) and e and isinstance(e[0], str)}
+    else:
+        out = {}
+    for added in tokenizer_json.get("added_tokens") or []:
+        if not isinstance(added, dict):
+            continue
+        if isinstance(added.get("id"), int) and isinstance(added.get("content"), str):
+            out[added["content"]] = added["id"]
+    return out
+
+
+def tokenizer_section(model_dir: Path, cfg: DeepseekV2Config,
+                      generation: dict) -> tuple[dict, list[str]]:
+    """bos/eos, vocabulary size and chat template, and the problems of files that exist but
+    cannot be read. Absent files are reported as absent: they are not problems."""
+    tok_json, p1 = _read_json(model_dir / "tokenizer.json")
+    tok_cfg, p2 = _read_json(model_dir / "tokenizer_config.json")
+    vocab = vocabulary(tok_json) if tok_json else {}
+    tc = tok_cfg or {}
+    bos, eos = token_content(tc.get("bos_token")), token_content(tc.get("eos_token"))
+    section = {"tokenizer_json": tok_json is not None,
+               "tokenizer_config": tok_cfg is not None,
+               "vocab_size": max(vocab.values()) + 1 if vocab else None,
+               "bos_token": bos, "bos_token_id": vocab.get(bos) if bos else None,
+               "eos_token": eos, "eos_token_id": vocab.get(eos) if eos else None,
+               "add_bos_token": tc.get("add_bos_token"),
+               "chat_template": bool(tc.get("chat_template")),
+               "generation_eos_token_ids": _ids(generation.get("eos_token_id")),
+               "config_bos_token_id": cfg.bos_token_id,
+               "config_eos_token_ids": list(cfg.eos_token_ids)}
+    return section, p1 + p2
+
+
+# ---- --check: scan values ----
+
+def nonfinite_warnings(tensors: dict[str, TensorInfo]) -> list[str]:
+    """One warning per floating-point tensor holding NaN or Inf, read one tensor at a time."""
+    names = [n for n, t in tensors.items() if t.dtype.startswith(("F", "BF"))]
+    warnings = []
+    for name, a in checkpoint.iter_float32(tensors, names):
+        nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+        if nan or inf:
+            warnings.append(f"tensor {name} has {nan} NaN and {inf} Inf values")
+    return warnings
+
+
+# ---- rendering: formatting only ----
+
+def human_count(n: int | float) -> str:
+    """15_761_408 -> '15.8M'; three significant figures with K/M/B/T."""
+    return _scaled(n, ("", "K", "M", "B", "T"), "")
+
+
+def human_bytes(n: int | float) -> str:
+    """2_160_000_000 -> '2.16 GB' (decimal units, as disks and safetensors sizes are quoted)."""
+    return _scaled(n, ("B", "kB", "MB", "GB", "TB"), " ")
+
+
+def _scaled(n: int | float, units: tuple[str, ...], sep: str) -> str:
+    value = float(n)
+    for unit in units[:-1]:
+        if abs(value) < 999.5:
+            break
+        value /= 1000
+    else:
+        unit = units[-1]
+    if unit == units[0] and float(n).is_integer():
+        return f"{int(n)}{sep}{unit}"
+    return f"{value:.3g}{sep}{unit}"
+
+
+def _show(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) if value else "none"
+    return str(value)
+
+
+def _kv_table(title: str, rows: list[tuple[str, object]]) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value if isinstance(value, str) else _show(value))
+    return table
+
+
+def _model_table(r: dict) -> Table:
+    m = r["model"]
+    rows = [("type", m["type"]), ("path", r["path"]), ("layers", m["layers"]),
+            ("hidden size", m["hidden_size"]), ("attention heads", m["heads"]),
+            ("vocabulary", m["vocab_size"]), ("context length", m["context_length"]),
+            ("rope theta", m["rope_theta"]), ("tied embeddings", m["tie_word_embeddings"])]
+    rs = m["rope_scaling"]
+    rows += [(f"yarn {k}", v) for k, v in rs.items() if k != "type"] if rs else [("rope scaling", "none")]
+    return _kv_table("Model", rows + [("softmax scale", m["softmax_scale"])])
+
+
+def _moe_table(r: dict) -> Table:
+    m = r["moe"]
+    if not m["n_routed_experts"]:
+        return _kv_table("MoE", [("experts", "none (dense model)"),
+                                 ("intermediate size", m["intermediate_size"])])
+    rows = [(k.replace("_", " "), v) for k, v in m.items()]
+    return _kv_table("MoE", rows)
+
+
+def _params_table(r: dict) -> Table:
+    p = r["params"]
+    table = Table(title="Parameters", title_justify="left")
+    table.add_column("category", style="bold")
+    table.add_column("params", justify="right")
+    table.add_column("count", justify="right")
+    for key in PARAM_CATEGORIES:
+        if p[key] or key in ("embeddings", "lm_head"):
+            label = key.replace("_", " ")
+            if key == "lm_head" and p["tie_word_embeddings"]:
+                label += " (tied: the embedding matrix)"
+            table.add_row(label, human_count(p[key]), f"{p[key]:,}")
+    table.add_row("routed experts active", human_count(p["routed_experts_active"]),
+                  f"{p['routed_experts_active']:,}")
+    table.add_row("total", human_count(p["total"]), f"{p['total']:,}", style="bold")
+    table.add_row("active per token", human_count(p["active_per_token"]),
+                  f"{p['active_per_token']:,}", style="bold")
+    return table
+
+
+def _storage_table(r: dict, max_files: int = 8) -> Table:
+    s = r["storage"]
+    table = Table(title="Storage", title_justify="left")
+    table.add_column("file / dtype", style="bold")
+    table.add_column("params", justify="right")
+    table.add_column("size", justify="right")
+    for f in s["files"][:max_files]:
+        table.add_row(f["name"], "", human_bytes(f["bytes"]))
+    if len(s["files"]) > max_files:
+        table.add_row(f"... and {len(s['files']) - max_files} more files", "", "")
+    for dtype, d in s["dtypes"].items():
+        table.add_row(dtype, human_count(d["params"]), human_bytes(d["bytes"]))
+    n = len(s["files"])
+    table.add_row(f"total ({n} file{'s' * (n > 1)}, {s['n_tensors']} tensors)", "",
+                  human_bytes(s["total_bytes"]), style="bold")
+    return table
+
+
+def _memory_table(r: dict) -> Table:
+    m = r["memory"]
+    n = m["context_length"]
+    return _kv_table("Memory (float32)", [
+        ("weights in RAM", human_bytes(m["float32_weights_bytes"])),
+        ("latent cache per token", human_bytes(m["latent_cache_bytes_per_token"])),
+        ("MHA cache per token", human_bytes(m["mha_cache_bytes_per_token"])),
+        ("MHA / latent", f"{m['mha_to_latent_ratio']:.1f}x"),
+        (f"latent cache at {n} tokens", human_bytes(m["latent_cache_bytes_at_context"])),
+        (f"MHA cache at {n} tokens", human_bytes(m["mha_cache_bytes_at_context"]))])
+
+
+def _tokenizer_table(r: dict) -> Table:
+    t = r["tokenizer"]
+    if not (t["tokenizer_json"] or t["tokenizer_config"]):
+        return _kv_table("Tokenizer", [("files", "absent (no tokenizer.json, tokenizer_config.json)")])
+    return _kv_table("Tokenizer", [
+        ("tokenizer.json", "present" if t["tokenizer_json"] else "absent"),
+        ("tokenizer_config.json", "present" if t["tokenizer_config"] else "absent"),
+        ("vocabulary", t["vocab_size"]),
+        ("bos", f"{t['bos_token']} ({_show(t['bos_token_id'])})" if t["bos_token"] else "-"),
+        ("eos", f"{t['eos_token']} ({_show(t['eos_token_id'])})" if t["eos_token"] else "-"),
+        ("add bos token", t["add_bos_token"]),
+        ("chat template", t["chat_template"]),
+        ("eos ids (generation_config)", t["generation_eos_token_ids"]),
+        ("eos ids (config)", t["config_eos_token_ids"])])
+
+
+def render(report: dict, console: Console) -> None:
+    """One table per section, then the problems in red. Warnings are left to the caller
+    (`ds2 inspect` prints them to stderr), so they are not printed twice."""
+    mla = [(k.replace("_", " "), v) for k, v in report["mla"].items()]
+    for table in (_model_table(report), _kv_table("MLA", mla), _moe_table(report),
+                  _params_table(report), _storage_table(report), _memory_table(report),
+                  _tokenizer_table(report)):
+        console.print(table)
+    if report["problems"]:
+        n = len(report["problems"])
+        console.print(f"{n} problem{'s' * (n > 1)}:", style="bold red", highlight=False)
+    for problem in report["problems"]:
+        console.print(f"  {problem}", style="red", markup=False, highlight=False)

@@ -1,0 +1,36 @@
+"""The examples stay runnable, and the arithmetic check really is near 100%."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run(name, *args):
+    p = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_arithmetic_accuracy_of_bundled_model():
+    out = run("arithmetic.py", "--n", "100", "--seed", "0")
+    correct = int(re.search(r"accuracy: (\d+)/100", out).group(1))
+    assert correct >= 98, out
+
+
+def test_stream_prints_a_greedy_continuation():
+    out = run("stream.py", "ROMEO:\n", "--max-new-tokens", "20")
+    assert out.startswith("ROMEO:\n") and len(out) > len("ROMEO:\n") + 10
+
+
+def test_score_reports_perplexity_consistent_with_log_probs():
+    out = run("score.py", "What is 2 + 2?")
+    lps = [float(line.split()[0]) for line in out.splitlines()[:-1]]
+    summary = re.search(r"tokens (\d+)\s+mean log-prob (-?[\d.]+)\s+perplexity ([\d.]+)", out)
+    assert int(summary.group(1)) == len(lps) and all(lp <= 0 for lp in lps)
+    mean = sum(lps) / len(lps)
+    assert abs(float(summary.group(2)) - mean) < 1e-3
+    assert abs(float(summary.group(3)) - 2.718281828 ** -mean) / float(summary.group(3)) < 1e-2

@@ -1,0 +1,345 @@
+"""`ds2 inspect`'s report: every figure checked against counts made here, independently, from the
+raw safetensors headers and config.json, on the bundled ds2-tiny and the reference checkpoints."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import shutil
+import struct
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (lets safetensors.numpy round-trip bf16)
+import numpy as np
+import pytest
+from rich.console import Console
+from safetensors.numpy import load_file, save_file
+
+from ds2cli import checkpoint, rope
+from ds2cli.checkpoint import TensorInfo, expected_shapes
+from ds2cli.config import DeepseekV2Config
+from ds2cli.describe import describe, human_bytes, human_count, params_section, render
+from ds2cli.errors import CheckpointError, ConfigError
+from ds2cli.model import bundled_model_dir
+
+REFERENCE = Path(__file__).parent / "data" / "reference"
+TINY = bundled_model_dir()
+MODEL_DIRS = [TINY] + sorted(p.parent for p in REFERENCE.glob("*/config.json"))
+IDS = [p.name for p in MODEL_DIRS]
+
+
+# ---- independent readers: no ds2cli code ----
+
+def raw_headers(model_dir: Path) -> dict[str, dict]:
+    """{name: {"dtype", "shape", ...}} over every *.safetensors file, parsed by hand."""
+    out = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        out.update(header)
+    return out
+
+
+def raw_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def numel(entry: dict) -> int:
+    return math.prod(entry["shape"])
+
+
+def layer_of(name: str) -> int:
+    return int(name.split(".")[2])
+
+
+def independent_active(model_dir: Path) -> int:
+    """Everything but the routed experts and the untied input embedding (a row lookup), plus
+    top-k / n of each MoE layer's routed experts."""
+    c, active, routed = raw_config(model_dir), 0, {}
+    for name, e in raw_headers(model_dir).items():
+        if ".mlp.experts." in name:
+            routed[layer_of(name)] = routed.get(layer_of(name), 0) + numel(e)
+        elif name != "model.embed_tokens.weight" or c.get("tie_word_embeddings"):
+            active += numel(e)
+    return active + sum(n * c["num_experts_per_tok"] // c["n_routed_experts"] for n in routed.values())
+
+
+def copy_checkpoint(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / src.name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("ref.npz"))
+    return dst
+
+
+def rewrite_single_file(model_dir: Path, edit) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, dict]:
+    return {p.name: describe(p) for p in MODEL_DIRS}
+
+
+# ---- the figures ----
+
+@pytest.mark.parametrize("model_dir", MODEL_DIRS, ids=IDS)
+def test_parameter_counts_match_raw_headers(model_dir, reports):
+    r, raw, c = reports[model_dir.name], raw_headers(model_dir), raw_config(model_dir)
+    assert r["total_params"] == sum(numel(e) for e in raw.values())
+    dtypes = {}
+    for e in raw.values():
+        dtypes[e["dtype"]] = dtypes.get(e["dtype"], 0) + numel(e)
+    assert r["dtypes"] == dtypes
+    p = r["params"]
+    categories = ("embeddings", "attention", "dense_mlp", "routed_experts", "shared_experts",
+                  "router", "norms", "lm_head", "other")
+    assert sum(p[k] for k in categories) == p["total"] == r["total_params"]
+    assert p["embeddings"] == c["vocab_size"] * c["hidden_size"]
+    assert p["lm_head"] == (0 if c.get("tie_word_embeddings") else c["vocab_size"] * c["hidden_size"])
+    assert p["routed_experts"] == sum(numel(e) for n, e in raw.items() if ".mlp.experts." in n)
+    assert p["other"] == 0
+    assert r["problems"] == [] and r["warnings"] == []
+
+
+@pytest.mark.parametrize("model_dir", MODEL_DIRS, ids=IDS)
+def test_active_params_count_top_k_experts(model_dir, reports):
+    r = reports[model_dir.name]
+    assert r["active_params_per_token"] == r["params"]["active_per_token"] == independent_active(model_dir)
+    assert r["active_params_per_token"] < r["total_params"]
+
+
+@pytest.mark.parametrize("model_dir", MODEL_DIRS, ids=IDS)
+def test_cache_bytes_per_token(model_dir, reports):
+    r, c = reports[model_dir.name], raw_config(model_dir)
+    L, H = c["num_hidden_layers"], c["num_attention_heads"]
+    latent = L * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4
+    mha = L * H * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"]) * 4
+    assert r["latent_cache_bytes_per_token"] == r["memory"]["latent_cache_bytes_per_token"] == latent
+    assert r["mha_cache_bytes_per_token"] == r["memory"]["mha_cache_bytes_per_token"] == mha
+    m = r["memory"]
+    assert m["mha_to_latent_ratio"] == pytest.approx(mha / latent)
+    assert m["latent_cache_bytes_at_context"] == latent * c["max_position_embeddings"]
+    assert m["float32_weights_bytes"] == 4 * r["total_params"]
+
+
+@pytest.mark.parametrize("model_dir", MODEL_DIRS, ids=IDS)
+def test_moe_layers_are_those_holding_experts(model_dir, reports):
+    r, raw, c = reports[model_dir.name], raw_headers(model_dir), raw_config(model_dir)
+    with_experts = sorted({layer_of(n) for n in raw if ".mlp.experts." in n})
+    assert r["moe_layers"] == r["moe"]["moe_layers"] == with_experts
+    assert r["dense_layers"] == [i for i in range(c["num_hidden_layers"]) if i not in with_experts]
+
+
+@pytest.mark.parametrize("name, moe, dense", [
+    ("ds2-tiny", [1, 2, 3, 4, 5], [0]),
+    ("normtopk_layerfreq2", [0, 2], [1, 3]),          # moe_layer_freq 2, first_k_dense_replace 0
+    ("plain_rope_tied_fp16", [2, 3], [0, 1]),         # first_k_dense_replace 2
+    ("lite_like_plainq_yarn", [1, 2, 3], [0]),
+])
+def test_known_layer_lists(reports, name, moe, dense):
+    assert (reports[name]["moe_layers"], reports[name]["dense_layers"]) == (moe, dense)
+
+
+@pytest.mark.parametrize("model_dir", MODEL_DIRS, ids=IDS)
+def test_storage_matches_files(model_dir, reports):
+    s = reports[model_dir.name]["storage"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    assert [f["name"] for f in s["files"]] == [p.name for p in files]
+    assert s["total_bytes"] == sum(p.stat().st_size for p in files)
+    data_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in raw_headers(model_dir).values())
+    assert sum(d["bytes"] for d in s["dtypes"].values()) == data_bytes
+
+
+def test_model_sections(reports):
+    tiny = reports["ds2-tiny"]
+    assert (tiny["model_type"], tiny["num_hidden_layers"], tiny["hidden_size"], tiny["vocab_size"]) == \
+        ("deepseek_v2", 6, 256, 4096)
+    m = tiny["model"]
+    assert (m["heads"], m["context_length"], m["rope_theta"]) == (4, 1024, 10000.0)
+    assert m["rope_scaling"] == {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+    assert m["softmax_scale"] == rope.softmax_scale(DeepseekV2Config.from_file(TINY / "config.json"))
+    assert tiny["mla"] == {"q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+                           "qk_rope_head_dim": 16, "q_head_dim": 48, "v_head_dim": 32}
+    moe = tiny["moe"]
+    assert (moe["n_routed_experts"], moe["n_shared_experts"], moe["num_experts_per_tok"]) == (8, 1, 2)
+    assert (moe["topk_method"], moe["n_group"], moe["topk_group"]) == ("group_limited_greedy", 4, 2)
+    assert moe["routed_scaling_factor"] == 2.0 and moe["norm_topk_prob"] is False
+    assert moe["moe_intermediate_size"] == 128
+    plain = reports["plain_rope_tied_fp16"]["model"]
+    assert plain["rope_scaling"] is None and plain["softmax_scale"] == pytest.approx(24 ** -0.5)
+    assert plain["tie_word_embeddings"] is True
+    f32 = reports["v2_like_loraq_grouplimited"]
+    assert f32["dtypes"] == {"F32": f32["total_params"]}
+
+
+def test_tokenizer_section(reports):
+    t = reports["ds2-tiny"]["tokenizer"]
+    assert t["tokenizer_json"] and t["tokenizer_config"]
+    assert t["vocab_size"] == 4096
+    assert (t["bos_token"], t["bos_token_id"]) == ("<｜begin▁of▁sentence｜>", 0)
+    assert (t["eos_token"], t["eos_token_id"]) == ("<｜end▁of▁sentence｜>", 1)
+    assert t["add_bos_token"] is True and t["chat_template"] is True
+    assert t["generation_eos_token_ids"] == [1] and t["config_eos_token_ids"] == [1]
+
+
+def test_published_deepseek_sizes():
+    """The counting convention reproduces DeepSeek's own figures: V2 236B total / 21B active,
+    V2-Lite 15.7B / 2.4B (from the public configs, on headers synthesised from expected shapes)."""
+    base = dict(model_type="deepseek_v2", vocab_size=102400, kv_lora_rank=512, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1, n_shared_experts=2,
+                num_experts_per_tok=6)
+    lite = dict(base, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                num_hidden_layers=27, num_attention_heads=16, n_routed_experts=64)
+    v2 = dict(base, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
+              num_hidden_layers=60, num_attention_heads=128, n_routed_experts=160, q_lora_rank=1536,
+              topk_method="group_limited_greedy", n_group=8, topk_group=3)
+    sizes = []
+    for d in (lite, v2):
+        cfg = DeepseekV2Config.from_dict(d)
+        tensors = {n: TensorInfo(n, "BF16", s, Path("x"), 2 * math.prod(s))
+                   for n, s in expected_shapes(cfg).items()}
+        p = params_section(cfg, tensors)
+        sizes.append((p["total"], p["active_per_token"]))
+    (lite_total, lite_active), (v2_total, v2_active) = sizes
+    assert round(lite_total / 1e8) == 157 and int(lite_active / 1e8) == 24
+    assert round(v2_total / 1e9) == 236 and round(v2_active / 1e9) == 21
+
+
+# ---- defects ----
+
+def test_missing_and_misshaped_tensors_are_problems(tmp_path):
+    model_dir = copy_checkpoint(REFERENCE / "normtopk_layerfreq2", tmp_path)
+    gone, bent = "model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"
+
+    def edit(t):
+        del t[gone]
+        t[bent] = np.ones(t[bent].shape[0] + 1, dtype=t[bent].dtype)
+    rewrite_single_file(model_dir, edit)
+    r = describe(model_dir)
+    assert len(r["problems"]) == 2
+    assert any(p.startswith("missing tensor") and gone in p for p in r["problems"])
+    assert any(bent in p and "shape" in p for p in r["problems"])
+    assert r["total_params"] == sum(numel(e) for e in raw_headers(model_dir).values())
+
+
+def test_check_warns_on_nan_and_inf(tmp_path):
+    model_dir = copy_checkpoint(REFERENCE / "plain_rope_tied_fp16", tmp_path)
+    bad = "model.layers.2.mlp.experts.5.down_proj.weight"
+
+    def edit(t):
+        t[bad] = t[bad].copy()
+        t[bad].flat[7] = np.nan
+        t[bad].flat[9] = np.inf
+    rewrite_single_file(model_dir, edit)
+    assert describe(model_dir)["warnings"] == []
+    r = describe(model_dir, check=True)
+    assert r["warnings"] == [f"tensor {bad} has 1 NaN and 1 Inf values"]
+    assert r["problems"] == [] and r["checked"] is True
+
+
+def test_check_on_clean_model_warns_nothing():
+    r = describe(TINY, check=True)
+    assert r["warnings"] == [] and r["problems"] == []
+
+
+def test_describe_reads_no_tensor_data(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("describe read tensor data")
+    monkeypatch.setattr(checkpoint, "iter_float32", refuse)
+    monkeypatch.setattr(checkpoint, "safe_open", refuse)
+    assert describe(TINY)["total_params"] > 0
+
+
+def test_missing_tokenizer_is_reported_absent(tmp_path):
+    model_dir = copy_checkpoint(REFERENCE / "plain_rope_tied_fp16", tmp_path)
+    (model_dir / "tokenizer.json").unlink()
+    (model_dir / "tokenizer_config.json").unlink()
+    (model_dir / "generation_config.json").unlink()
+    r = describe(model_dir)
+    t = r["tokenizer"]
+    assert not t["tokenizer_json"] and not t["tokenizer_config"]
+    assert t["vocab_size"] is None and t["bos_token_id"] is None
+    assert t["generation_eos_token_ids"] == [] and r["problems"] == []
+    render(r, Console(file=io.StringIO(), width=120))
+
+
+def test_added_token_objects_and_broken_tokenizer(tmp_path):
+    model_dir = copy_checkpoint(REFERENCE / "plain_rope_tied_fp16", tmp_path)
+    added = lambda s: {"__type": "AddedToken", "content": s, "lstrip": False, "rstrip": False}  # noqa: E731
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": added("<｜begin▁of▁sentence｜>"),
+         "eos_token": added("<｜end▁of▁sentence｜>")}))
+    t = describe(model_dir)["tokenizer"]
+    assert (t["bos_token_id"], t["eos_token_id"]) == (0, 1)
+    assert t["add_bos_token"] is None and t["chat_template"] is False
+    (model_dir / "tokenizer.json").write_text("{not json")
+    r = describe(model_dir)
+    assert r["tokenizer"]["vocab_size"] is None
+    assert len(r["problems"]) == 1 and "tokenizer.json" in r["problems"][0]
+
+
+def test_unusable_input_raises(tmp_path):
+    with pytest.raises(ConfigError):
+        describe(tmp_path / "nowhere")
+    with pytest.raises(ConfigError):
+        describe(tmp_path)                                          # no config.json
+    model_dir = copy_checkpoint(REFERENCE / "plain_rope_tied_fp16", tmp_path)
+    (model_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken")
+    with pytest.raises(CheckpointError):
+        describe(model_dir)
+    (model_dir / "config.json").write_text(json.dumps({**raw_config(model_dir), "hidden_size": "big"}))
+    with pytest.raises(ConfigError):
+        describe(model_dir)
+
+
+# ---- output ----
+
+def test_report_is_json(reports):
+    r = reports["ds2-tiny"]
+    assert json.loads(json.dumps(r)) == r
+    for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "total_params",
+                "active_params_per_token", "dtypes", "moe_layers", "dense_layers",
+                "latent_cache_bytes_per_token", "mha_cache_bytes_per_token", "problems", "warnings",
+                "model", "mla", "moe", "params", "storage", "memory", "tokenizer"):
+        assert key in r
+
+
+def test_human_units():
+    assert human_count(15_761_408) == "15.8M"
+    assert human_count(235_741_434_880) == "236B"
+    assert human_count(999) == "999" and human_count(999_600) == "1M"
+    assert human_bytes(2_160_000_000) == "2.16 GB"
+    assert human_bytes(640) == "640 B" and human_bytes(1920) == "1.92 kB"
+
+
+def test_render_shows_key_figures(reports):
+    r = reports["ds2-tiny"]
+    out = io.StringIO()
+    render(r, Console(file=out, width=120))
+    text = out.getvalue()
+    for title in ("Model", "MLA", "MoE", "Parameters", "Storage", "Memory", "Tokenizer"):
+        assert title in text
+    for figure in (human_count(r["total_params"]), human_count(r["active_params_per_token"]),
+                   human_bytes(r["latent_cache_bytes_per_token"]),
+                   human_bytes(r["mha_cache_bytes_per_token"]),
+                   human_bytes(r["storage"]["total_bytes"]), "deepseek_v2", "group_limited_greedy", "BF16",
+                   "1, 2, 3, 4, 5", "4.0x"):
+        assert figure in text
+    assert "problem" not in text
+
+
+def test_render_lists_problems_in_red_and_leaves_warnings_to_the_cli(reports):
+    r = {**reports["ds2-tiny"], "problems": ["missing tensor model.norm.weight [256]"],
+         "warnings": ["tensor x has 1 NaN and 0 Inf values"]}
+    out = io.StringIO()
+    render(r, Console(file=out, width=120, force_terminal=True, color_system="standard"))
+    text = out.getvalue()
+    assert "\x1b[1;31m1 problem:" in text
+    assert "\x1b[31m  missing tensor model.norm.weight [256]\x1b[0m" in text
+    assert "NaN" not in text                                        # the CLI prints warnings
