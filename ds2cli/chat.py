@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ds2cli.config import JSON_ERRORS, json_error
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.model import Model
@@ -49,8 +50,10 @@ def read_messages(path: Path) -> list[dict]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise Ds2Error(f"conversation file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Ds2Error(f"cannot read conversation {path}: {e}") from None
+    except JSON_ERRORS as e:
+        raise Ds2Error(f"conversation file {path} is not valid JSON: {json_error(e)}") from None
+    except OSError as e:
+        raise Ds2Error(f"cannot read conversation {path}: {e.strerror}") from None
     messages = data.get("messages") if isinstance(data, dict) else data
     ok = isinstance(messages, list) and all(
         isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
@@ -118,7 +121,7 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         try:
             ids = self._fit(reserve=min(max_new_tokens, self.cache.capacity // 2))
-        except ContextFullError:
+        except Ds2Error:  # the context is full or the chat template failed: this turn never happened
             self.messages.pop()
             raise
         keep = common_prefix(self.cached_ids, ids)

@@ -8,6 +8,7 @@ and no allocation is ever sized from a header field."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import struct
@@ -18,7 +19,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with NumPy so safeten
 import numpy as np
 from safetensors import safe_open
 
-from ds2cli.config import DeepseekV2Config
+from ds2cli.config import JSON_ERRORS, DeepseekV2Config
 from ds2cli.errors import CheckpointError
 
 # safetensors dtype name -> bytes per element (every dtype the format defines)
@@ -26,7 +27,7 @@ DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
                "BOOL": 1}
 LOADABLE_DTYPES = ("F32", "F16", "BF16")
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit ("header too large")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some exporters store; recomputed from config
@@ -54,15 +55,18 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             if len(head) < 8:
                 raise CheckpointError(f"{path.name}: truncated safetensors file ({size} bytes)")
             (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > MAX_HEADER_BYTES:
+            if n > size - 8:
                 raise CheckpointError(f"{path.name}: header length {n} is larger than the file "
                                       f"({size} bytes): truncated or not a safetensors file")
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path.name}: header length {n} is over the safetensors "
+                                      f"limit of {MAX_HEADER_BYTES} bytes")
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except JSON_ERRORS:
         raise CheckpointError(f"{path.name}: header is not valid JSON: not a safetensors file") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name}: header is not a JSON object")
@@ -82,26 +86,60 @@ def _check_entry(path: Path, name: str, e: object) -> tuple[str, tuple[int, ...]
     return e["dtype"], tuple(shape), offs[0], offs[1]
 
 
+def _nbytes(shape: tuple[int, ...], itemsize: int, limit: int) -> int | None:
+    """The tensor's size, or None once it passes `limit`: a hostile shape of thousands of huge
+    dimensions would otherwise be a product that takes minutes to compute."""
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for dim in shape:
+        n *= dim
+        if n > limit:
+            return None
+    return n
+
+
+def _show_shape(shape: tuple[int, ...]) -> str:
+    if len(shape) <= 8:
+        return str(list(shape))
+    return f"[{', '.join(map(str, shape[:4]))}, ... ({len(shape)} dimensions)]"
+
+
 def _check_entries(path: Path, header: dict, data_len: int) -> dict[str, TensorInfo]:
     spans, infos = [], {}
     for name, e in header.items():
         if name == "__metadata__":
+            if not (e is None or isinstance(e, dict) and all(isinstance(v, str) for v in e.values())):
+                raise CheckpointError(f"{path.name}: __metadata__ must map strings to strings")
             continue
         dtype, shape, begin, end = _check_entry(path, name, e)
-        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
         if not begin <= end <= data_len:
             raise CheckpointError(f"{path.name}: tensor {name} offsets [{begin}, {end}] lie outside "
                                   f"the {data_len} data bytes (truncated file?)")
+        nbytes = _nbytes(shape, DTYPE_SIZES[dtype], limit=data_len)
         if end - begin != nbytes:
+            needs = "more than the whole file" if nbytes is None else nbytes
             raise CheckpointError(f"{path.name}: tensor {name} occupies {end - begin} bytes but "
-                                  f"{dtype} {list(shape)} needs {nbytes}")
+                                  f"{dtype} {_show_shape(shape)} needs {needs}")
         spans.append((begin, end, name))
         infos[name] = TensorInfo(name, dtype, shape, path, nbytes)
-    spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise CheckpointError(f"{path.name}: tensors {n0} and {n1} overlap")
+    _check_layout(path, sorted(spans), data_len)
     return infos
+
+
+def _check_layout(path: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """The tensors must tile the data bytes exactly, as the safetensors loader itself requires."""
+    covered, last = 0, None
+    for begin, end, name in spans:
+        if begin < covered:
+            raise CheckpointError(f"{path.name}: tensors {last} and {name} overlap")
+        if begin > covered:
+            raise CheckpointError(f"{path.name}: data bytes [{covered}, {begin}) belong to no tensor: "
+                                  f"not a valid safetensors file")
+        covered, last = end, name
+    if covered != data_len:
+        raise CheckpointError(f"{path.name}: the last {data_len - covered} data bytes belong to no "
+                              f"tensor: not a valid safetensors file")
 
 
 def shard_files(model_dir: Path) -> list[Path]:
@@ -111,7 +149,7 @@ def shard_files(model_dir: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             files = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        except (OSError, *JSON_ERRORS, KeyError, TypeError, AttributeError):
             raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map)") from None
         bad = [f for f in files if not isinstance(f, str) or Path(f).name != f]
         if bad:
@@ -122,7 +160,7 @@ def shard_files(model_dir: Path) -> list[Path]:
         return [model_dir / f for f in files]
     if (model_dir / SINGLE_NAME).is_file():
         return [model_dir / SINGLE_NAME]
-    found = sorted(model_dir.glob("*.safetensors"))
+    found = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
     if len(found) == 1:
         return found
     raise CheckpointError(f"no {SINGLE_NAME} or {INDEX_NAME} in {model_dir}")
@@ -142,48 +180,58 @@ def read_headers(model_dir: Path) -> dict[str, TensorInfo]:
 
 def expected_shapes(cfg: DeepseekV2Config) -> dict[str, tuple[int, ...]]:
     """The tensor names and shapes the original DeepseekV2ForCausalLM holds for this config."""
+    return dict(iter_expected(cfg))
+
+
+def iter_expected(cfg: DeepseekV2Config) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """expected_shapes one (name, shape) at a time, so that a caller can stop early."""
     D, H, V = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
     C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    yield from {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}.items()
     if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, D)
+        yield "lm_head.weight", (V, D)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (D,)
-        shapes[p + "post_attention_layernorm.weight"] = (D,)
+        yield p + "input_layernorm.weight", (D,)
+        yield p + "post_attention_layernorm.weight", (D,)
         a = p + "self_attn."
         if cfg.q_lora_rank is None:
-            shapes[a + "q_proj.weight"] = (H * cfg.q_head_dim, D)
+            yield a + "q_proj.weight", (H * cfg.q_head_dim, D)
         else:
-            shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, D)
-            shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-            shapes[a + "q_b_proj.weight"] = (H * cfg.q_head_dim, cfg.q_lora_rank)
-        shapes[a + "kv_a_proj_with_mqa.weight"] = (C + R, D)
-        shapes[a + "kv_a_layernorm.weight"] = (C,)
-        shapes[a + "kv_b_proj.weight"] = (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), C)
-        shapes[a + "o_proj.weight"] = (D, H * cfg.v_head_dim)
+            yield a + "q_a_proj.weight", (cfg.q_lora_rank, D)
+            yield a + "q_a_layernorm.weight", (cfg.q_lora_rank,)
+            yield a + "q_b_proj.weight", (H * cfg.q_head_dim, cfg.q_lora_rank)
+        yield a + "kv_a_proj_with_mqa.weight", (C + R, D)
+        yield a + "kv_a_layernorm.weight", (C,)
+        yield a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), C)
+        yield a + "o_proj.weight", (D, H * cfg.v_head_dim)
         if cfg.is_moe_layer(i):
-            shapes[p + "mlp.gate.weight"] = (cfg.n_routed_experts, D)
-            experts = [f"experts.{e}." for e in range(cfg.n_routed_experts)]
-            widths = [cfg.moe_intermediate_size] * len(experts)
+            yield p + "mlp.gate.weight", (cfg.n_routed_experts, D)
+            for e in range(cfg.n_routed_experts):
+                yield from _mlp_shapes(p + f"mlp.experts.{e}.", D, cfg.moe_intermediate_size)
             if cfg.n_shared_experts:
-                experts.append("shared_experts.")
-                widths.append(cfg.moe_intermediate_size * cfg.n_shared_experts)
-            for e, width in zip(experts, widths):
-                shapes.update(_mlp_shapes(p + "mlp." + e, D, width))
+                yield from _mlp_shapes(p + "mlp.shared_experts.", D,
+                                       cfg.moe_intermediate_size * cfg.n_shared_experts)
         else:
-            shapes.update(_mlp_shapes(p + "mlp.", D, cfg.intermediate_size))
-    return shapes
+            yield from _mlp_shapes(p + "mlp.", D, cfg.intermediate_size)
 
 
-def _mlp_shapes(prefix: str, D: int, width: int) -> dict[str, tuple[int, ...]]:
-    return {prefix + "gate_proj.weight": (width, D), prefix + "up_proj.weight": (width, D),
-            prefix + "down_proj.weight": (D, width)}
+def _mlp_shapes(prefix: str, D: int, width: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    yield prefix + "gate_proj.weight", (width, D)
+    yield prefix + "up_proj.weight", (width, D)
+    yield prefix + "down_proj.weight", (D, width)
 
 
 def problems(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo]) -> list[str]:
     """Every missing, unexpected, mis-shaped or unloadable tensor, one string each."""
-    want = expected_shapes(cfg)
+    # A config that describes far more tensors than are stored (a hostile num_hidden_layers or
+    # n_routed_experts) is reported as such, without building its billions of names.
+    limit = 2 * len(tensors) + 10_000
+    want = dict(itertools.islice(iter_expected(cfg), limit + 1))
+    if len(want) > limit:
+        return [f"config.json describes more than {limit} tensors (num_hidden_layers "
+                f"{cfg.num_hidden_layers}, n_routed_experts {cfg.n_routed_experts}) "
+                f"but the checkpoint holds {len(tensors)}"]
     out = [f"missing tensor {name} {list(shape)}" for name, shape in want.items() if name not in tensors]
     for name, info in tensors.items():
         if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import click
+import numpy as np
 
 from ds2cli import __version__, console
 from ds2cli.chat import ChatSession, read_messages
@@ -27,9 +28,18 @@ class Ds2Group(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            # NaN/Inf reaching the logits is reported once, as a GenerationError (generate.check_logits);
+            # numpy's own floating-point RuntimeWarnings would only add lines to stderr.
+            with np.errstate(all="ignore"):
+                return super().invoke(ctx)
         except Ds2Error as e:
             console.error(str(e))
+            ctx.exit(1)
+        except KeyboardInterrupt:  # Ctrl-C outside a generation loop (e.g. while loading)
+            console.info("")
+            ctx.exit(130)
+        except MemoryError as e:  # numpy says how much it could not allocate, e.g. for a huge --ctx
+            console.error(f"out of memory: {e}")
             ctx.exit(1)
 
 

@@ -86,14 +86,32 @@ class DeepseekV2Config:
             raise ConfigError(f"no config.json in {path.parent}")
         try:
             d = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except JSON_ERRORS as e:
+            raise ConfigError(f"{path} is not valid JSON: {json_error(e)}") from None
         except OSError as e:
             raise ConfigError(f"cannot read {path}: {e.strerror}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{path} must hold a JSON object, not {type(d).__name__}")
         return _parse(d)
 
+
+# What json.loads raises on untrusted text: JSONDecodeError, UnicodeDecodeError and an integer of
+# thousands of digits are ValueErrors; deep nesting is a RecursionError.
+JSON_ERRORS = (ValueError, RecursionError)
+
+
+def json_error(e: BaseException) -> str:
+    """Why untrusted JSON did not parse, in one line (without Python's advice to raise a limit)."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+        return str(e)
+    return "a number has too many digits"
+
+
+# Far beyond any real checkpoint (DeepSeek-V3 has 61 layers); a hostile count must not make
+# per-layer lists (moe_layers, the expected tensor names) too large to build.
+MAX_LAYERS = 100_000
 
 # Which fields must be present and what kind of value each takes. Types are checked by hand
 # because a config.json written by a human or another tool is untrusted input.
@@ -205,6 +223,9 @@ def _parse(raw: dict) -> DeepseekV2Config:
         if key not in d:
             raise ConfigError(f"config.json is missing the required field {key}")
         _check_int(d, key, 1)
+    if d["num_hidden_layers"] > MAX_LAYERS:
+        raise ConfigError(f"config field num_hidden_layers must be <= {MAX_LAYERS}, "
+                          f"got {d['num_hidden_layers']}")
     for key in _OPTIONAL_POSITIVE_INTS:
         if d.get(key) is not None:
             _check_int(d, key, 1)

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from ds2cli import checkpoint, rope
 from ds2cli.checkpoint import TensorInfo
-from ds2cli.config import DeepseekV2Config
+from ds2cli.config import JSON_ERRORS, DeepseekV2Config, json_error
 from ds2cli.errors import Ds2Error
 from ds2cli.model import check_model_dir, read_generation_config
 
@@ -225,8 +225,10 @@ def _read_json(path: Path) -> tuple[dict | None, list[str]]:
         return None, []
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        return None, [f"{path.name} is not valid JSON: {e}"]
+    except JSON_ERRORS as e:
+        return None, [f"{path.name} is not valid JSON: {json_error(e)}"]
+    except OSError as e:
+        return None, [f"cannot read {path.name}: {e.strerror}"]
     if not isinstance(d, dict):
         return None, [f"{path.name} must hold a JSON object"]
     return d, []

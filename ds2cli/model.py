@@ -12,7 +12,7 @@ import numpy as np
 from ds2cli import checkpoint, rope
 from ds2cli.attention import mla, rms_norm
 from ds2cli.cache import LatentCache
-from ds2cli.config import DeepseekV2Config
+from ds2cli.config import JSON_ERRORS, DeepseekV2Config, json_error
 from ds2cli.errors import ConfigError, Ds2Error
 from ds2cli.moe import moe, swiglu
 from ds2cli.tokenizer import Tokenizer
@@ -43,8 +43,10 @@ def read_generation_config(model_dir: Path) -> dict:
         return {}
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except JSON_ERRORS as e:
+        raise ConfigError(f"{path} is not valid JSON: {json_error(e)}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return d

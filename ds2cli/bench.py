@@ -1,0 +1,647 @@
+"""`ds2 bench`: load, prefill and decode speed, held against what this machine's memory and BLAS
+can do (llama-bench for ds2).
+
+By default it runs on a synthetic checkpoint with DeepSeek-V2-Lite's exact layer shapes, cut to a
+few layers and filled with random weights, written once into a cache directory. Two probes
+measure the machine: float32 matrix-vector bandwidth (the ceiling for decode, which reads every
+active weight once per token) and float32 GEMM throughput (the ceiling for prefill).
+
+What one decode step must read, in bytes (float32, 4 bytes a parameter): the token's embedding
+row; in every layer the two norms and every attention weight (the absorbed path multiplies by all
+of w_uk and w_uv), then the dense MLP, or the router, the shared experts and the routed experts
+the gate picked (counted once each per layer and step); the final norm and lm_head; plus the
+latent cache of every position attended to (latent and k_pe of every layer, read once).
+A prefill reads the same weights once for all its tokens, with every expert any token picked, so
+a short prompt is bound by bytes (held against the matvec probe) and a long one by FLOPs (held
+against the GEMM probe). Both probes run once at the start and again, shorter, beside each
+measured point, whose ratios are taken against those: a shared machine's speed drifts mid-run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import statistics
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import click
+import ml_dtypes
+import numpy as np
+
+from ds2cli import checkpoint, console, moe
+from ds2cli.attention import absorbed_cost, expanded_cost
+from ds2cli.config import DeepseekV2Config
+from ds2cli.errors import Ds2Error
+from ds2cli.model import Model, bundled_model_dir, check_model_dir, load
+
+LITE_LAYERS = 27            # DeepSeek-V2-Lite's depth; --layers takes the first N of them
+DEFAULT_LAYERS = 4
+INIT_STD = 0.02             # initializer_range: the spread of a trained model's weights
+SHARD_BYTES = 2 * 10**9     # safetensors shards of about 2 GB, like the published checkpoints
+BLOCK_ELEMENTS = 1 << 24    # synthesis draws, converts and writes 16M values (64 MB float32) at a time
+FILL_CHUNK = 512            # the decode cache is filled by prefilling this many real tokens at a time
+PROBE_RUNS = 8
+POINT_PROBE_RUNS = 4        # the probes again beside each measured point, shorter
+MATVEC_N = 8192             # 8192 x 8192 float32 = 256 MB, far past any CPU cache
+GEMM_SHAPES = {             # (M, K, N): (M, K) @ (N, K)^T, as the engine multiplies by weights
+    "prefill": (512, 2048, 2048),   # 512 prompt tokens through a 2048 x 2048 projection
+    "expert": (48, 2048, 2816),     # one routed expert's gate_up: 512 tokens x top-6 / 64 experts
+}
+
+
+class BenchError(Ds2Error):
+    """The benchmark cannot run as asked (disk, memory, or option values the model cannot take)."""
+
+
+# ---- the synthetic checkpoint ----
+
+def lite_config(layers: int) -> dict:
+    """DeepSeek-V2-Lite's config.json (original field names) cut to `layers` layers. The special
+    token ids are ds2-tiny's, because the synthetic checkpoint ships ds2-tiny's tokenizer."""
+    tiny = json.loads((bundled_model_dir() / "config.json").read_text(encoding="utf-8"))
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 102400, "hidden_size": 2048, "num_hidden_layers": layers,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 64,
+        "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": False, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 163840,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "attention_bias": False, "tie_word_embeddings": False, "initializer_range": INIT_STD,
+        "bos_token_id": tiny["bos_token_id"], "eos_token_id": tiny["eos_token_id"],
+        "torch_dtype": "bfloat16",
+    }
+
+
+def random_blocks(name: str, shape: tuple[int, ...], seed: int):
+    """A tensor's values in row-major order, as bf16 blocks: norm weights are ones, the rest is
+    uniform with standard deviation INIT_STD (uniform rather than normal: seven times faster to
+    draw, and only the spread matters). Seeded by name, so values do not depend on the sharding."""
+    n = math.prod(shape)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    for start in range(0, n, BLOCK_ELEMENTS):
+        size = min(BLOCK_ELEMENTS, n - start)
+        if name.endswith("norm.weight"):
+            block = np.ones(size, np.float32)
+        else:
+            block = rng.random(size, dtype=np.float32)                       # U[0, 1): std 1/sqrt(12)
+            block -= np.float32(0.5)
+            block *= np.float32(INIT_STD * math.sqrt(12))
+        yield block.astype(ml_dtypes.bfloat16)
+
+
+def write_shard(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> None:
+    """One bf16 safetensors file, streamed block by block: memory stays at one block, not a shard."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header so the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape in shapes.items():
+            for block in random_blocks(name, shape, seed):
+                f.write(block.view(np.uint16).data)
+
+
+def plan_shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int) -> list[list[str]]:
+    shards, size = [[]], 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * 2
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_checkpoint(out: Path, config: dict, seed: int, shard_bytes: int) -> None:
+    """Shards, index, config.json and ds2-tiny's tokenizer files into the (empty) folder `out`."""
+    shapes = checkpoint.expected_shapes(DeepseekV2Config.from_dict(config))
+    shards = plan_shards(shapes, shard_bytes)
+    weight_map = {}
+    for n, names in enumerate(shards, 1):
+        t0 = time.perf_counter()
+        file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        write_shard(out / file, {name: shapes[name] for name in names}, seed)
+        weight_map.update(dict.fromkeys(names, file))
+        console.info(f"  wrote {file} ({(out / file).stat().st_size / 1e9:.2f} GB, "
+                     f"{time.perf_counter() - t0:.0f} s)")
+    index = {"metadata": {"total_size": 2 * sum(math.prod(s) for s in shapes.values())},
+             "weight_map": weight_map}
+    (out / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(bundled_model_dir() / name, out / name)
+
+
+def synthesise(target: Path, config: dict, seed: int = 0, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write a random-weight bf16 checkpoint for `config` at `target`. It is built in a sibling
+    folder and renamed into place only when complete, so an interrupted synthesis is never reused."""
+    cfg = DeepseekV2Config.from_dict(config)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    check_disk(target.parent, 2 * sum(math.prod(s) for s in checkpoint.expected_shapes(cfg).values()))
+    remove_stale_partials(target)
+    partial = target.parent / f".{target.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        write_checkpoint(partial, config, seed, shard_bytes)
+        if target.exists():  # another process finished the same synthesis first: keep theirs
+            shutil.rmtree(partial)
+        else:
+            partial.rename(target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return target
+
+
+def remove_stale_partials(target: Path) -> None:
+    """A synthesis killed outright leaves `.NAME.partial-PID` behind: remove those whose process is gone."""
+    for path in target.parent.glob(f".{target.name}.partial-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_disk(directory: Path, needed: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < needed * 1.05:
+        raise BenchError(f"not enough disk to synthesise the benchmark checkpoint in {directory}: "
+                         f"it needs {needed / 1e9:.1f} GB and {free / 1e9:.1f} GB is free "
+                         f"(pick another place with --cache-dir or DS2_BENCH_DIR, or fewer --layers)")
+
+
+def synthetic_model(bench_dir: Path, layers: int) -> Path:
+    """The synthetic DeepSeek-V2-Lite slice, synthesised on first use and reused after."""
+    target = bench_dir.expanduser() / f"deepseek-v2-lite-{layers}-layers"
+    if (target / "config.json").is_file():
+        return target
+    console.info(f"synthesising a {layers}-layer DeepSeek-V2-Lite-shaped checkpoint in {target} (once)")
+    return synthesise(target, lite_config(layers))
+
+
+# ---- what the machine can do ----
+
+def summary(samples: list[float]) -> dict:
+    samples = [float(s) for s in samples]
+    return {"min": min(samples), "median": statistics.median(samples), "max": max(samples), "runs": samples}
+
+
+def seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def probe_matvec(runs: int) -> dict:
+    """GB/s of float32 W @ x with W far larger than the caches: the bandwidth decode can hope for."""
+    w = np.full((MATVEC_N, MATVEC_N), 1.0 / MATVEC_N, np.float32)   # written, so every page exists
+    x = np.ones(MATVEC_N, np.float32)
+    w @ x  # BLAS threads start outside the timing
+    return summary([w.nbytes / seconds(lambda: w @ x) / 1e9 for _ in range(runs)])
+
+
+def probe_gemm(m: int, k: int, n: int, runs: int) -> dict:
+    """GFLOP/s of float32 (m, k) @ (n, k)^T."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((n, k), dtype=np.float32)
+    a @ b.T
+    return summary([2 * m * k * n / seconds(lambda: a @ b.T) / 1e9 for _ in range(runs)])
+
+
+def probe_beside() -> dict:
+    """Both probes again, right before a measurement: on a shared machine the speed drifts within
+    a run, and a ratio only means something against a probe taken at the same time."""
+    return {"matvec_gb_per_s": probe_matvec(POINT_PROBE_RUNS),
+            "gemm_gflop_per_s": probe_gemm(*GEMM_SHAPES["prefill"], POINT_PROBE_RUNS)}
+
+
+def machine_info() -> dict:
+    info = {"cpu_count": os.cpu_count(),
+            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "python": platform.python_version(), "platform": platform.platform(),
+            "numpy": np.__version__, "blas": None}
+    try:
+        from threadpoolctl import threadpool_info  # optional: reported when installed
+    except ImportError:
+        return info
+    keys = ("user_api", "internal_api", "version", "num_threads", "threading_layer", "architecture")
+    info["blas"] = [{k: lib.get(k) for k in keys} for lib in threadpool_info()]
+    return info
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def check_memory(cfg: DeepseekV2Config) -> None:
+    need = 4 * sum(math.prod(s) for s in checkpoint.expected_shapes(cfg).values())
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > total:
+        raise BenchError(f"the {cfg.num_hidden_layers}-layer model needs {need / 1e9:.1f} GB as float32 "
+                         f"but this machine has {total / 1e9:.1f} GB of memory; use fewer --layers")
+
+
+# ---- what the model must do ----
+
+def layer_params(layer: dict, matrices_only: bool = False) -> int:
+    """Parameters every token reads in this layer, routed experts aside (absorbed decode reads
+    all of w_uk and w_uv). matrices_only leaves out the norm weights, for counting multiply-adds."""
+    mlp = [a for name, a in layer["mlp"].items() if not name.startswith("experts_")]
+    arrays = [layer["input_layernorm"], layer["post_attention_layernorm"], *layer["attn"].values(), *mlp]
+    return sum(a.size for a in arrays if a.ndim >= 2 or not matrices_only)
+
+
+def expert_params(model: Model) -> int:
+    """Parameters of one routed expert (gate_proj, up_proj, down_proj); 0 without MoE layers."""
+    mlp = next((layer["mlp"] for layer in model.layers if layer["is_moe"]), None)
+    return 0 if mlp is None else mlp["experts_gate_up"][0].size + mlp["experts_down"][0].size
+
+
+def forward_weight_bytes(model: Model, routed_experts: float, tokens: int = 1) -> float:
+    """Weight bytes one forward of `tokens` tokens reads when its gates picked `routed_experts`
+    distinct routed experts, summed over the MoE layers; each weight is read once per forward."""
+    D = model.embed_tokens.shape[1]
+    params = tokens * D + model.norm.size + model.lm_head.size + sum(layer_params(layer) for layer in model.layers)
+    return (params + routed_experts * expert_params(model)) * model.lm_head.itemsize
+
+
+def attention_macs(cfg: DeepseekV2Config, tokens: int) -> int:
+    """Multiply-adds of one layer's attention over `tokens` new tokens into an empty cache, in the
+    form the engine picks, less the kv_b_proj work the parameter count already holds."""
+    H, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    d, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    dims = (tokens, tokens, H, C, R, d, v)
+    return min(absorbed_cost(*dims), expanded_cost(*dims)) - tokens * H * C * (d + v)
+
+
+def prefill_flops(model: Model, tokens: int) -> float:
+    """2 x multiply-adds of prefilling `tokens` into an empty cache: every token through every
+    layer's matrices with top-k routed experts, attention, and lm_head once (forward returns the
+    last position's logits only)."""
+    cfg = model.config
+    per_token = (sum(layer_params(layer, matrices_only=True) for layer in model.layers)
+                 + len(cfg.moe_layers) * (cfg.num_experts_per_tok or 0) * expert_params(model))
+    attention = cfg.num_hidden_layers * attention_macs(cfg, tokens)
+    return 2.0 * (tokens * per_token + attention + model.lm_head.size)
+
+
+def weight_nbytes(model: Model) -> int:
+    """float32 bytes the loaded model holds (a tied lm_head is the embedding, counted once)."""
+    arrays = [model.embed_tokens, model.norm, model.lm_head]
+    for layer in model.layers:
+        arrays += [layer["input_layernorm"], layer["post_attention_layernorm"],
+                   *layer["attn"].values(), *layer["mlp"].values()]
+    return sum({id(a): a.nbytes for a in arrays}.values())
+
+
+# ---- measurements ----
+
+def time_load(path: Path, repeats: int) -> tuple[Model, dict]:
+    samples, model = [], None
+    for r in range(repeats):
+        model = None  # free the previous copy first: two might not fit side by side
+        gc.collect()
+        console.info(f"load {r + 1}/{repeats}")
+        progress = console.LoadProgress()
+        try:
+            t0 = time.perf_counter()
+            model = load(path, progress=progress)
+            samples.append(time.perf_counter() - t0)
+        finally:
+            progress.close()
+    return model, summary(samples)
+
+
+def bench_prefill(model: Model, tokens: int, repeats: int, rng) -> dict:
+    """Prompt processing: `tokens` random ids into a fresh cache. Held against the GEMM probe
+    (FLOPs) and, since a short prompt is bound by reading the experts its tokens picked, the
+    matvec probe (bytes)."""
+    console.info(f"prefill {tokens} tokens x {repeats}")
+    probes = probe_beside()
+    samples, routes = [], []
+    for _ in range(repeats):
+        ids = rng.integers(model.config.vocab_size, size=tokens)
+        cache = model.new_cache(tokens)
+        with record_routes(routes):
+            samples.append(tokens / seconds(lambda: model.forward(ids, cache)))
+    routed = sum(len(np.unique(idx)) for idx in routes) / repeats
+    weight_bytes = forward_weight_bytes(model, routed, tokens)
+    tok_per_s, gflop = summary(samples), prefill_flops(model, tokens) / 1e9
+    gflop_per_s = summary([gflop * s / tokens for s in samples])
+    gb_per_s = weight_bytes * tok_per_s["median"] / tokens / 1e9
+    return {"tokens": tokens, "tok_per_s": tok_per_s, "gflop": gflop, "gflop_per_s": gflop_per_s,
+            "routed_experts": routed, "weight_bytes": weight_bytes, "weight_gb_per_s": gb_per_s,
+            "probes": probes, "gemm_ratio": gflop_per_s["median"] / probes["gemm_gflop_per_s"]["median"],
+            "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"]}
+
+
+@contextlib.contextmanager
+def record_routes(log: list):
+    """Append the expert ids every MoE layer's gate selects to `log` (one (T, k) array a call).
+    moe.moe looks `route` up in its module at each call, so wrapping it there is enough."""
+    original = moe.route
+
+    def recording(x, gate, cfg):
+        idx, weight = original(x, gate, cfg)
+        log.append(idx)
+        return idx, weight
+
+    moe.route = recording
+    try:
+        yield log
+    finally:
+        moe.route = original
+
+
+def fill_cache(model: Model, cache, ids: np.ndarray) -> None:
+    """Prefill `ids` after what the cache holds, FILL_CHUNK tokens at a time, up to len(ids)."""
+    while cache.length < len(ids):
+        model.forward(ids[cache.length:cache.length + FILL_CHUNK], cache)
+
+
+def bench_decode(model: Model, contexts: list[int], steps: int, repeats: int, rng) -> list[dict]:
+    """Token generation at each context: one cache is filled context by context with real
+    (random-id) tokens, so the latents attended to are what a model produces."""
+    cache = model.new_cache(max(contexts) + steps)
+    prompt = rng.integers(model.config.vocab_size, size=max(contexts))
+    points = []
+    for context in sorted(contexts):
+        console.info(f"fill the cache to {context} tokens, then decode {steps} x {repeats}")
+        fill_cache(model, cache, prompt[:context])
+        points.append(decode_point(model, cache, context, steps, repeats, rng))
+    return points
+
+
+def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rng) -> dict:
+    probes = probe_beside()
+    samples, routes = [], []
+    for _ in range(repeats):
+        ids = rng.integers(model.config.vocab_size, size=steps)
+        cache.truncate(context)
+        with record_routes(routes):
+            t0 = time.perf_counter()
+            for token in ids:
+                model.forward(token[None], cache)
+            samples.append(steps / (time.perf_counter() - t0))
+    cache.truncate(context)
+    routed = sum(len(np.unique(idx)) for idx in routes) / (steps * repeats)
+    weight_bytes = forward_weight_bytes(model, routed)
+    cache_bytes = cache.bytes_per_token * (context + (steps + 1) / 2)  # step j reads context + j + 1
+    tok_per_s = summary(samples)
+    gb_per_s = (weight_bytes + cache_bytes) * tok_per_s["median"] / 1e9
+    return {"context": context, "tok_per_s": tok_per_s, "routed_experts_per_step": routed,
+            "weight_bytes_per_token": weight_bytes, "cache_bytes_per_token": cache_bytes,
+            "bytes_per_token": weight_bytes + cache_bytes, "gb_per_s": gb_per_s,
+            "probes": probes, "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"]}
+
+
+# ---- the optional comparison with Hugging Face transformers ----
+
+def compare_hf(path: Path, prompt_lengths: list[int], context: int, steps: int, repeats: int) -> dict | None:
+    """Time transformers (float32) on the same checkpoint where torch and transformers happen to
+    be importable. Neither is a ds2 dependency; any failure on their side is a note, not an error."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        console.warn(f"--compare-hf skipped: {e.name} is not importable (ds2 never needs torch or transformers)")
+        return None
+    try:
+        return time_hf(torch, transformers, path, prompt_lengths, context, steps, repeats)
+    except Exception as e:  # noqa: BLE001  (a third-party stack: report whatever it raised)
+        console.warn(f"--compare-hf failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        return None
+
+
+def time_hf(torch, transformers, path: Path, prompt_lengths: list[int], context: int, steps: int,
+            repeats: int) -> dict:
+    """Prefill at each prompt length, then decode `steps` tokens after `context` cached ones.
+    (transformers computes logits at every prompt position; ds2 at the last one only.)"""
+    t0 = time.perf_counter()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    result = {"transformers": transformers.__version__, "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "load_s": time.perf_counter() - t0, "prefill": []}
+    vocab = hf.config.vocab_size
+    with torch.inference_mode():
+        for tokens in prompt_lengths:
+            console.info(f"hf prefill {tokens} tokens x {repeats}")
+            ids = [torch.randint(vocab, (1, tokens)) for _ in range(repeats)]
+            samples = [tokens / seconds(lambda: hf(x, use_cache=True)) for x in ids]
+            result["prefill"].append({"tokens": tokens, "tok_per_s": summary(samples)})
+        samples = []
+        for _ in range(repeats):
+            past = hf(torch.randint(vocab, (1, context)), use_cache=True).past_key_values
+            ids = torch.randint(vocab, (steps, 1, 1))
+            t0 = time.perf_counter()
+            for x in ids:
+                past = hf(x, past_key_values=past, use_cache=True).past_key_values
+            samples.append(steps / (time.perf_counter() - t0))
+        result["decode"] = {"context": context, "tok_per_s": summary(samples)}
+    return result
+
+
+# ---- the command ----
+
+def check_settings(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: list[int], steps: int) -> None:
+    limit = cfg.max_position_embeddings
+    if max(prompt_lengths) > limit:
+        raise BenchError(f"--prompt-lengths {max(prompt_lengths)} is longer than the model's "
+                         f"max_position_embeddings ({limit})")
+    if max(contexts) + steps > limit:
+        raise BenchError(f"--contexts {max(contexts)} plus --decode-steps {steps} go past the model's "
+                         f"max_position_embeddings ({limit})")
+
+
+def probe_machine() -> dict:
+    console.info("probing memory bandwidth and GEMM throughput")
+    return {"matvec": {"shape": [MATVEC_N, MATVEC_N], "gb_per_s": probe_matvec(PROBE_RUNS)},
+            "gemm": {name: {"shape": list(shape), "gflop_per_s": probe_gemm(*shape, PROBE_RUNS)}
+                     for name, shape in GEMM_SHAPES.items()}}
+
+
+def memory_section(model: Model, cache_tokens: int) -> dict:
+    """Peak RSS so far against what must be resident: the float32 weights and the largest cache."""
+    weights = weight_nbytes(model)
+    cache = cache_tokens * model.new_cache(1).bytes_per_token
+    rss = peak_rss_bytes()
+    return {"peak_rss_bytes": rss, "float32_weight_bytes": weights, "cache_bytes": cache,
+            "rss_ratio": rss / (weights + cache)}
+
+
+def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[int], contexts: list[int],
+              steps: int, hf: bool) -> dict:
+    rng = np.random.default_rng(0)
+    probes = probe_machine()
+    model, load_s = time_load(path, repeats)
+    warm = min(prompt_lengths)  # one untimed forward first, as llama-bench does
+    model.forward(rng.integers(model.config.vocab_size, size=warm), model.new_cache(warm))
+    prefill = [bench_prefill(model, tokens, repeats, rng) for tokens in prompt_lengths]
+    decode = bench_decode(model, contexts, steps, repeats, rng)
+    cfg = model.config
+    report = {
+        "model": {"path": str(path), "synthetic": synthetic, "num_hidden_layers": cfg.num_hidden_layers,
+                  "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                  "params": weight_nbytes(model) // model.lm_head.itemsize,
+                  "float32_weight_bytes": weight_nbytes(model)},
+        "machine": machine_info(),
+        "settings": {"repeats": repeats, "prompt_lengths": prompt_lengths, "contexts": contexts,
+                     "decode_steps": steps},
+        "probes": probes, "load_s": load_s, "prefill": prefill, "decode": decode,
+        "memory": memory_section(model, max(max(contexts) + steps, max(prompt_lengths))),
+    }
+    if hf:
+        del model  # transformers' copy must not sit beside ours
+        gc.collect()
+        report["compare_hf"] = compare_hf(path, prompt_lengths, min(contexts), steps, repeats)
+    return report
+
+
+def parse_counts(ctx, param, value: str) -> list[int]:
+    """click callback: "128,1024,4096" -> [128, 1024, 4096]."""
+    try:
+        counts = sorted({int(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated whole numbers, got {value!r}") from None
+    if not counts or counts[0] < 1:
+        raise click.BadParameter(f"expected positive token counts, got {value!r}")
+    return counts
+
+
+@click.command("bench")
+@click.option("-m", "--model", "model_dir", type=click.Path(path_type=Path),
+              help="Benchmark this checkpoint directory instead of the synthetic DeepSeek-V2-Lite slice.")
+@click.option("--layers", type=click.IntRange(1, LITE_LAYERS),
+              help=f"Layers of the synthetic DeepSeek-V2-Lite slice.  [default: {DEFAULT_LAYERS}]")
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), envvar="DS2_BENCH_DIR",
+              show_envvar=True, help="Where synthetic checkpoints are kept.  [default: ~/.cache/ds2/bench]")
+@click.option("-r", "--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs of each measurement (min, median and max are reported).")
+@click.option("-p", "--prompt-lengths", default="16,512", show_default=True, callback=parse_counts,
+              help="Prefill sizes in tokens, comma-separated.")
+@click.option("-c", "--contexts", default="128,1024,4096", show_default=True, callback=parse_counts,
+              help="Cached tokens to decode after, comma-separated.")
+@click.option("-n", "--decode-steps", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Single-token steps timed at each context.")
+@click.option("--compare-hf", is_flag=True,
+              help="Also time Hugging Face transformers on the same checkpoint (where torch and "
+                   "transformers are installed).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object with every figure instead of the table.")
+def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, compare_hf, as_json):
+    """Measure load, prefill and decode speed, and compare them with what this machine's memory
+    bandwidth and float32 GEMM can do.
+
+    Without --model, the first run synthesises a checkpoint with DeepSeek-V2-Lite's exact layer
+    shapes, --layers deep, with random bf16 weights (about 1.1 GB of disk a layer), and later
+    runs reuse it. Progress goes to stderr; the table (or --json) to stdout."""
+    if model_dir is not None and layers is not None:
+        raise BenchError("--layers sets the depth of the synthetic checkpoint; it cannot be used with --model")
+    if model_dir is None:
+        cfg = DeepseekV2Config.from_dict(lite_config(layers or DEFAULT_LAYERS))
+    else:
+        model_dir = check_model_dir(model_dir)
+        cfg = DeepseekV2Config.from_file(model_dir / "config.json")
+    check_settings(cfg, prompt_lengths, contexts, decode_steps)
+    check_memory(cfg)
+    path = model_dir or synthetic_model(cache_dir or Path("~/.cache/ds2/bench"), layers or DEFAULT_LAYERS)
+    report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        from rich.console import Console
+        render(report, Console())
+
+
+# ---- the table ----
+
+def render(report: dict, out) -> None:
+    from rich import box
+    from rich.table import Table
+    m = report["model"]
+    table = Table(title=f"ds2 bench: {m['path']}\n{m['num_hidden_layers']} layers, "
+                        f"{m['params'] / 1e9:.2f} B params, {m['float32_weight_bytes'] / 1e9:.2f} GB as float32",
+                  caption=machine_line(report["machine"]), box=box.SIMPLE_HEAD)
+    for name in ("test", "median", "min", "derived", "vs probe beside it"):
+        table.add_column(name, no_wrap=name == "test", justify="right" if name in ("median", "min") else "left")
+    for row in table_rows(report):
+        table.add_row(*row)
+    out.print(table)
+
+
+def stat_cells(s: dict, fmt: str) -> list[str]:
+    return [format(s["median"], fmt), format(s["min"], fmt)]
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    p = report["probes"]
+    rows = [["matvec GB/s", *stat_cells(p["matvec"]["gb_per_s"], ".1f"),
+             "{}x{} float32".format(*p["matvec"]["shape"]), ""]]
+    rows += [[f"gemm {name} GFLOP/s", *stat_cells(g["gflop_per_s"], ".1f"), "{}x{}x{}".format(*g["shape"]), ""]
+             for name, g in p["gemm"].items()]
+    rows.append(["load s", *stat_cells(report["load_s"], ".2f"), "", ""])
+    rows += [[f"pp{r['tokens']} tok/s", *stat_cells(r["tok_per_s"], ".2f"),
+              f"{r['gflop_per_s']['median']:.1f} GFLOP/s, {r['weight_gb_per_s']:.1f} GB/s",
+              f"{r['gemm_ratio']:.0%} of {r['probes']['gemm_gflop_per_s']['median']:.0f} GFLOP/s, "
+              f"{r['matvec_ratio']:.0%} of {r['probes']['matvec_gb_per_s']['median']:.1f} GB/s"]
+             for r in report["prefill"]]
+    rows += [[f"tg @ {r['context']} tok/s", *stat_cells(r["tok_per_s"], ".2f"),
+              f"{r['bytes_per_token'] / 1e6:.0f} MB/tok, {r['gb_per_s']:.1f} GB/s",
+              f"{r['matvec_ratio']:.0%} of {r['probes']['matvec_gb_per_s']['median']:.1f} GB/s"]
+             for r in report["decode"]]
+    mem = report["memory"]
+    rows.append(["peak RSS GB", f"{mem['peak_rss_bytes'] / 1e9:.2f}", "",
+                 f"weights {mem['float32_weight_bytes'] / 1e9:.2f} + cache {mem['cache_bytes'] / 1e9:.2f}",
+                 f"{mem['rss_ratio']:.2f}x those"])
+    return rows + hf_rows(report.get("compare_hf"))
+
+
+def hf_rows(hf: dict | None) -> list[list[str]]:
+    if not hf:
+        return []
+    rows = [[f"hf pp{r['tokens']} tok/s", *stat_cells(r["tok_per_s"], ".2f"), "transformers", ""]
+            for r in hf["prefill"]]
+    d = hf["decode"]
+    return rows + [[f"hf tg @ {d['context']} tok/s", *stat_cells(d["tok_per_s"], ".2f"), "transformers", ""]]
+
+
+def machine_line(machine: dict) -> str:
+    blas = [f"{lib['internal_api']} {lib['version']} ({lib['num_threads']} threads)"
+            for lib in machine["blas"] or [] if lib.get("user_api") == "blas"]
+    return (f"{machine['cpus_usable']} of {machine['cpu_count']} CPUs, numpy {machine['numpy']}"
+            + (", " + ", ".join(blas) if blas else ""))

@@ -1,0 +1,20 @@
+"""Shared fixtures: writable copies of the bundled and reference checkpoints, to break in tmp_path."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ds2cli.model import bundled_model_dir
+
+REFERENCE = Path(__file__).parent / "data" / "reference"
+
+
+@pytest.fixture
+def checkpoint_copy(tmp_path):
+    """`checkpoint_copy("plain_rope_tied_fp16")` -> a copy of that reference case in tmp_path
+    (without ref.npz); `checkpoint_copy("ds2-tiny")` copies the bundled model."""
+    def copy(case: str) -> Path:
+        src = bundled_model_dir() if case == "ds2-tiny" else REFERENCE / case
+        return Path(shutil.copytree(src, tmp_path / case, ignore=shutil.ignore_patterns("ref.npz")))
+    return copy
