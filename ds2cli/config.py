@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ds2cli.errors import ConfigError
+from ds2cli.errors import ConfigError, Ds2Error
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2",)
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -84,15 +84,7 @@ class DeepseekV2Config:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"no config.json in {path.parent}")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except JSON_ERRORS as e:
-            raise ConfigError(f"{path} is not valid JSON: {json_error(e)}") from None
-        except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{path} must hold a JSON object, not {type(d).__name__}")
-        return _parse(d)
+        return _parse(read_json_object(path, ConfigError))
 
 
 # What json.loads raises on untrusted text: JSONDecodeError, UnicodeDecodeError and an integer of
@@ -107,6 +99,19 @@ def json_error(e: BaseException) -> str:
     if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
         return str(e)
     return "a number has too many digits"
+
+
+def read_json_object(path: Path, error: type[Ds2Error]) -> dict:
+    """An untrusted JSON file that must hold an object; any failure raises `error` in one line."""
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except JSON_ERRORS as e:
+        raise error(f"{path} is not valid JSON: {json_error(e)}") from None
+    except OSError as e:
+        raise error(f"cannot read {path}: {e.strerror}") from None
+    if not isinstance(d, dict):
+        raise error(f"{path} must hold a JSON object, not {type(d).__name__}")
+    return d
 
 
 # Far beyond any real checkpoint (DeepSeek-V3 has 61 layers); a hostile count must not make

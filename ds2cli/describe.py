@@ -16,7 +16,6 @@ so lm_head (or the tied embedding standing in for it) is counted once.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from rich.table import Table
 
 from ds2cli import checkpoint, rope
 from ds2cli.checkpoint import TensorInfo
-from ds2cli.config import JSON_ERRORS, DeepseekV2Config, json_error
+from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import Ds2Error
 from ds2cli.model import check_model_dir, read_generation_config
 
@@ -224,14 +223,9 @@ def _read_json(path: Path) -> tuple[dict | None, list[str]]:
     if not path.is_file():
         return None, []
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except JSON_ERRORS as e:
-        return None, [f"{path.name} is not valid JSON: {json_error(e)}"]
-    except OSError as e:
-        return None, [f"cannot read {path.name}: {e.strerror}"]
-    if not isinstance(d, dict):
-        return None, [f"{path.name} must hold a JSON object"]
-    return d, []
+        return read_json_object(path, Ds2Error), []
+    except Ds2Error as e:
+        return None, [str(e)]
 
 
 def _generation_config(model_dir: Path) -> tuple[dict, list[str]]:

@@ -3,7 +3,6 @@ embed -> blocks (MLA + dense MLP or MoE) -> norm -> lm_head over a LatentCache."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -12,7 +11,7 @@ import numpy as np
 from ds2cli import checkpoint, rope
 from ds2cli.attention import mla, rms_norm
 from ds2cli.cache import LatentCache
-from ds2cli.config import JSON_ERRORS, DeepseekV2Config, json_error
+from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import ConfigError, Ds2Error
 from ds2cli.moe import moe, swiglu
 from ds2cli.tokenizer import Tokenizer
@@ -41,15 +40,7 @@ def read_generation_config(model_dir: Path) -> dict:
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except JSON_ERRORS as e:
-        raise ConfigError(f"{path} is not valid JSON: {json_error(e)}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return d
+    return read_json_object(path, ConfigError)
 
 
 def layer_tensor_names(names: list[str], i: int) -> list[str]:

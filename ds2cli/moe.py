@@ -51,7 +51,6 @@ def route(x: np.ndarray, gate: np.ndarray, cfg: DeepseekV2Config) -> tuple[np.nd
 
 def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config) -> np.ndarray:
     """Run only the experts the gate selected, each once over the tokens routed to it."""
-    T = len(x)
     idx, weight = route(x, w["gate"], cfg)                                  # (T, k)
     k = idx.shape[1]
     flat = idx.ravel()

@@ -20,7 +20,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ds2cli.config import JSON_ERRORS, json_error
+from ds2cli.config import read_json_object
 from ds2cli.errors import TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -196,15 +196,7 @@ def _read_config(path: Path) -> dict:
     """tokenizer_config.json as a dict; {} when absent (every field has a default)."""
     if not path.exists():
         return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except JSON_ERRORS as exc:
-        raise TokenizerError(f"{path} is not valid JSON: {_one_line(json_error(exc))}") from exc
-    except OSError as exc:
-        raise TokenizerError(f"cannot read {path}: {_one_line(str(exc))}") from exc
-    if not isinstance(config, dict):
-        raise TokenizerError(f"{path} must hold a JSON object, not {type(config).__name__}")
-    return config
+    return read_json_object(path, TokenizerError)
 
 
 def _special_token(config: dict, field: str, backend: tokenizers.Tokenizer,

@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 from click.testing import CliRunner
 
 import ds2cli
