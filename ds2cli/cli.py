@@ -332,3 +332,9 @@ def inspect(directory, model_dir, as_json, check):
     if report["problems"]:
         n = len(report["problems"])
         raise Ds2Error(f"the checkpoint has {n} problem{'s' * (n > 1)} (listed above); first: {report['problems'][0]}")
+
+
+# The benchmark is a tool of its own (synthesis, probes, accounting): it lives in bench.py.
+from ds2cli.bench import bench  # noqa: E402
+
+main.add_command(bench)

@@ -1,0 +1,246 @@
+"""`ds2 bench`: the figures it reports on ds2-tiny, its byte and FLOP accounting against counts
+made here from the config, and the synthetic checkpoint it writes."""
+
+import json
+import math
+import sys
+from collections import namedtuple
+
+import ml_dtypes
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import ds2cli
+from ds2cli import bench as bench_module
+from ds2cli import checkpoint
+from ds2cli.bench import BenchError, bench, lite_config, synthesise
+from ds2cli.config import DeepseekV2Config
+from ds2cli.model import bundled_model_dir
+
+TINY_ARGS = ["--repeats", "1", "--contexts", "16,64", "--prompt-lengths", "4,16", "--decode-steps", "2", "--json"]
+
+
+def run_bench(*args):
+    return CliRunner().invoke(bench, ["-m", str(bundled_model_dir()), *args])
+
+
+def small_probes(mp):
+    """Probe matrices of a few MB: the tests check the accounting, not this machine."""
+    mp.setattr(bench_module, "MATVEC_N", 1024)
+    mp.setattr(bench_module, "GEMM_SHAPES", {"prefill": (64, 256, 256), "expert": (8, 256, 352)})
+
+
+@pytest.fixture(scope="module")
+def report():
+    with pytest.MonkeyPatch.context() as mp:
+        small_probes(mp)
+        result = run_bench(*TINY_ARGS)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return DeepseekV2Config.from_file(bundled_model_dir() / "config.json")
+
+
+def numbers(x):
+    """Every number inside a JSON value (bools aside)."""
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in numbers(v)]
+    if isinstance(x, list):
+        return [n for v in x for n in numbers(v)]
+    return [x] if isinstance(x, (int, float)) and not isinstance(x, bool) else []
+
+
+def test_every_figure_is_there_positive_and_finite(report):
+    assert report["settings"] == {"repeats": 1, "prompt_lengths": [4, 16], "contexts": [16, 64],
+                                  "decode_steps": 2}
+    assert [p["tokens"] for p in report["prefill"]] == [4, 16]
+    assert [d["context"] for d in report["decode"]] == [16, 64]
+    probes = [report["probes"]["matvec"]["gb_per_s"],
+              *(g["gflop_per_s"] for g in report["probes"]["gemm"].values())]
+    measured = [report["load_s"], *(p[k] for p in report["prefill"] for k in ("tok_per_s", "gflop_per_s")),
+                *(d["tok_per_s"] for d in report["decode"])]
+    beside = [point["probes"][k] for point in report["prefill"] + report["decode"]
+              for k in ("matvec_gb_per_s", "gemm_gflop_per_s")]
+    for s in probes + beside + measured:
+        assert set(s) == {"min", "median", "max", "runs"}
+        assert s["min"] <= s["median"] <= s["max"]
+    assert all(len(s["runs"]) == 1 for s in measured)
+    assert all(len(s["runs"]) == bench_module.PROBE_RUNS for s in probes)
+    for key in ("gflop", "gemm_ratio", "routed_experts", "weight_bytes", "weight_gb_per_s", "matvec_ratio"):
+        assert all(key in p for p in report["prefill"])
+    for key in ("routed_experts_per_step", "weight_bytes_per_token", "cache_bytes_per_token",
+                "bytes_per_token", "gb_per_s", "matvec_ratio"):
+        assert all(key in d for d in report["decode"])
+    assert set(report["memory"]) == {"peak_rss_bytes", "float32_weight_bytes", "cache_bytes", "rss_ratio"}
+    figures = numbers([report[k] for k in ("probes", "load_s", "prefill", "decode", "memory", "model")])
+    assert figures and all(math.isfinite(n) and n > 0 for n in figures)
+    assert report["machine"]["cpu_count"] >= 1 and report["machine"]["numpy"] == np.__version__
+
+
+Dims = namedtuple("Dims", "D V H d R C v")
+
+
+def dims(cfg):
+    return Dims(cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim)
+
+
+def attention_params(cfg):
+    D, V, H, d, R, C, v = dims(cfg)
+    q = cfg.q_lora_rank * D + cfg.q_lora_rank + H * (d + R) * cfg.q_lora_rank  # q_a_proj, q_a_layernorm, q_b
+    return q + (C + R) * D + C + H * (d + v) * C + D * H * v  # kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+
+
+def weight_params(cfg, routed_experts, tokens=1):
+    """Parameters one forward reads when its gates picked `routed_experts` distinct routed experts
+    over all MoE layers, counted here from the config."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    expert = 3 * cfg.moe_intermediate_size * D
+    return (tokens * D + D + V * D                                       # embedding rows, norm, lm_head
+            + cfg.num_hidden_layers * (2 * D + attention_params(cfg))    # layer norms, attention
+            + cfg.first_k_dense_replace * 3 * cfg.intermediate_size * D
+            + moe_layers * (cfg.n_routed_experts * D + cfg.n_shared_experts * expert)  # router, shared
+            + routed_experts * expert)
+
+
+def test_decode_weight_bytes_match_a_count_from_the_config(report, tiny):
+    moe_layers = tiny.num_hidden_layers - tiny.first_k_dense_replace
+    for point in report["decode"]:
+        # one token picks num_experts_per_tok distinct experts in every MoE layer
+        assert point["routed_experts_per_step"] == moe_layers * tiny.num_experts_per_tok
+        assert point["weight_bytes_per_token"] == 4 * weight_params(tiny, point["routed_experts_per_step"])
+        # steps at positions context .. context+1 attend to context+1 and context+2 positions
+        cache = 4 * tiny.num_hidden_layers * (tiny.kv_lora_rank + tiny.qk_rope_head_dim) * (point["context"] + 1.5)
+        assert point["cache_bytes_per_token"] == cache
+        assert point["gb_per_s"] == pytest.approx(point["bytes_per_token"] * point["tok_per_s"]["median"] / 1e9)
+
+
+def test_prefill_weight_bytes_count_each_picked_expert_once(report, tiny):
+    moe_layers = tiny.num_hidden_layers - tiny.first_k_dense_replace
+    for point in report["prefill"]:
+        T = point["tokens"]
+        assert moe_layers * tiny.num_experts_per_tok < point["routed_experts"]
+        assert point["routed_experts"] <= moe_layers * min(tiny.n_routed_experts, T * tiny.num_experts_per_tok)
+        assert point["weight_bytes"] == 4 * weight_params(tiny, point["routed_experts"], T)
+
+
+def test_prefill_flops_match_a_count_from_the_config(report, tiny):
+    D, V, H, d, R, C, v = dims(tiny)
+    matrices = lambda width: 3 * width * D  # noqa: E731  (gate, up and down projections)
+    per_token = (tiny.num_hidden_layers * (attention_params(tiny) - tiny.q_lora_rank - C)   # norms are no matrices
+                 + tiny.first_k_dense_replace * matrices(tiny.intermediate_size)
+                 + (tiny.num_hidden_layers - tiny.first_k_dense_replace)
+                 * (tiny.n_routed_experts * D + matrices(tiny.moe_intermediate_size)
+                    * (tiny.n_shared_experts + tiny.num_experts_per_tok)))
+    for point in report["prefill"]:
+        T = point["tokens"]
+        # beyond the projections, scores and context cost H*T*T*(2C+R) absorbed or H*T*T*(d+R+v) expanded
+        attention = tiny.num_hidden_layers * H * T * T * min(2 * C + R, d + R + v)
+        assert point["gflop"] * 1e9 == pytest.approx(2 * (T * per_token + attention + V * D), rel=1e-12)
+
+
+def test_bad_options_are_one_line_errors():
+    assert run_bench("--contexts", "12,abc").exit_code == 2
+    assert run_bench("--prompt-lengths", "0").exit_code == 2
+    for args, message in ((["--contexts", "1020"], "max_position_embeddings"),
+                          (["--prompt-lengths", "2000"], "max_position_embeddings"),
+                          (["--layers", "2"], "--layers")):
+        result = run_bench(*args)
+        assert isinstance(result.exception, BenchError) and message in str(result.exception)
+        assert "\n" not in str(result.exception)
+
+
+def test_compare_hf_is_skipped_with_a_note_without_torch(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail, installed or not
+    assert bench_module.compare_hf(bundled_model_dir(), [4], 8, 1, 1) is None
+    err = capsys.readouterr().err
+    assert "--compare-hf skipped: torch is not importable" in err and err.count("\n") == 1
+
+
+def small_config():
+    """DeepSeek-V2-Lite's structure (plain q_proj, 2 shared experts, YaRN) at toy sizes; the vocab
+    stays 4096 because the synthetic checkpoint ships ds2-tiny's 4096-token tokenizer."""
+    return {**lite_config(2), "vocab_size": 4096, "hidden_size": 64, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+            "v_head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8,
+            "num_experts_per_tok": 2}
+
+
+def test_synthesised_checkpoint_loads_and_runs(tmp_path):
+    target = synthesise(tmp_path / "small", small_config(), shard_bytes=300_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small"]  # no partial folder left behind
+    cfg = DeepseekV2Config.from_file(target / "config.json")
+    tensors = checkpoint.validate(cfg, target)
+    assert set(tensors) == set(checkpoint.expected_shapes(cfg))
+    assert {t.dtype for t in tensors.values()} == {"BF16"}
+    assert len(checkpoint.shard_files(target)) > 1
+    with safe_open(str(target / tensors["model.norm.weight"].file.name), framework="numpy") as f:
+        assert f.get_tensor("model.norm.weight").dtype == ml_dtypes.bfloat16
+    with safe_open(str(tensors["lm_head.weight"].file), framework="numpy") as f:
+        lm_head = f.get_tensor("lm_head.weight").astype(np.float32)
+    assert lm_head.std() == pytest.approx(0.02, rel=0.02) and abs(lm_head.mean()) < 1e-3
+    model = ds2cli.load(target)
+    assert np.all(model.norm == 1) and model.config.q_lora_rank is None
+    logits = model.forward(np.arange(40), model.new_cache(40), all_logits=True)
+    assert logits.shape == (40, 4096) and np.isfinite(logits).all()
+
+
+def test_synthesis_is_seeded(tmp_path):
+    a = synthesise(tmp_path / "a", small_config())
+    b = synthesise(tmp_path / "b", small_config(), shard_bytes=300_000)
+    ta, tb = checkpoint.read_headers(a), checkpoint.read_headers(b)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    [(_, wa)], [(_, wb)] = checkpoint.iter_float32(ta, [name]), checkpoint.iter_float32(tb, [name])
+    np.testing.assert_array_equal(wa, wb)
+
+
+def test_interrupted_synthesis_leaves_nothing_to_reuse(tmp_path, monkeypatch):
+    def fail(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_module, "write_shard", fail)
+    with pytest.raises(KeyboardInterrupt):
+        synthesise(tmp_path / "small", small_config())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_partial_folders_are_removed(tmp_path):
+    stale = tmp_path / ".small.partial-999999999"  # above any pid_max: that process is gone
+    stale.mkdir()
+    synthesise(tmp_path / "small", small_config())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small"]
+
+
+def test_not_enough_disk_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_module.shutil, "disk_usage", lambda path: namedtuple("U", "free")(10**6))
+    with pytest.raises(BenchError, match="not enough disk"):
+        synthesise(tmp_path / "small", small_config())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_default_target_is_the_synthetic_lite_slice(tmp_path, monkeypatch):
+    """Without --model, bench synthesises into DS2_BENCH_DIR once, then reuses it."""
+    made = []
+
+    def fake_synthesise(target, config):
+        made.append(config)
+        return synthesise(target, small_config())
+
+    monkeypatch.setattr(bench_module, "synthesise", fake_synthesise)
+    small_probes(monkeypatch)
+    args = ["--layers", "2", "--repeats", "1", "--contexts", "8", "--prompt-lengths", "4", "--decode-steps", "1",
+            "--json"]
+    for _ in range(2):
+        result = CliRunner().invoke(bench, args, env={"DS2_BENCH_DIR": str(tmp_path)})
+        assert result.exit_code == 0, result.output
+    assert len(made) == 1
+    assert made[0]["num_hidden_layers"] == 2 and made[0]["hidden_size"] == 2048
+    report = json.loads(result.stdout)
+    assert report["model"]["synthetic"] and report["model"]["hidden_size"] == 64
+    assert report["model"]["path"] == str(tmp_path / "deepseek-v2-lite-2-layers")
