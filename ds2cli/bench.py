@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import json
 import math
 import os
@@ -433,7 +434,7 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
 
 # ---- the optional comparison with Hugging Face transformers ----
 
-def compare_hf(path: Path, prompt_lengths: list[int], context: int, steps: int, repeats: int) -> dict | None:
+def compare_hf(path: Path, prompt_lengths: list[int], contexts: list[int], steps: int, repeats: int) -> dict | None:
     """Time transformers (float32) on the same checkpoint where torch and transformers happen to
     be importable. Neither is a ds2 dependency; any failure on their side is a note, not an error."""
     try:
@@ -443,36 +444,45 @@ def compare_hf(path: Path, prompt_lengths: list[int], context: int, steps: int, 
         console.warn(f"--compare-hf skipped: {e.name} is not importable (ds2 never needs torch or transformers)")
         return None
     try:
-        return time_hf(torch, transformers, path, prompt_lengths, context, steps, repeats)
+        return time_hf(torch, transformers, path, prompt_lengths, contexts, steps, repeats)
     except Exception as e:  # noqa: BLE001  (a third-party stack: report whatever it raised)
         console.warn(f"--compare-hf failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
         return None
 
 
-def time_hf(torch, transformers, path: Path, prompt_lengths: list[int], context: int, steps: int,
+def time_hf(torch, transformers, path: Path, prompt_lengths: list[int], contexts: list[int], steps: int,
             repeats: int) -> dict:
-    """Prefill at each prompt length, then decode `steps` tokens after `context` cached ones.
-    (transformers computes logits at every prompt position; ds2 at the last one only.)"""
+    """Prefill at each prompt length, then decode `steps` tokens after each context. Logits are
+    asked for the last position only (logits_to_keep=1, where transformers offers it), as ds2
+    computes them, so that prefill compares like with like."""
     t0 = time.perf_counter()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     result = {"transformers": transformers.__version__, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "load_s": time.perf_counter() - t0, "prefill": []}
+              "threads": torch.get_num_threads(), "load_s": time.perf_counter() - t0,
+              "prefill": [], "decode": []}
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
+    result["logits_last_position_only"] = bool(last_only)
     vocab = hf.config.vocab_size
+
+    def run(ids, past=None):
+        return hf(ids, past_key_values=past, use_cache=True, **last_only).past_key_values
+
     with torch.inference_mode():
         for tokens in prompt_lengths:
             console.info(f"hf prefill {tokens} tokens x {repeats}")
-            ids = [torch.randint(vocab, (1, tokens)) for _ in range(repeats)]
-            samples = [tokens / seconds(lambda: hf(x, use_cache=True)) for x in ids]
+            samples = [tokens / seconds(lambda: run(torch.randint(vocab, (1, tokens)))) for _ in range(repeats)]
             result["prefill"].append({"tokens": tokens, "tok_per_s": summary(samples)})
-        samples = []
-        for _ in range(repeats):
-            past = hf(torch.randint(vocab, (1, context)), use_cache=True).past_key_values
-            ids = torch.randint(vocab, (steps, 1, 1))
-            t0 = time.perf_counter()
-            for x in ids:
-                past = hf(x, past_key_values=past, use_cache=True).past_key_values
-            samples.append(steps / (time.perf_counter() - t0))
-        result["decode"] = {"context": context, "tok_per_s": summary(samples)}
+        for context in contexts:
+            console.info(f"hf decode at context {context} x {repeats}")
+            samples = []
+            for _ in range(repeats):
+                past = run(torch.randint(vocab, (1, context)))
+                ids = torch.randint(vocab, (steps, 1, 1))
+                t0 = time.perf_counter()
+                for x in ids:
+                    past = run(x, past)
+                samples.append(steps / (time.perf_counter() - t0))
+            result["decode"].append({"context": context, "tok_per_s": summary(samples)})
     return result
 
 
@@ -528,7 +538,7 @@ def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[in
     if hf:
         del model  # transformers' copy must not sit beside ours
         gc.collect()
-        report["compare_hf"] = compare_hf(path, prompt_lengths, min(contexts), steps, repeats)
+        report["compare_hf"] = compare_hf(path, prompt_lengths, contexts, steps, repeats)
     return report
 
 
@@ -628,16 +638,23 @@ def table_rows(report: dict) -> list[list[str]]:
     rows.append(["peak RSS GB", f"{mem['peak_rss_bytes'] / 1e9:.2f}", "",
                  f"weights {mem['float32_weight_bytes'] / 1e9:.2f} + cache {mem['cache_bytes'] / 1e9:.2f}",
                  f"{mem['rss_ratio']:.2f}x those"])
-    return rows + hf_rows(report.get("compare_hf"))
+    return rows + hf_rows(report)
 
 
-def hf_rows(hf: dict | None) -> list[list[str]]:
+def hf_rows(report: dict) -> list[list[str]]:
+    """transformers' figures beside ds2's: the last column is ds2's median over transformers'."""
+    hf = report.get("compare_hf")
     if not hf:
         return []
-    rows = [[f"hf pp{r['tokens']} tok/s", *stat_cells(r["tok_per_s"], ".2f"), "transformers", ""]
-            for r in hf["prefill"]]
-    d = hf["decode"]
-    return rows + [[f"hf tg @ {d['context']} tok/s", *stat_cells(d["tok_per_s"], ".2f"), "transformers", ""]]
+    ours = {("pp", r["tokens"]): r for r in report["prefill"]} | {("tg", r["context"]): r for r in report["decode"]}
+    rows = []
+    for kind, key, runs in (("pp", "tokens", hf["prefill"]), ("tg", "context", hf["decode"])):
+        for r in runs:
+            name = f"hf pp{r[key]}" if kind == "pp" else f"hf tg @ {r[key]}"
+            mine = ours[(kind, r[key])]["tok_per_s"]["median"]
+            rows.append([f"{name} tok/s", *stat_cells(r["tok_per_s"], ".2f"), f"transformers {hf['transformers']}",
+                         f"ds2 {mine / r['tok_per_s']['median']:.2f}x"])
+    return rows
 
 
 def machine_line(machine: dict) -> str:

@@ -256,9 +256,9 @@ def validate(cfg: DeepseekV2Config, model_dir: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def iter_float32(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, float32 array) for `names`, one tensor at a time, so that only one tensor's
-    file bytes are ever held beside the float32 copies (the files are memory-mapped)."""
+def iter_tensors(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, array in its stored dtype) for `names`, one tensor at a time: the files are
+    memory-mapped, so only the tensor being handed out is ever held in memory."""
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(tensors[name].file, []).append(name)
@@ -266,8 +266,13 @@ def iter_float32(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[t
         try:
             with safe_open(str(path), framework="numpy") as f:
                 for name in group:
-                    yield name, np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
+                    yield name, f.get_tensor(name)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own types; report them as ours
             raise CheckpointError(f"{path.name}: cannot read tensors: {e}") from None
+
+
+def iter_float32(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    for name, array in iter_tensors(tensors, names):
+        yield name, np.ascontiguousarray(array, dtype=np.float32)

@@ -69,24 +69,37 @@ def prepare_attention(t: dict, cfg: DeepseekV2Config) -> dict:
     return w
 
 
-def fuse_gate_up(t: dict, prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    gate_up = np.concatenate([t.pop(prefix + "gate_proj"), t.pop(prefix + "up_proj")])
-    return gate_up, t.pop(prefix + "down_proj")                             # (2I, D), (D, I)
+def mlp_slots(cfg: DeepseekV2Config, i: int) -> tuple[dict, dict]:
+    """Layer i's fused MLP arrays, preallocated, and where each checkpoint tensor goes in them.
 
+    gate_proj fills the first half of a (2I, D) gate_up matrix and up_proj the second, so one
+    matmul computes both; every expert sits in one (E, 2I, D) / (E, D, I) pair. Each stored
+    tensor is converted to float32 straight into its slot: no per-layer float32 copy of the
+    experts exists beside the stacked arrays, which keeps the load's peak memory near the
+    weights' own size."""
+    D, w, slots = cfg.hidden_size, {}, {}
 
-def prepare_mlp(t: dict, cfg: DeepseekV2Config, i: int) -> dict:
+    def fuse(prefix: str, gate_up: str, down: str, inter: int, lead: tuple = ()) -> None:
+        slots[prefix + "gate_proj"] = (w[gate_up], lead + (slice(0, inter),))
+        slots[prefix + "up_proj"] = (w[gate_up], lead + (slice(inter, 2 * inter),))
+        slots[prefix + "down_proj"] = (w[down], lead)
+
     if not cfg.is_moe_layer(i):
-        gate_up, down = fuse_gate_up(t, "")
-        return {"gate_up": gate_up, "down_proj": down}
-    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    w = {"gate": t.pop("gate"),
-         "experts_gate_up": np.empty((E, 2 * I, D), np.float32),
-         "experts_down": np.empty((E, D, I), np.float32)}
+        inter = cfg.intermediate_size
+        w.update(gate_up=np.empty((2 * inter, D), np.float32), down_proj=np.empty((D, inter), np.float32))
+        fuse("", "gate_up", "down_proj", inter)
+        return w, slots
+    E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    w.update(experts_gate_up=np.empty((E, 2 * inter, D), np.float32),
+             experts_down=np.empty((E, D, inter), np.float32))
     for e in range(E):
-        w["experts_gate_up"][e], w["experts_down"][e] = fuse_gate_up(t, f"experts.{e}.")
+        fuse(f"experts.{e}.", "experts_gate_up", "experts_down", inter, (e,))
     if cfg.n_shared_experts:
-        w["shared_gate_up"], w["shared_down"] = fuse_gate_up(t, "shared_experts.")
-    return w
+        shared = inter * cfg.n_shared_experts
+        w.update(shared_gate_up=np.empty((2 * shared, D), np.float32),
+                 shared_down=np.empty((D, shared), np.float32))
+        fuse("shared_experts.", "shared_gate_up", "shared_down", shared)
+    return w, slots
 
 
 def strip(name: str, prefix: str) -> str:
@@ -97,11 +110,21 @@ def strip(name: str, prefix: str) -> str:
 def load_layer(tensors, cfg: DeepseekV2Config, i: int) -> dict:
     prefix = f"model.layers.{i}."
     names = [n for n in layer_tensor_names(list(tensors), i) if not n.endswith(checkpoint.IGNORED_SUFFIXES)]
-    t = {strip(n, prefix): a for n, a in checkpoint.iter_float32(tensors, names)}
+    mlp, slots = mlp_slots(cfg, i)
+    t = {}
+    for name, array in checkpoint.iter_tensors(tensors, names):
+        key = strip(name, prefix)
+        if key in slots:
+            dst, index = slots[key]
+            dst[index] = array                   # converts to float32 in place
+        else:
+            t[key] = np.ascontiguousarray(array, dtype=np.float32)
+    if "gate" in t:
+        mlp["gate"] = t.pop("gate")
     return {"input_layernorm": t.pop("input_layernorm"),
             "post_attention_layernorm": t.pop("post_attention_layernorm"),
             "attn": prepare_attention(t, cfg),
-            "mlp": prepare_mlp(t, cfg, i),
+            "mlp": mlp,
             "is_moe": cfg.is_moe_layer(i)}
 
 

@@ -158,7 +158,7 @@ def test_bad_options_are_one_line_errors():
 
 def test_compare_hf_is_skipped_with_a_note_without_torch(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail, installed or not
-    assert bench_module.compare_hf(bundled_model_dir(), [4], 8, 1, 1) is None
+    assert bench_module.compare_hf(bundled_model_dir(), [4], [8], 1, 1) is None
     err = capsys.readouterr().err
     assert "--compare-hf skipped: torch is not importable" in err and err.count("\n") == 1
 
