@@ -114,6 +114,9 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
         if len(generated) == max_new_tokens or cache.free == 0:
             break
         logits = check_logits(model.forward([token], cache))
-    tail = "" if reason == "stop" else stops.feed(decoder.flush())[0] + stops.flush()
+    tail = ""
+    if reason != "stop":  # held-back bytes or a held-back stop-string prefix may remain
+        tail, hit = stops.feed(decoder.flush())
+        tail, reason = (tail, "stop") if hit else (tail + stops.flush(), reason)
     yield Chunk(tail, None, reason, len(prompt_ids), len(generated), prefill_s,
                 time.perf_counter() - t1, generated)
