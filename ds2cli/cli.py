@@ -11,12 +11,14 @@ from pathlib import Path
 
 import click
 import numpy as np
+from rich.console import Console
 
 from ds2cli import __version__, console
 from ds2cli.chat import ChatSession, read_messages
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
-from ds2cli.model import Model, load
+from ds2cli.describe import describe, render
+from ds2cli.model import Model, bundled_model_dir, check_model_dir, load
 from ds2cli.sampling import SamplingParams, make_sampler
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -318,14 +320,11 @@ def run_command(session: ChatSession, line: str) -> bool:
 @click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data).")
 def inspect(directory, model_dir, as_json, check):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics."""
-    from ds2cli.describe import describe, render
-    from ds2cli.model import bundled_model_dir, check_model_dir
     path = check_model_dir(directory or model_dir or bundled_model_dir())
     report = describe(path, check=check)
     if as_json:
         write_out(json.dumps(report, ensure_ascii=False) + "\n")
     else:
-        from rich.console import Console
         render(report, Console())
     for warning in report.get("warnings", []):
         console.warn(warning)

@@ -43,9 +43,14 @@ def read_generation_config(model_dir: Path) -> dict:
     return read_json_object(path, ConfigError)
 
 
-def layer_tensor_names(names: list[str], i: int) -> list[str]:
-    prefix = f"model.layers.{i}."
-    return [n for n in names if n.startswith(prefix)]
+def names_by_layer(tensors, num_layers: int) -> list[list[str]]:
+    """Each layer's stored tensor names, found in one pass (a full V2 holds ~55k tensors)."""
+    layers: list[list[str]] = [[] for _ in range(num_layers)]
+    for name in tensors:
+        parts = name.split(".", 3)
+        if parts[:2] == ["model", "layers"] and not name.endswith(checkpoint.IGNORED_SUFFIXES):
+            layers[int(parts[2])].append(name)   # validate() has vouched for every layer index
+    return layers
 
 
 def prepare_attention(t: dict, cfg: DeepseekV2Config) -> dict:
@@ -107,9 +112,8 @@ def strip(name: str, prefix: str) -> str:
     return name[len(prefix):].removesuffix(".weight").removeprefix("self_attn.").removeprefix("mlp.")
 
 
-def load_layer(tensors, cfg: DeepseekV2Config, i: int) -> dict:
+def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int) -> dict:
     prefix = f"model.layers.{i}."
-    names = [n for n in layer_tensor_names(list(tensors), i) if not n.endswith(checkpoint.IGNORED_SUFFIXES)]
     mlp, slots = mlp_slots(cfg, i)
     t = {}
     for name, array in checkpoint.iter_tensors(tensors, names):
@@ -189,8 +193,8 @@ def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | No
     top = dict(checkpoint.iter_float32(tensors, [n for n in ("model.embed_tokens.weight", "model.norm.weight",
                                                              "lm_head.weight") if n in tensors]))
     layers = []
-    for i in range(cfg.num_hidden_layers):
-        layers.append(load_layer(tensors, cfg, i))
+    for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
+        layers.append(load_layer(tensors, names, cfg, i))
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
     embed = top["model.embed_tokens.weight"]
