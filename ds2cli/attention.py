@@ -67,7 +67,7 @@ def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray
     scores += k_pe @ q_pe.T
     scores *= np.float32(scale)
     if T > 1:
-        scores.reshape(S, H, T)[causal_mask(T, S).T[:, None, :].repeat(H, 1)] = -np.inf
+        scores.reshape(S, H, T)[np.broadcast_to(causal_mask(T, S).T[:, None, :], (S, H, T))] = -np.inf
     probs = softmax(np.ascontiguousarray(scores.T))                         # (H*T, S)
     ctx_lat = (latent.T @ probs.T).T.reshape(H, T, -1)                      # (H, T, C)
     return np.matmul(ctx_lat, w_uv).transpose(1, 0, 2)                      # (T, H, v)
