@@ -3,7 +3,8 @@
 Shape legend: T new tokens, S cached positions (including the new ones), H heads,
 C kv_lora_rank, R qk_rope_head_dim, d qk_nope_head_dim, v v_head_dim, D hidden size.
 
-Weights (prepared once at load by model.py, Hugging Face names kept):
+Weights (prepared once at load by model.py, Hugging Face names kept); the projections are
+weights you can multiply by (linear.py: float32 or low-bit, `w.matmul(x)` = x @ W.T):
   q_proj (H*(d+R), D)  or  q_a_proj (q_lora_rank, D), q_a_layernorm, q_b_proj (H*(d+R), q_lora_rank)
   kv_a_proj_with_mqa (C+R, D), kv_a_layernorm (C,), o_proj (D, H*v)
   w_uk (H, d, C), w_uv (H, C, v): kv_b_proj split per head, the MLA weight absorption
@@ -30,10 +31,10 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 def project_q(x: np.ndarray, w: dict, H: int, eps: float) -> np.ndarray:
     if "q_proj" in w:
-        q = x @ w["q_proj"].T                                               # (T, H*(d+R))
+        q = w["q_proj"].matmul(x)                                           # (T, H*(d+R))
     else:
-        q_a = rms_norm(x @ w["q_a_proj"].T, w["q_a_layernorm"], eps)        # (T, q_lora_rank)
-        q = q_a @ w["q_b_proj"].T                                           # (T, H*(d+R))
+        q_a = rms_norm(w["q_a_proj"].matmul(x), w["q_a_layernorm"], eps)    # (T, q_lora_rank)
+        q = w["q_b_proj"].matmul(q_a)                                       # (T, H*(d+R))
     return q.reshape(len(x), H, -1)                                         # (T, H, d+R)
 
 
@@ -95,7 +96,7 @@ def mla(x, w, latent_cache, k_pe_cache, start, cos, sin, H, eps, scale) -> np.nd
     q = project_q(x, w, H, eps)                                             # (T, H, d+R)
     d = w["w_uk"].shape[1]
     q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
-    kv = x @ w["kv_a_proj_with_mqa"].T                                      # (T, C+R)
+    kv = w["kv_a_proj_with_mqa"].matmul(x)                                  # (T, C+R)
     end = start + T
     latent_cache[start:end] = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)
     k_pe_cache[start:end] = apply_rope(kv[:, C:], cos, sin)
@@ -103,4 +104,4 @@ def mla(x, w, latent_cache, k_pe_cache, start, cos, sin, H, eps, scale) -> np.nd
     dims = (T, end, H, C, k_pe.shape[1], d, w["w_uv"].shape[2])
     attend = attend_absorbed if absorbed_cost(*dims) <= expanded_cost(*dims) else attend_expanded
     ctx = attend(q_nope, q_pe, latent, k_pe, w["w_uk"], w["w_uv"], scale)   # (T, H, v)
-    return ctx.reshape(T, -1) @ w["o_proj"].T                               # (T, D)
+    return w["o_proj"].matmul(ctx.reshape(T, -1))                           # (T, D)

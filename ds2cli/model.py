@@ -13,6 +13,7 @@ from ds2cli.attention import mla, rms_norm
 from ds2cli.cache import LatentCache
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import ConfigError, Ds2Error
+from ds2cli.linear import as_weight
 from ds2cli.moe import moe, swiglu
 from ds2cli.tokenizer import Tokenizer
 
@@ -107,6 +108,21 @@ def mlp_slots(cfg: DeepseekV2Config, i: int) -> tuple[dict, dict]:
     return w, slots
 
 
+# The weights of a prepared layer that are multiplied by (wrapped as linear.Dense, or stored
+# low-bit); everything else (norms, the router gate, w_uk and w_uv) stays a float32 array.
+PROJECTIONS = {"attn": ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"),
+               "mlp": ("gate_up", "down_proj", "experts_gate_up", "experts_down",
+                       "shared_gate_up", "shared_down")}
+
+
+def wrap_projections(layer: dict) -> dict:
+    for part, keys in PROJECTIONS.items():
+        for key in keys:
+            if key in layer[part]:
+                layer[part][key] = as_weight(layer[part][key])
+    return layer
+
+
 def strip(name: str, prefix: str) -> str:
     # "model.layers.3.self_attn.kv_b_proj.weight" -> "kv_b_proj"
     return name[len(prefix):].removesuffix(".weight").removeprefix("self_attn.").removeprefix("mlp.")
@@ -125,11 +141,11 @@ def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int) -> dict
             t[key] = np.ascontiguousarray(array, dtype=np.float32)
     if "gate" in t:
         mlp["gate"] = t.pop("gate")
-    return {"input_layernorm": t.pop("input_layernorm"),
-            "post_attention_layernorm": t.pop("post_attention_layernorm"),
-            "attn": prepare_attention(t, cfg),
-            "mlp": mlp,
-            "is_moe": cfg.is_moe_layer(i)}
+    return wrap_projections({"input_layernorm": t.pop("input_layernorm"),
+                             "post_attention_layernorm": t.pop("post_attention_layernorm"),
+                             "attn": prepare_attention(t, cfg),
+                             "mlp": mlp,
+                             "is_moe": cfg.is_moe_layer(i)})
 
 
 class Model:
@@ -141,9 +157,11 @@ class Model:
         self.tokenizer = tokenizer
         self.generation_config = generation_config or {}
         self.path = path
-        self.embed_tokens = weights["embed_tokens"]                          # (V, D)
+        self.embed_tokens = as_weight(weights["embed_tokens"])               # (V, D)
         self.norm = weights["norm"]                                          # (D,)
-        self.lm_head = weights["lm_head"]                                    # (V, D)
+        # a tied head is the embedding itself, one object
+        self.lm_head = (self.embed_tokens if weights["lm_head"] is weights["embed_tokens"]
+                        else as_weight(weights["lm_head"]))                  # (V, D)
         self.layers = weights["layers"]
         self.inv_freq = rope.inv_freq(config)                                # (R/2,)
         self.rope_scale = rope.cos_sin_scale(config.rope_scaling)
@@ -174,7 +192,7 @@ class Model:
         cache.check_room(len(ids))
         start = cache.length
         cos, sin = rope.cos_sin(np.arange(start, start + len(ids)), self.inv_freq, self.rope_scale)
-        x = self.embed_tokens[ids]                                           # (T, D)
+        x = self.embed_tokens.rows(ids)                                      # (T, D)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
             x = x + mla(h, layer["attn"], cache.latent[i], cache.k_pe[i], start, cos, sin,
@@ -184,7 +202,7 @@ class Model:
             x = x + (moe(h, w, cfg) if layer["is_moe"] else swiglu(h, w["gate_up"], w["down_proj"]))
         cache.length = start + len(ids)
         x = rms_norm(x if all_logits else x[-1:], self.norm, cfg.rms_norm_eps)
-        logits = x @ self.lm_head.T                                          # (T or 1, V)
+        logits = self.lm_head.matmul(x)                                      # (T or 1, V)
         return logits if all_logits else logits[0]
 
 

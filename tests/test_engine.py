@@ -99,9 +99,9 @@ def test_decode_attends_to_the_latent_without_reprojection():
     assert np.all(cache.latent[:, 4:] == 0) and np.abs(cache.latent[:, :4]).sum() > 0
     # layer 0 from scratch
     cfg, w = model.config, model.layers[0]
-    x = model.embed_tokens[[0, 74, 75, 76]]
+    x = model.embed_tokens.w[[0, 74, 75, 76]]
     h = attention.rms_norm(x, w["input_layernorm"], cfg.rms_norm_eps)
-    kv = h @ w["attn"]["kv_a_proj_with_mqa"].T
+    kv = h @ w["attn"]["kv_a_proj_with_mqa"].w.T
     np.testing.assert_allclose(cache.latent[0, :4], attention.rms_norm(kv[:, :64], w["attn"]["kv_a_layernorm"],
                                                                        cfg.rms_norm_eps), atol=1e-6)
 
