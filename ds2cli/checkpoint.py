@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import math
+import mmap
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +28,10 @@ DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
                "BOOL": 1}
 LOADABLE_DTYPES = ("F32", "F16", "BF16")
+# safetensors dtype name -> NumPy dtype, for the dtypes ds2 maps straight from the file
+NUMPY_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+                "BF16": np.dtype(ml_dtypes.bfloat16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
+                "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit ("header too large")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -40,6 +45,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     file: Path
     nbytes: int
+    offset: int = 0   # where the tensor's bytes start in the file
 
     @property
     def numel(self) -> int:
@@ -70,7 +76,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path.name}: header is not valid JSON: not a safetensors file") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name}: header is not a JSON object")
-    return _check_entries(path, header, data_len=size - 8 - n)
+    return _check_entries(path, header, data_len=size - 8 - n, file_len=size)
 
 
 def _check_entry(path: Path, name: str, e: object) -> tuple[str, tuple[int, ...], int, int]:
@@ -105,7 +111,7 @@ def _show_shape(shape: tuple[int, ...]) -> str:
     return f"[{', '.join(map(str, shape[:4]))}, ... ({len(shape)} dimensions)]"
 
 
-def _check_entries(path: Path, header: dict, data_len: int) -> dict[str, TensorInfo]:
+def _check_entries(path: Path, header: dict, data_len: int, file_len: int) -> dict[str, TensorInfo]:
     spans, infos = [], {}
     for name, e in header.items():
         if name == "__metadata__":
@@ -122,7 +128,7 @@ def _check_entries(path: Path, header: dict, data_len: int) -> dict[str, TensorI
             raise CheckpointError(f"{path.name}: tensor {name} occupies {end - begin} bytes but "
                                   f"{dtype} {_show_shape(shape)} needs {needs}")
         spans.append((begin, end, name))
-        infos[name] = TensorInfo(name, dtype, shape, path, nbytes)
+        infos[name] = TensorInfo(name, dtype, shape, path, nbytes, file_len - data_len + begin)
     _check_layout(path, sorted(spans), data_len)
     return infos
 
@@ -276,3 +282,25 @@ def iter_tensors(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[t
 def iter_float32(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
     for name, array in iter_tensors(tensors, names):
         yield name, np.ascontiguousarray(array, dtype=np.float32)
+
+
+class Mapped:
+    """Tensors as read-only views of memory-mapped files: nothing is copied or converted, and a
+    page is read from disk (or the page cache) only when the engine first touches it. The maps
+    stay open as long as any view of them lives (each array holds its map)."""
+
+    def __init__(self):
+        self.maps: dict[Path, mmap.mmap] = {}
+
+    def array(self, info: TensorInfo) -> np.ndarray:
+        if info.dtype not in NUMPY_DTYPES:
+            raise CheckpointError(f"tensor {info.name} has dtype {info.dtype}, which ds2 cannot map")
+        if info.file not in self.maps:
+            try:
+                with open(info.file, "rb") as f:
+                    self.maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"cannot map {info.file}: {getattr(e, 'strerror', None) or e}") from None
+        dtype = NUMPY_DTYPES[info.dtype]
+        return np.frombuffer(self.maps[info.file], dtype=dtype, count=info.numel,
+                             offset=info.offset).reshape(info.shape)

@@ -13,7 +13,7 @@ import click
 import numpy as np
 from rich.console import Console
 
-from ds2cli import __version__, console
+from ds2cli import __version__, console, memory
 from ds2cli.chat import ChatSession, read_messages
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
@@ -76,13 +76,31 @@ def sampling_options(f):
     return f
 
 
-def load_model(model_dir: Path | None) -> tuple[Model, float]:
+def memory_options(f):
+    options = [
+        click.option("--quantize", type=click.Choice(["8", "4", "auto"]),
+                     help="Quantize a float checkpoint to 8 or 4 bits as it loads (auto: float32 if it "
+                          "fits in memory, else the most precise format that does)."),
+        click.option("--no-memory-check", is_flag=True,
+                     help="Load even when the model looks too big for the memory available."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def load_model(model_dir: Path | None, quantize: str | None = None, context: int | None = None,
+               memory_check: bool = True) -> tuple[Model, float]:
+    """Load with a progress bar; `quantize` as --quantize gives it ("8", "4", "auto" or None)."""
     t0 = time.perf_counter()
     progress = console.LoadProgress()
+    bits = quantize if quantize in (None, "auto") else int(quantize)
     try:
-        model = load(model_dir, progress=progress)
+        model = load(model_dir, progress=progress, quantize=bits, context=context, memory_check=memory_check)
     finally:
         progress.close()
+    if quantize == "auto":
+        console.info(f"--quantize auto: loaded as {memory.label(model.quantization)}")
     return model, time.perf_counter() - t0
 
 
@@ -156,11 +174,12 @@ def quiet_broken_pipe() -> None:
 @click.option("--chat", is_flag=True, help="Wrap the prompt as one user turn of the chat template.")
 @click.option("--system", help="A system message (implies --chat).")
 @sampling_options
+@memory_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
-def generate(prompt, model_dir, prompt_file, encoding, chat, system, as_json, **opts):
+def generate(prompt, model_dir, prompt_file, encoding, chat, system, as_json, quantize, no_memory_check, **opts):
     """Generate a completion of PROMPT (or of stdin when PROMPT is omitted or "-")."""
     text = read_prompt(prompt, prompt_file, encoding)
-    model, load_s = load_model(model_dir)
+    model, load_s = load_model(model_dir, quantize, opts["ctx"], not no_memory_check)
     tok = model.tokenizer
     if chat or system:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
@@ -227,9 +246,10 @@ CHAT_HELP = """commands:
 @click.option("--load", "load_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Resume a conversation saved with /save.")
 @sampling_options
-def chat(model_dir, system, load_path, **opts):
+@memory_options
+def chat(model_dir, system, load_path, quantize, no_memory_check, **opts):
     """Chat with the model in a REPL. Reads lines from stdin when it is not a terminal."""
-    model, load_s = load_model(model_dir)
+    model, load_s = load_model(model_dir, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check)
     check_ctx(model, opts["ctx"])
     capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
     session = ChatSession(model, capacity, warn=console.warn)
@@ -331,6 +351,34 @@ def inspect(directory, model_dir, as_json, check):
     if report["problems"]:
         n = len(report["problems"])
         raise Ds2Error(f"the checkpoint has {n} problem{'s' * (n > 1)} (listed above); first: {report['problems'][0]}")
+
+
+@main.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--bits", type=click.Choice(["8", "4"]), required=True,
+              help="8: every matrix 8-bit. 4: MLPs and experts 4-bit, attention, embedding and lm_head 8-bit.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty.")
+@click.option("--json", "as_json", is_flag=True, help="Print a summary as one JSON object.")
+def quantize(src, dst, bits, force, as_json):
+    """Write a low-bit copy of checkpoint SRC into directory DST, one layer at a time.
+
+    DST is a checkpoint every ds2 command loads (-m DST), memory-mapped: it loads in about a
+    second and takes about a quarter (--bits 8) or a sixth (--bits 4) of the float32 memory."""
+    from ds2cli.quantize import quantize_checkpoint
+    progress = console.LoadProgress(delay=0, label="quantizing")
+    t0 = time.perf_counter()
+    try:
+        summary = quantize_checkpoint(src, dst, int(bits), force=force, progress=progress)
+    finally:
+        progress.close()
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    if as_json:
+        write_out(json.dumps(summary) + "\n")
+    else:
+        console.info(f"wrote {summary['path']}: {memory.gb(summary['bytes'])} ({bits}-bit, "
+                     f"{summary['bytes'] / summary['float32_bytes']:.2f}x the float32 weights) "
+                     f"in {summary['seconds']:.1f}s")
 
 
 # The benchmark is a tool of its own (synthesis, probes, accounting): it lives in bench.py.

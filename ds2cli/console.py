@@ -36,7 +36,8 @@ class LoadProgress:
     """A progress callback for model.load that shows a bar on stderr only once loading has
     taken more than `delay` seconds, so fast loads stay silent."""
 
-    def __init__(self, delay: float = 1.0):
+    def __init__(self, delay: float = 1.0, label: str = "loading"):
+        self.label = label
         self.start = time.perf_counter()
         self.delay = delay
         self.bar: Progress | None = None
@@ -44,7 +45,7 @@ class LoadProgress:
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None and time.perf_counter() - self.start > self.delay:
-            self.bar = Progress(TextColumn("loading"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
+            self.bar = Progress(TextColumn(self.label), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
             self.bar.start()
             self.task = self.bar.add_task("load", total=total)

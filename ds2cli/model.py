@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from ds2cli import checkpoint, rope
+from ds2cli import checkpoint, memory, qcheckpoint, rope
 from ds2cli.attention import mla, rms_norm
 from ds2cli.cache import LatentCache
 from ds2cli.config import DeepseekV2Config, read_json_object
@@ -166,6 +166,7 @@ class Model:
         self.inv_freq = rope.inv_freq(config)                                # (R/2,)
         self.rope_scale = rope.cos_sin_scale(config.rope_scaling)
         self.softmax_scale = rope.softmax_scale(config)
+        self.quantization: qcheckpoint.QuantConfig | None = None   # set by load
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -206,26 +207,77 @@ class Model:
         return logits if all_logits else logits[0]
 
 
-def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | None = None) -> dict:
+def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None = None) -> dict:
+    """The embedding, final norm and lm_head (the embedding itself when tied), in qc's formats."""
+    top = {}
+    for key, name in (("embed_tokens", "model.embed_tokens.weight"), ("norm", "model.norm.weight"),
+                      ("lm_head", "lm_head.weight")):
+        if key == "lm_head" and cfg.tie_word_embeddings:
+            top[key] = top["embed_tokens"]
+            continue
+        (_, array), = checkpoint.iter_float32(tensors, [name])
+        top[key] = qcheckpoint.quantize_weight(array, qcheckpoint.format_for(qc, "", key, array.shape))
+    return top
+
+
+def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | None = None,
+                 qc: qcheckpoint.QuantConfig | None = None) -> dict:
+    """A Hugging Face checkpoint's weights, prepared; with qc, each layer is quantized as soon as
+    it is loaded, so only one layer ever exists in float32."""
     tensors = checkpoint.validate(cfg, model_dir)
-    top = dict(checkpoint.iter_float32(tensors, [n for n in ("model.embed_tokens.weight", "model.norm.weight",
-                                                             "lm_head.weight") if n in tensors]))
+    top = load_top(tensors, cfg, qc)
     layers = []
     for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
-        layers.append(load_layer(tensors, names, cfg, i))
+        layer = load_layer(tensors, names, cfg, i)
+        layers.append(qcheckpoint.quantize_layer(layer, qc) if qc else layer)
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
-    embed = top["model.embed_tokens.weight"]
-    lm_head = embed if cfg.tie_word_embeddings else top["lm_head.weight"]
-    return {"embed_tokens": embed, "norm": top["model.norm.weight"], "lm_head": lm_head, "layers": layers}
+    return {**top, "layers": layers}
 
 
-def load(path: str | Path | None = None, progress: Progress | None = None) -> Model:
-    """Load a checkpoint directory (default: the bundled ds2-tiny): config, weights as float32
-    with MLA absorption precomputed, tokenizer and generation_config."""
+def read_quant_config(model_dir: Path) -> qcheckpoint.QuantConfig | None:
+    return qcheckpoint.read_quant_config(read_json_object(model_dir / "config.json", ConfigError))
+
+
+def load(path: str | Path | None = None, progress: Progress | None = None, quantize: int | str | None = None,
+         context: int | None = None, memory_check: bool = True) -> Model:
+    """Load a checkpoint directory (default: the bundled ds2-tiny): config, weights with MLA
+    absorption precomputed, tokenizer and generation_config.
+
+    A float checkpoint loads as float32, or with `quantize=8|4` quantized layer by layer as it
+    loads (`"auto"`: float32 if it fits in memory, else the most precise format that does); a
+    checkpoint written by `ds2 quantize` is memory-mapped as it is stored. Before any weight is
+    read, what the model will hold (with a cache of `context` tokens) is checked against the
+    memory available (memory.py); `memory_check=False` skips that."""
     model_dir = check_model_dir(bundled_model_dir() if path is None else path)
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
+    stored = read_quant_config(model_dir)
+    if quantize == "auto":
+        quantize = None if stored is not None else memory.choose_auto(cfg, context)
+    if quantize not in (None, 8, 4):
+        raise ConfigError(f"quantize must be 8, 4 or 'auto', got {quantize!r}")
     tokenizer = Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
     gen = read_generation_config(model_dir)
-    weights = load_weights(model_dir, cfg, progress)
-    return Model(cfg, weights, tokenizer, gen, model_dir)
+    if memory_check:
+        memory.check(cfg, model_dir, stored, quantize, context)
+    if stored is not None:
+        if quantize is not None and quantize != stored.bits:
+            raise ConfigError(f"{model_dir} is already a {stored.bits}-bit ds2 checkpoint; "
+                              f"it cannot be loaded as {quantize}-bit")
+        weights = qcheckpoint.load_weights(cfg, stored, validate_quantized(model_dir, cfg, stored), progress)
+    else:
+        qc = qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None
+        weights = load_weights(model_dir, cfg, progress, qc)
+    model = Model(cfg, weights, tokenizer, gen, model_dir)
+    model.quantization = stored or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
+    return model
+
+
+def validate_quantized(model_dir: Path, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig) -> dict:
+    tensors = checkpoint.read_headers(model_dir)
+    found = qcheckpoint.problems(cfg, qc, tensors)
+    if found:
+        shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+        raise checkpoint.CheckpointError(f"checkpoint {model_dir} does not match its config "
+                                         f"({len(found)} problem{'s' * (len(found) > 1)}): {shown}")
+    return tensors

@@ -46,6 +46,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 GROUP = 32                    # rows per scale
 L2_BLOCK_BYTES = 1 << 20      # a decode row block's float32 buffer: fits one core's L2
 PREFILL_CHUNK_BYTES = 64 << 20  # prefill dequantizes at most this much float32 at once
+SMALL_MATRIX = 1 << 18        # below this many values a matrix is dequantized whole, on one
+                              # thread: splitting it would cost more in overhead than it saves
 
 
 class QuantError(Ds2Error):
@@ -94,7 +96,14 @@ def fmt(name: str) -> Format:
 
 
 def quantize(w: np.ndarray, f: Format) -> tuple[np.ndarray, np.ndarray]:
-    """w (..., out, in) float -> (qweight, scales) in format f."""
+    """w (..., out, in) float -> (qweight, scales) in format f. A stack of matrices (experts) is
+    quantized one matrix at a time, so the float32 temporaries stay one matrix large."""
+    if w.ndim > 2:
+        qweight = np.empty(f.qweight_shape(w.shape), f.qweight_dtype)
+        scales = np.empty(f.scales_shape(w.shape), BF16)
+        for e in np.ndindex(w.shape[:-2]):
+            qweight[e], scales[e] = quantize(w[e], f)
+        return qweight, scales
     w = np.asarray(w, dtype=np.float32)
     *lead, out, inp = w.shape
     g = f.group_size
@@ -240,7 +249,7 @@ class QuantMatrix:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
-        groups = self.scales[ids // self.f.group_size]                      # (T, in)
+        groups = self.scales[ids // self.f.group_size].astype(np.float32)   # (T, in)
         w = unpack(self.qweight[ids], self.f)                               # (T, in)
         if self.f.bits == 4:
             w -= np.float32(8)
@@ -255,6 +264,8 @@ class QuantMatrix:
         """W @ x for x (in,) -> (out,), never materializing W."""
         out, inp = self.shape
         g = self.f.group_size
+        if out * inp <= SMALL_MATRIX:
+            return dequantize(self.qweight, self.scales, self.f, workers().buffer(out * inp).reshape(out, inp)) @ x
         xs = self.scales.astype(np.float32)                                 # (G, in)
         xs *= x
         y = np.empty(out, np.float32)
@@ -286,6 +297,8 @@ class QuantMatrix:
         """x (T, in) @ W.T for many tokens: dequantize chunks of rows once, then GEMM each."""
         out, inp = self.shape
         g = self.f.group_size
+        if out * inp <= SMALL_MATRIX:
+            return x @ dequantize(self.qweight, self.scales, self.f, workers().buffer(out * inp).reshape(out, inp)).T
         chunk = max(g, PREFILL_CHUNK_BYTES // (4 * inp) // g * g)
         yt = np.empty((out, len(x)), np.float32)                            # (out, T)
         pool = workers()

@@ -1,0 +1,180 @@
+"""What a model will hold in memory, what this machine has, and the check between the two.
+
+One home for the sizes: `ds2 inspect` shows them, `ds2 quantize` checks disk space with them,
+`ds2 bench` and every command that loads a model (and `ds2cli.load`) check RAM with them before
+reading a single weight, so a model too big for the machine gets one clear error instead of the
+kernel's OOM killer.
+
+RAM needed = weights in the form they take in memory (float32, or the low-bit formats of the
+checkpoint or of --quantize; a memory-mapped low-bit checkpoint counts its file bytes, resident
+in the page cache once used) + the latent cache at the requested context + a working margin
+(WORKING_MARGIN_BYTES plus WORKING_MARGIN_FRACTION of the weights: activations, dequantization
+scratch, the tokenizer and Python). Quantizing at load also holds one layer in float32 at a time.
+
+For tests and for people who know better, DS2_MEMORY_AVAILABLE (bytes, or a number with K/M/G
+suffix) replaces the measured available memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from ds2cli import qcheckpoint
+from ds2cli.config import DeepseekV2Config
+from ds2cli.errors import Ds2Error
+from ds2cli.qcheckpoint import QuantConfig
+
+FLOAT32 = 4
+WORKING_MARGIN_BYTES = 256 << 20
+WORKING_MARGIN_FRACTION = 0.05
+DEFAULT_CONTEXT = 4096        # the cache counted when the caller names no context
+ENV = "DS2_MEMORY_AVAILABLE"
+
+
+class MemoryCheckError(Ds2Error):
+    """The model would not fit in the memory available."""
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def matrix_bytes(qc: QuantConfig | None, part: str, key: str, shape: tuple[int, ...]) -> int:
+    f = qcheckpoint.format_for(qc, part, key, shape)
+    return f.nbytes(shape) if f is not None else math.prod(shape) * FLOAT32
+
+
+def layer_bytes(cfg: DeepseekV2Config, i: int, qc: QuantConfig | None) -> int:
+    return sum(matrix_bytes(qc, p, k, s) for (p, k), s in qcheckpoint.layer_shapes(cfg, i).items())
+
+
+def weight_bytes(cfg: DeepseekV2Config, qc: QuantConfig | None) -> int:
+    """Bytes of the prepared weights in qc's formats (None: float32), the tied head once."""
+    top = sum(matrix_bytes(qc, p, k, s) for (p, k), s in qcheckpoint.top_shapes(cfg).items())
+    return top + sum(layer_bytes(cfg, i, qc) for i in range(cfg.num_hidden_layers))
+
+
+def cache_bytes(cfg: DeepseekV2Config, tokens: int) -> int:
+    return tokens * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * FLOAT32
+
+
+def required(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None,
+             quantize_at_load: bool = False) -> dict:
+    """The bytes a loaded model holds, by part."""
+    context = min(cfg.max_position_embeddings, DEFAULT_CONTEXT) if context is None else context
+    weights = weight_bytes(cfg, qc)
+    # quantizing as it loads, one layer exists in float32 (and its quantized temporaries) at once
+    staging = max((layer_bytes(cfg, i, None) for i in range(cfg.num_hidden_layers)), default=0) \
+        if quantize_at_load else 0
+    margin = WORKING_MARGIN_BYTES + int(WORKING_MARGIN_FRACTION * weights) + staging
+    cache = cache_bytes(cfg, context)
+    return {"weights": weights, "cache": cache, "margin": margin, "context": context,
+            "total": weights + cache + margin}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text)
+    except ValueError:
+        raise Ds2Error(f"{ENV} must be a size such as 8G or 8589934592, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise Ds2Error(f"{ENV} must be a size such as 8G or 8589934592, got {text!r}")
+    return int(value * scale)
+
+
+def available_bytes() -> int | None:
+    """Memory available to a new allocation now: MemAvailable on Linux (page cache that can be
+    dropped included), free pages where the platform says only that, None when unknown."""
+    if os.environ.get(ENV):
+        return parse_size(os.environ[ENV])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def describe_params(cfg: DeepseekV2Config) -> str:
+    n = weight_bytes(cfg, None) / FLOAT32
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def label(qc: QuantConfig | None) -> str:
+    return "float32" if qc is None else f"{qc.bits}-bit"
+
+
+def fits(cfg: DeepseekV2Config, context: int | None, available: int | None = None) -> dict:
+    """For a float checkpoint: bytes needed and whether it fits, as float32, --quantize 8, --quantize 4."""
+    available = available_bytes() if available is None else available
+    out = {}
+    for name, qc, at_load in (("float32", None, False), ("8-bit", QuantConfig.recipe(8), True),
+                              ("4-bit", QuantConfig.recipe(4), True)):
+        need = required(cfg, qc, context, quantize_at_load=at_load)["total"]
+        out[name] = {"bytes": need, "fits": None if available is None else need <= available}
+    return out
+
+
+def choose_auto(cfg: DeepseekV2Config, context: int | None, available: int | None = None) -> int | None:
+    """--quantize auto: None (float32) if it fits, else 8, else 4; an error when nothing fits."""
+    available = available_bytes() if available is None else available
+    if available is None:
+        return None
+    for bits in (None, 8, 4):
+        qc = QuantConfig.recipe(bits) if bits else None
+        if required(cfg, qc, context, quantize_at_load=bits is not None)["total"] <= available:
+            return bits
+    need = required(cfg, QuantConfig.recipe(4), context, quantize_at_load=True)["total"]
+    raise MemoryCheckError(f"{model_name(cfg)} does not fit even as 4-bit: it needs {gb(need)} but "
+                           f"{gb(available)} is available")
+
+
+def model_name(cfg: DeepseekV2Config, path: Path | None = None) -> str:
+    name = path.name if path is not None else cfg.model_type
+    return f"{name} ({describe_params(cfg)})"
+
+
+def check(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, quantize: int | None,
+          context: int | None, available: int | None = None) -> None:
+    """Raise MemoryCheckError, naming both figures and what would fit, when the model in the form
+    it will be loaded would not fit in the memory available."""
+    available = available_bytes() if available is None else available
+    qc = stored or (QuantConfig.recipe(quantize) if quantize else None)
+    need = required(cfg, qc, context, quantize_at_load=stored is None and quantize is not None)
+    if available is None or need["total"] <= available:
+        return
+    head = (f"{model_name(cfg, model_dir)} needs {gb(need['total'])} as {label(qc)} "
+            f"(weights {gb(need['weights'])}, cache {gb(need['cache'])} at {need['context']} tokens, "
+            f"margin {gb(need['margin'])}) but {gb(available)} is available")
+    raise MemoryCheckError(head + "; " + suggestion(cfg, model_dir, stored, quantize, context, available)
+                           + "; --no-memory-check skips this check")
+
+
+def suggestion(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, quantize: int | None,
+               context: int | None, available: int) -> str:
+    if stored is not None:
+        return "use a smaller --ctx or a machine with more memory" if stored.bits == 4 else \
+            "a 4-bit copy (ds2 quantize from the float checkpoint with --bits 4) takes " \
+            f"{gb(required(cfg, QuantConfig.recipe(4), context)['total'])}"
+    options = []
+    for bits in (8, 4):
+        if quantize is not None and bits >= quantize:
+            continue
+        on_disk = required(cfg, QuantConfig.recipe(bits), context)["total"]
+        at_load = required(cfg, QuantConfig.recipe(bits), context, quantize_at_load=True)["total"]
+        if on_disk <= available:
+            size = gb(weight_bytes(cfg, QuantConfig.recipe(bits)))
+            how = f"ds2 quantize {model_dir} OUT --bits {bits} makes a {size} copy that fits"
+            options.append(how + (f" (or add --quantize {bits})" if at_load <= available else ""))
+    if options:
+        return "; ".join(options)
+    return "neither the 8-bit nor the 4-bit form fits either"

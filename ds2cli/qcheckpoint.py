@@ -1,0 +1,287 @@
+"""ds2's low-bit checkpoint: the engine's run-time layout, stored so that loading is a memory map.
+
+A directory `ds2 quantize` writes holds config.json (the source's, plus a `quantization_config`
+with `"quant_method": "ds2"`), the tokenizer and generation files, model.safetensors.index.json
+and one safetensors shard per decoder layer plus one for the embedding, final norm and lm_head.
+Tensors are stored *prepared* (as model.py holds them after loading a Hugging Face checkpoint):
+the RoPE rows of q and kv_a_proj_with_mqa de-interleaved, kv_b_proj split into per-head
+`w_uk` (H, d, C) and `w_uv` (H, C, v), each MLP's gate_proj and up_proj fused into one
+`gate_up` (2I, D), and the routed experts stacked as `experts_gate_up` (E, 2I, D) and
+`experts_down` (E, D, I). Names:
+
+  model.layers.{i}.{input,post_attention}_layernorm.weight          F32
+  model.layers.{i}.self_attn.{q_proj | q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj}.*
+  model.layers.{i}.self_attn.{q_a_layernorm, kv_a_layernorm, w_uk, w_uv}.weight   F32
+  model.layers.{i}.mlp.{gate_up, down_proj}.*                       (dense layers)
+  model.layers.{i}.mlp.gate.weight                                  F32 (MoE layers)
+  model.layers.{i}.mlp.{experts_gate_up, experts_down, shared_gate_up, shared_down}.*
+  model.embed_tokens.*, model.norm.weight, lm_head.* (absent when tied)
+
+where `*` is `qweight` + `scales` for a low-bit matrix (formats in quant.py) and `weight` (F32)
+for one kept in float32. Every tensor starts at a multiple of 64 bytes in its file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ds2cli import checkpoint, quant
+from ds2cli.config import DeepseekV2Config
+from ds2cli.errors import CheckpointError
+from ds2cli.linear import Dense
+from ds2cli.quant import FORMATS, QuantError, QuantMatrix
+
+QUANT_METHOD = "ds2"
+VERSION = 1
+ALIGN = 64
+
+# Which prepared matrices each role of a recipe covers.
+ROLES = {"attention": ("attn", ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")),
+         "dense_mlp": ("mlp", ("gate_up", "down_proj")),
+         "routed_experts": ("mlp", ("experts_gate_up", "experts_down")),
+         "shared_experts": ("mlp", ("shared_gate_up", "shared_down")),
+         "lm_head": ("", ("lm_head",)),
+         "embed_tokens": ("", ("embed_tokens",))}
+ROLE_OF = {(part, key): role for role, (part, keys) in ROLES.items() for key in keys}
+PART_PREFIX = {"": "", "attn": "self_attn.", "mlp": "mlp."}
+
+# --bits 8: every matrix 8-bit. --bits 4: the MLPs (97% of V2-Lite's parameters) 4-bit; attention,
+# the embedding and lm_head 8-bit, because 4-bit attention and head double ds2-tiny's KL for 3% of
+# the bytes (measured: 0.12 mixed vs 0.22 all 4-bit).
+RECIPES = {8: dict.fromkeys(ROLES, "q8"),
+           4: {**dict.fromkeys(ROLES, "q8"), "dense_mlp": "q4", "routed_experts": "q4", "shared_experts": "q4"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    bits: int
+    formats: dict                     # role -> "q8" | "q4" | "f32"
+    group_size: int = quant.GROUP
+
+    @staticmethod
+    def recipe(bits: int) -> "QuantConfig":
+        if bits not in RECIPES:
+            raise QuantError(f"--bits must be 8 or 4, got {bits}")
+        return QuantConfig(bits, dict(RECIPES[bits]))
+
+    def format_of(self, part: str, key: str) -> quant.Format | None:
+        name = self.formats.get(ROLE_OF.get((part, key)), "f32")
+        return None if name == "f32" else FORMATS[name]
+
+    def to_json(self) -> dict:
+        return {"quant_method": QUANT_METHOD, "version": VERSION, "bits": self.bits,
+                "group_size": self.group_size, "scale_dtype": "bfloat16", "layout": "ds2-prepared",
+                "formats": dict(self.formats)}
+
+    @staticmethod
+    def from_json(d: object) -> "QuantConfig":
+        if not isinstance(d, dict):
+            raise QuantError("config.json: quantization_config must be an object")
+        if d.get("version") != VERSION:
+            raise QuantError(f"config.json: quantization_config version {d.get('version')!r} is not "
+                             f"one ds2 reads (it writes version {VERSION})")
+        bits, group, formats = d.get("bits"), d.get("group_size"), d.get("formats")
+        if bits not in RECIPES:
+            raise QuantError(f"config.json: quantization_config bits must be 8 or 4, got {bits!r}")
+        if group != quant.GROUP:
+            raise QuantError(f"config.json: quantization_config group_size must be {quant.GROUP}, got {group!r}")
+        if d.get("scale_dtype", "bfloat16") != "bfloat16":
+            raise QuantError(f"config.json: quantization_config scale_dtype {d['scale_dtype']!r} is not bfloat16")
+        if not isinstance(formats, dict) or set(formats) != set(ROLES):
+            raise QuantError(f"config.json: quantization_config formats must name exactly the roles "
+                             f"{', '.join(ROLES)}")
+        for role, name in formats.items():
+            if name != "f32" and name not in FORMATS:
+                raise QuantError(f"config.json: quantization_config gives {role} the unknown format "
+                                 f"{name!r} (ds2 knows {', '.join(FORMATS)}, f32)")
+        return QuantConfig(bits, dict(formats), group)
+
+
+def read_quant_config(raw: dict) -> QuantConfig | None:
+    """The ds2 quantization_config of a parsed config.json; None for a float checkpoint.
+    Other tools' quantization_configs (fp8 checkpoints) are not ds2's to read here."""
+    qc = raw.get("quantization_config")
+    if qc is None or (isinstance(qc, dict) and qc.get("quant_method") not in (QUANT_METHOD, None)):
+        return None
+    if isinstance(qc, dict) and qc.get("quant_method") is None:
+        raise QuantError("config.json: quantization_config has no quant_method")
+    return QuantConfig.from_json(qc)
+
+
+# ---- the prepared layout ----
+
+def layer_shapes(cfg: DeepseekV2Config, i: int) -> dict[tuple[str, str], tuple[int, ...]]:
+    """(part, key) -> shape of every array of prepared layer i (see model.load_layer)."""
+    D, H, C, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    d, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    s = {("", "input_layernorm"): (D,), ("", "post_attention_layernorm"): (D,)}
+    if cfg.q_lora_rank is None:
+        s["attn", "q_proj"] = (H * (d + R), D)
+    else:
+        s["attn", "q_a_proj"] = (cfg.q_lora_rank, D)
+        s["attn", "q_a_layernorm"] = (cfg.q_lora_rank,)
+        s["attn", "q_b_proj"] = (H * (d + R), cfg.q_lora_rank)
+    s["attn", "kv_a_proj_with_mqa"] = (C + R, D)
+    s["attn", "kv_a_layernorm"] = (C,)
+    s["attn", "w_uk"] = (H, d, C)
+    s["attn", "w_uv"] = (H, C, v)
+    s["attn", "o_proj"] = (D, H * v)
+    if not cfg.is_moe_layer(i):
+        inter = cfg.intermediate_size
+        s["mlp", "gate_up"], s["mlp", "down_proj"] = (2 * inter, D), (D, inter)
+        return s
+    E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    s["mlp", "gate"] = (E, D)
+    s["mlp", "experts_gate_up"], s["mlp", "experts_down"] = (E, 2 * inter, D), (E, D, inter)
+    if cfg.n_shared_experts:
+        shared = inter * cfg.n_shared_experts
+        s["mlp", "shared_gate_up"], s["mlp", "shared_down"] = (2 * shared, D), (D, shared)
+    return s
+
+
+def top_shapes(cfg: DeepseekV2Config) -> dict[tuple[str, str], tuple[int, ...]]:
+    V, D = cfg.vocab_size, cfg.hidden_size
+    s = {("", "embed_tokens"): (V, D), ("", "norm"): (D,)}
+    if not cfg.tie_word_embeddings:
+        s["", "lm_head"] = (V, D)
+    return s
+
+
+def stored_name(layer: int | None, part: str, key: str) -> str:
+    if layer is None:
+        return {"embed_tokens": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}[key]
+    return f"model.layers.{layer}.{PART_PREFIX[part]}{key}"
+
+
+def stored_tensors(name: str, shape: tuple[int, ...], f: quant.Format | None) -> Iterator[tuple[str, tuple, str]]:
+    """(tensor name, shape, safetensors dtype) of one prepared array in format f (None: float32)."""
+    if f is None:
+        yield name + ".weight", shape, "F32"
+    else:
+        yield name + ".qweight", f.qweight_shape(shape), "I8" if f.bits == 8 else "U8"
+        yield name + ".scales", f.scales_shape(shape), "BF16"
+
+
+def format_for(qc: QuantConfig | None, part: str, key: str, shape: tuple[int, ...]) -> quant.Format | None:
+    f = qc.format_of(part, key) if qc else None
+    return f if f is not None and f.supports(shape) else None
+
+
+def expected(cfg: DeepseekV2Config, qc: QuantConfig) -> Iterator[tuple[str, tuple, str]]:
+    for (part, key), shape in top_shapes(cfg).items():
+        yield from stored_tensors(stored_name(None, part, key), shape, format_for(qc, part, key, shape))
+    for i in range(cfg.num_hidden_layers):
+        for (part, key), shape in layer_shapes(cfg, i).items():
+            yield from stored_tensors(stored_name(i, part, key), shape, format_for(qc, part, key, shape))
+
+
+def problems(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict[str, checkpoint.TensorInfo]) -> list[str]:
+    """Every missing, unexpected, mis-shaped or mis-typed tensor of a ds2 low-bit checkpoint."""
+    limit = 2 * len(tensors) + 10_000
+    want, out = {}, []
+    for name, shape, dtype in expected(cfg, qc):
+        want[name] = (shape, dtype)
+        if len(want) > limit:
+            return [f"config.json describes more than {limit} tensors but the checkpoint holds {len(tensors)}"]
+    for name, (shape, dtype) in want.items():
+        info = tensors.get(name)
+        if info is None:
+            out.append(f"missing tensor {name} {list(shape)}")
+        elif info.shape != shape:
+            out.append(f"tensor {name} has shape {list(info.shape)}, config says {list(shape)}")
+        elif info.dtype != dtype:
+            out.append(f"tensor {name} has dtype {info.dtype}, quantization_config says {dtype}")
+    out += [f"unexpected tensor {name}" for name in tensors if name not in want]
+    return out
+
+
+# ---- loading: views of the mapped files ----
+
+def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress: Callable | None = None) -> dict:
+    mapped = checkpoint.Mapped()
+
+    def build(layer: int | None, part: str, key: str, shape: tuple[int, ...]):
+        name = stored_name(layer, part, key)
+        f = format_for(qc, part, key, shape)
+        if f is not None:
+            return QuantMatrix(mapped.array(tensors[name + ".qweight"]), mapped.array(tensors[name + ".scales"]), f)
+        array = mapped.array(tensors[name + ".weight"])
+        return Dense(array) if (part, key) in ROLE_OF else array
+
+    top = {key: build(None, part, key, shape) for (part, key), shape in top_shapes(cfg).items()}
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        layer = {"attn": {}, "mlp": {}, "is_moe": cfg.is_moe_layer(i)}
+        for (part, key), shape in layer_shapes(cfg, i).items():
+            (layer[part] if part else layer)[key] = build(i, part, key, shape)
+        layers.append(layer)
+        if progress:
+            progress(i + 1, cfg.num_hidden_layers)
+    return {"embed_tokens": top["embed_tokens"], "norm": top["norm"],
+            "lm_head": top.get("lm_head", top["embed_tokens"]), "layers": layers}
+
+
+# ---- quantizing prepared float weights ----
+
+def quantize_weight(w, f: quant.Format | None):
+    """A prepared float weight (Dense or array) in format f, or as it is when f is None."""
+    if f is None:
+        return w
+    return QuantMatrix.from_float(w.w if isinstance(w, Dense) else w, f)
+
+
+def quantize_layer(layer: dict, qc: QuantConfig) -> dict:
+    """Replace a prepared float layer's matrices by their low-bit forms, one at a time (so at most
+    one matrix exists in both forms at once)."""
+    for part in ("attn", "mlp"):
+        for key, w in layer[part].items():
+            if (part, key) in ROLE_OF:
+                layer[part][key] = quantize_weight(w, format_for(qc, part, key, w.shape))
+    return layer
+
+
+def layer_arrays(layer: dict, i: int | None) -> Iterator[tuple[str, np.ndarray]]:
+    """The stored tensors of a prepared layer (i None: the top-level dict of embed/norm/lm_head)."""
+    items = [("", k, v) for k, v in layer.items() if k not in ("attn", "mlp", "is_moe")]
+    items += [(part, k, v) for part in ("attn", "mlp") if part in layer for k, v in layer[part].items()]
+    for part, key, w in items:
+        name = stored_name(i, part, key)
+        if isinstance(w, QuantMatrix):
+            yield name + ".qweight", w.qweight
+            yield name + ".scales", w.scales
+        else:
+            yield name + ".weight", np.ascontiguousarray(w.w if isinstance(w, Dense) else w, dtype=np.float32)
+
+
+# ---- writing ----
+
+SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8",
+                      quant.BF16: "BF16"}
+
+
+def write_safetensors(path: Path, arrays: list[tuple[str, np.ndarray]]) -> int:
+    """Write one safetensors file; return its size. The header is padded so the data starts
+    64-byte aligned, and tensors go largest first: nearly every size is a multiple of 64 bytes, so
+    the big ones all start aligned (the format allows no gaps between tensors)."""
+    arrays = sorted(arrays, key=lambda a: (-a[1].nbytes, a[0]))
+    header, offset = {}, 0
+    for name, a in arrays:
+        header[name] = {"dtype": SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)        # data starts on a 64-byte boundary
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, a in arrays:
+            f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(raw) + offset

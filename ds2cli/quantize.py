@@ -1,0 +1,127 @@
+"""`ds2 quantize`: a float checkpoint -> a ds2 low-bit checkpoint (layout in qcheckpoint.py).
+
+It streams: one decoder layer is read (memory-mapped), prepared, quantized and written before
+the next is touched, so the peak is one float32 layer (2.3 GB for a V2-Lite MoE layer) plus the
+output buffers of that layer, whatever the model's size. Everything is written into a hidden
+directory beside DST that becomes DST by one rename once config.json, written last, is in place:
+an interrupted or failed run leaves nothing that looks like a checkpoint, and removes its partial
+directory itself when it can.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from ds2cli import checkpoint, memory, qcheckpoint
+from ds2cli.config import DeepseekV2Config, read_json_object
+from ds2cli.errors import CheckpointError, ConfigError, Ds2Error
+from ds2cli.model import check_model_dir, load_layer, load_top, names_by_layer, read_quant_config
+
+# Weight files of other frameworks are never copied; everything else at the top level of the
+# source (tokenizer, generation config, license, README, remote code) is.
+SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+DISK_MARGIN = 64 << 20
+
+
+class QuantizeError(Ds2Error):
+    """The destination is unusable, or writing it failed."""
+
+
+def check_destination(src: Path, dst: Path, force: bool) -> None:
+    if dst.exists() and not dst.is_dir():
+        raise QuantizeError(f"{dst} exists and is not a directory")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise QuantizeError(f"{dst} exists and is not empty; pass --force to replace it")
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise QuantizeError(f"the destination {dst} is inside the source checkpoint {src}")
+    if dst.resolve() in src.resolve().parents:
+        raise QuantizeError(f"the destination {dst} contains the source checkpoint {src}")
+
+
+def shard_name(k: int, n: int) -> str:
+    return f"model-{k:05d}-of-{n:05d}.safetensors"
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool = False,
+                        progress: Callable[[int, int], None] | None = None) -> dict:
+    """Write the `bits` recipe of checkpoint `src` into directory `dst`; return a summary."""
+    src, dst = check_model_dir(src), Path(dst).expanduser()
+    qc = qcheckpoint.QuantConfig.recipe(bits)
+    raw = read_json_object(src / "config.json", ConfigError)
+    cfg = DeepseekV2Config.from_file(src / "config.json")
+    if read_quant_config(src) is not None:
+        raise QuantizeError(f"{src} is already a ds2 low-bit checkpoint; quantize its float source instead")
+    check_destination(src, dst, force)
+    tensors = checkpoint.validate(cfg, src)
+    size = memory.weight_bytes(cfg, qc)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(dst.parent).free
+    if size + DISK_MARGIN > free:
+        raise QuantizeError(f"{dst.parent} has {memory.gb(free)} free but the {bits}-bit checkpoint "
+                            f"needs {memory.gb(size)}")
+    partial = dst.parent / f".{dst.name}.ds2-partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        written = write_all(src, partial, raw, cfg, qc, tensors, progress)
+        replace_dir(partial, dst)
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise QuantizeError(f"no space left on the device writing {dst}; nothing was kept") from None
+        raise QuantizeError(f"cannot write {dst}: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return {"path": str(dst), "bits": bits, "bytes": written, "formats": qc.formats,
+            "float32_bytes": memory.weight_bytes(cfg, None)}
+
+
+def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensors: dict, progress) -> int:
+    n = cfg.num_hidden_layers + 1
+    weight_map, total = {}, 0
+
+    def write(k: int, arrays: list) -> None:
+        nonlocal total
+        name = shard_name(k, n)
+        total += qcheckpoint.write_safetensors(out / name, arrays)
+        weight_map.update((tensor, name) for tensor, _ in arrays)
+
+    for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
+        layer = qcheckpoint.quantize_layer(load_layer(tensors, names, cfg, i), qc)
+        write(i + 1, list(qcheckpoint.layer_arrays(layer, i)))
+        del layer
+        if progress:
+            progress(i + 1, n)
+    top = load_top(tensors, cfg, qc)
+    if cfg.tie_word_embeddings:
+        del top["lm_head"]
+    write(n, list(qcheckpoint.layer_arrays(top, None)))
+    if progress:
+        progress(n, n)
+    index = {"metadata": {"total_size": total, "format": "ds2"}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    for path in sorted(src.iterdir()):
+        if (path.is_file() and path.name not in ("config.json", checkpoint.INDEX_NAME)
+                and not path.name.endswith(SKIPPED_SUFFIXES) and not path.name.startswith(".")):
+            shutil.copy2(path, out / path.name)
+    # config.json last: until it exists the directory is not a checkpoint
+    config = {**raw, "quantization_config": qc.to_json()}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return total
+
+
+def replace_dir(partial: Path, dst: Path) -> None:
+    """Move the finished `partial` to `dst`, replacing an existing (--force) directory only now."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.ds2-old-{os.getpid()}"
+        dst.rename(old)
+    partial.rename(dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
