@@ -22,7 +22,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ds2cli import checkpoint, rope
+from ds2cli import checkpoint, memory, qcheckpoint, rope
 from ds2cli.checkpoint import TensorInfo
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import Ds2Error
@@ -43,12 +43,18 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
     model_dir = check_model_dir(model_dir)
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
     tensors = checkpoint.read_headers(model_dir)
-    found = checkpoint.problems(cfg, tensors)
+    qc, found = quantization_config(model_dir)
+    if qc is not None:
+        found += qcheckpoint.problems(cfg, qc, tensors)
+    elif not found:
+        found = checkpoint.problems(cfg, tensors)
     generation, gen_problems = _generation_config(model_dir)
     tok, tok_problems = tokenizer_section(model_dir, cfg, generation)
-    params = params_section(cfg, tensors)
+    # a low-bit checkpoint stores prepared tensors: count the parameters its config describes
+    params = params_section(cfg, expected_tensors(cfg) if qc is not None else tensors)
     storage = storage_section(model_dir, tensors)
     memory = memory_section(cfg, params["total"])
+    memory["formats"] = formats_section(cfg, qc)
     return {
         "path": str(model_dir),
         "model_type": cfg.model_type,
@@ -68,11 +74,44 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         "params": params,
         "storage": storage,
         "memory": memory,
+        "quantization": None if qc is None else {**qc.to_json(), "file_bytes": storage["total_bytes"]},
         "tokenizer": tok,
         "checked": check,
         "warnings": nonfinite_warnings(tensors) if check else [],
         "problems": found + gen_problems + tok_problems,
     }
+
+
+def quantization_config(model_dir: Path) -> tuple[qcheckpoint.QuantConfig | None, list[str]]:
+    """The ds2 quantization_config, or the reason it is unusable as a problem."""
+    try:
+        return qcheckpoint.read_quant_config(read_json_object(model_dir / "config.json", Ds2Error)), []
+    except Ds2Error as e:
+        return None, [str(e)]
+
+
+def expected_tensors(cfg: DeepseekV2Config) -> dict[str, TensorInfo]:
+    """The Hugging Face tensors the config describes, as header entries (for parameter counts)."""
+    return {name: TensorInfo(name, "F32", shape, Path(), 0) for name, shape in checkpoint.iter_expected(cfg)}
+
+
+def formats_section(cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None) -> list[dict]:
+    """RAM each form of the model takes (weights, cache at the default context, margin) and
+    whether it fits the memory available now: the stored form of a low-bit checkpoint, or
+    float32, --quantize 8 and --quantize 4 for a float one."""
+    available = memory.available_bytes()
+    if qc is not None:
+        forms = [(f"{qc.bits}-bit (stored)", qc, False)]
+    else:
+        forms = [("float32", None, False), ("8-bit", qcheckpoint.QuantConfig.recipe(8), True),
+                 ("4-bit", qcheckpoint.QuantConfig.recipe(4), True)]
+    out = []
+    for name, form, at_load in forms:
+        need = memory.required(cfg, form, None, quantize_at_load=at_load)
+        out.append({"format": name, "weight_bytes": need["weights"], "ram_bytes": need["total"],
+                    "context": need["context"], "available_bytes": available,
+                    "fits": None if available is None else need["total"] <= available})
+    return out
 
 
 # ---- config sections ----
@@ -409,8 +448,14 @@ def _storage_table(r: dict, max_files: int = 8) -> Table:
 def _memory_table(r: dict) -> Table:
     m = r["memory"]
     n = m["context_length"]
-    return _kv_table("Memory (float32)", [
-        ("weights in RAM", human_bytes(m["float32_weights_bytes"])),
+    forms = [(f"{f['format']}: weights, RAM at {f['context']} tokens",
+              f"{human_bytes(f['weight_bytes'])}, {human_bytes(f['ram_bytes'])}"
+              + ("" if f["fits"] is None else " (fits now)" if f["fits"] else " (does NOT fit now)"))
+             for f in m["formats"]]
+    available = m["formats"][0]["available_bytes"] if m["formats"] else None
+    return _kv_table("Memory", [
+        *forms,
+        ("available now", "unknown" if available is None else human_bytes(available)),
         ("latent cache per token", human_bytes(m["latent_cache_bytes_per_token"])),
         ("MHA cache per token", human_bytes(m["mha_cache_bytes_per_token"])),
         ("MHA / latent", f"{m['mha_to_latent_ratio']:.1f}x"),
@@ -438,9 +483,15 @@ def render(report: dict, console: Console) -> None:
     """One table per section, then the problems in red. Warnings are left to the caller
     (`ds2 inspect` prints them to stderr), so they are not printed twice."""
     mla = [(k.replace("_", " "), v) for k, v in report["mla"].items()]
-    for table in (_model_table(report), _kv_table("MLA", mla), _moe_table(report),
-                  _params_table(report), _storage_table(report), _memory_table(report),
-                  _tokenizer_table(report)):
+    tables = [_model_table(report), _kv_table("MLA", mla), _moe_table(report),
+              _params_table(report), _storage_table(report), _memory_table(report), _tokenizer_table(report)]
+    if report["quantization"]:
+        q = report["quantization"]
+        tables.insert(5, _kv_table("Quantization (ds2)", [
+            ("bits", q["bits"]), ("group size", q["group_size"]), ("scales", q["scale_dtype"]),
+            *((role.replace("_", " "), fmt) for role, fmt in q["formats"].items()),
+            ("bytes on disk", human_bytes(q["file_bytes"]))]))
+    for table in tables:
         console.print(table)
     if report["problems"]:
         n = len(report["problems"])

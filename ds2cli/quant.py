@@ -142,19 +142,24 @@ def bf16_up(x: np.ndarray) -> np.ndarray:
 
 
 def dequantize(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
-    """(qweight, scales) (..., rows, ...) -> float32 (..., rows, in); rows may start a group only
-    where a group starts, scales being the matching groups."""
-    *lead, rows, _ = qweight.shape
-    g = f.group_size
-    w = unpack(qweight, f, out)                                             # (..., rows, in)
+    """(qweight, scales) -> float32 (..., rows, in), written into `out` when given. The rows must
+    start where a group starts, `scales` holding those groups."""
+    if qweight.ndim > 2:
+        if out is None:
+            out = np.empty((*qweight.shape[:-1], qweight.shape[-1] * (2 if f.bits == 4 else 1)), np.float32)
+        for e in np.ndindex(qweight.shape[:-2]):
+            dequantize(qweight[e], scales[e], f, out[e])
+        return out
+    rows, g = qweight.shape[0], f.group_size
+    w = unpack(qweight, f, out)                                             # (rows, in)
     if f.bits == 4:
         w -= np.float32(8)
-    s = scales.astype(np.float32)                                           # (..., G, in)
+    s = scales.astype(np.float32)                                           # (G, in)
     full = rows // g * g
-    grouped = w[..., :full, :].reshape(*lead, full // g, g, -1)             # (..., G, g, in)
-    grouped *= s[..., :full // g, None, :]
+    grouped = w[:full].reshape(full // g, g, w.shape[1])                    # (G, g, in), a view
+    grouped *= s[:full // g, None, :]
     if full < rows:
-        w[..., full:, :] *= s[..., full // g, None, :]
+        w[full:] *= s[full // g]
     return w
 
 

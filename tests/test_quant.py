@@ -1,0 +1,230 @@
+"""Low-bit weights: the formats, the kernels against float32 products of the dequantized
+weights, `ds2 quantize` round trips, memory-mapped loading, and quality against float32."""
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import ds2cli
+from ds2cli import quant
+from ds2cli.cli import main
+from ds2cli.linear import Dense
+from ds2cli.model import bundled_model_dir
+from ds2cli.qcheckpoint import QuantConfig
+from ds2cli.quant import FORMATS, QuantMatrix
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SHAPES = [(80, 256), (96, 64), (512, 384), (2, 30, 64)]   # partial last group; several groups; a stack
+
+
+def weights(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+    w[..., 3, 5] = 0.3              # an outlier, as trained weights have
+    return w
+
+
+@pytest.mark.parametrize("name", ["q8", "q4"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_round_trip_error_is_at_most_half_a_step(name, shape):
+    f = FORMATS[name]
+    w = weights(shape)
+    m = QuantMatrix.from_float(w, f)
+    assert m.qweight.dtype == f.qweight_dtype and m.scales.dtype == quant.BF16
+    assert m.qweight.shape == f.qweight_shape(shape) and m.scales.shape == f.scales_shape(shape)
+    assert m.nbytes == f.nbytes(shape)
+    step = np.repeat(np.abs(m.scales.astype(np.float32)), 32, axis=-2)[..., :shape[-2], :]
+    err = np.abs(m.dequantize() - w)
+    tol = 1 + 1e-6
+    if name == "q8":
+        assert np.all(err <= step / 2 * tol)
+    else:
+        # Q4_0's range is [-8, 7] steps: the extreme maps to -8 exactly, and a value past 7.5 steps
+        # on the other side is clipped to 7, at most one step off
+        inside = np.abs(w) <= 7.5 * step
+        assert np.all(err[inside] <= step[inside] / 2 * tol) and np.all(err <= step * tol)
+
+
+def test_bf16_scales_round_up_so_the_extreme_never_clips():
+    x = np.array([1.0, 1.0000001, 3.14159, 1e-30, 3e38, -2.5, 0.0], np.float32)
+    up = quant.bf16_up(x).astype(np.float32)
+    assert np.all(np.abs(up) >= np.abs(x)) and np.all(np.isfinite(up))
+    assert np.all(np.abs(up) <= np.abs(x) * (1 + 2 ** -7) + 1e-38)
+    w = np.full((32, 4), 0.127, np.float32)
+    m = QuantMatrix.from_float(w, FORMATS["q8"])
+    assert np.all(np.abs(m.qweight) <= 127)
+
+
+@pytest.mark.parametrize("name", ["q8", "q4"])
+@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("shape", [(80, 256), (2816 // 8, 2048 // 8), (512, 384)])
+def test_kernels_equal_float32_products_of_the_dequantized_weight(monkeypatch, name, threaded, shape):
+    if threaded:  # force the row-block path with its thread split, and chunked prefill
+        monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
+        monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 64 * 4 * shape[1])
+        monkeypatch.setattr(quant, "PREFILL_CHUNK_BYTES", 96 * 4 * shape[1])
+    m = QuantMatrix.from_float(weights(shape), FORMATS[name])
+    w = m.dequantize().astype(np.float64)
+    rng = np.random.default_rng(1)
+    for tokens in (1, 3, 40):
+        x = rng.standard_normal((tokens, shape[1]), dtype=np.float32)
+        exact = x.astype(np.float64) @ w.T
+        got = m.matmul(x)
+        assert got.shape == (tokens, shape[0]) and got.dtype == np.float32
+        # float32 rounding of a length-`in` dot product, nothing more
+        np.testing.assert_allclose(got, exact, rtol=0, atol=2e-6 * np.abs(exact).max())
+    ids = np.array([0, 33, shape[0] - 1, 33])
+    np.testing.assert_array_equal(m.rows(ids), m.dequantize()[ids])
+
+
+def test_stacked_experts_index_like_arrays():
+    w = weights((3, 64, 32))
+    m = QuantMatrix.from_float(w, FORMATS["q4"])
+    assert len(m) == 3 and m[1].shape == (64, 32)
+    np.testing.assert_array_equal(m[1].dequantize(), m.dequantize()[1])
+    d = Dense(w)
+    np.testing.assert_array_equal(d[2].matmul(w[0, :5, :]), w[0, :5, :] @ w[2].T)
+
+
+def test_four_bit_needs_an_even_input_width_else_the_matrix_stays_float():
+    from ds2cli.qcheckpoint import format_for
+    qc = QuantConfig.recipe(4)
+    assert format_for(qc, "mlp", "experts_down", (4, 64, 31)) is None
+    assert format_for(qc, "mlp", "experts_down", (4, 64, 32)).name == "q4"
+    assert format_for(qc, "attn", "o_proj", (64, 31)).name == "q8"
+
+
+# ---- quantize, load, inspect ----
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    out = {}
+    for bits in (8, 4):
+        dst = tmp_path_factory.mktemp("q") / f"tiny-q{bits}"
+        r = CliRunner().invoke(main, ["quantize", str(bundled_model_dir()), str(dst), "--bits", str(bits)])
+        assert r.exit_code == 0, r.output
+        out[bits] = dst
+    return out
+
+
+def test_quantized_checkpoint_is_self_describing(quantized):
+    for bits, path in quantized.items():
+        config = json.loads((path / "config.json").read_text())
+        qc = config["quantization_config"]
+        assert qc["quant_method"] == "ds2" and qc["bits"] == bits and qc["group_size"] == 32
+        assert qc["formats"]["routed_experts"] == ("q8" if bits == 8 else "q4")
+        assert qc["formats"]["attention"] == "q8"
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        assert "model.layers.1.mlp.experts_gate_up.qweight" in index["weight_map"]
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            assert (path / name).read_bytes() == (bundled_model_dir() / name).read_bytes()
+        shards = sorted(path.glob("*.safetensors"))
+        assert len(shards) == 7 and not list(path.parent.glob(".*partial*"))
+
+
+def test_loading_is_a_memory_map_and_equals_quantizing_at_load(quantized):
+    ids = [0, 74, 75, 76, 77, 300, 12]
+    for bits, path in quantized.items():
+        mapped = ds2cli.load(path)
+        w = mapped.layers[1]["mlp"]["experts_gate_up"]
+        assert isinstance(w, QuantMatrix)
+        base = w.qweight
+        while isinstance(base, np.ndarray) and base.base is not None:
+            base = base.base
+        base = base.obj if isinstance(base, memoryview) else base
+        assert type(base).__name__ == "mmap" and not w.qweight.flags.writeable
+        in_memory = ds2cli.load(quantize=bits)
+        a = mapped.forward(ids, mapped.new_cache(16), all_logits=True)
+        b = in_memory.forward(ids, in_memory.new_cache(16), all_logits=True)
+        np.testing.assert_array_equal(a, b)
+        assert mapped.quantization.bits == bits
+
+
+def test_every_command_takes_the_quantized_checkpoint(quantized):
+    r = CliRunner().invoke(main, ["generate", "-m", str(quantized[8]), "--chat", "What is 451 - 123?",
+                                  "--temperature", "0"])
+    assert r.exit_code == 0 and r.output == "451 - 123 = 328.\n"
+    r = CliRunner().invoke(main, ["chat", "-m", str(quantized[4]), "--temperature", "0"], input="What is 17 + 25?\n")
+    assert r.exit_code == 0 and "17 + 25 = 42." in r.output
+    r = CliRunner().invoke(main, ["inspect", "--json", str(quantized[4])])
+    report = json.loads(r.stdout)
+    assert r.exit_code == 0 and report["problems"] == []
+    assert report["quantization"]["bits"] == 4 and report["total_params"] == 7887232
+    assert report["quantization"]["file_bytes"] == sum(p.stat().st_size for p in quantized[4].glob("*.safetensors"))
+    r = CliRunner().invoke(main, ["inspect", "--json"])
+    report = json.loads(r.stdout)
+    formats = {f["format"]: f for f in report["memory"]["formats"]}
+    assert report["quantization"] is None and set(formats) == {"float32", "8-bit", "4-bit"}
+    assert formats["float32"]["weight_bytes"] == 4 * report["total_params"]
+    assert formats["4-bit"]["weight_bytes"] < formats["8-bit"]["weight_bytes"] < formats["float32"]["weight_bytes"] / 3
+
+
+def test_sizes_match_the_files(quantized):
+    """memory.weight_bytes (used by inspect, the memory check and quantize's disk check) is the
+    sum of the tensors written, to the byte."""
+    from ds2cli import checkpoint, memory
+    cfg = ds2cli.DeepseekV2Config.from_file(bundled_model_dir() / "config.json")
+    for bits, path in quantized.items():
+        stored = sum(t.nbytes for t in checkpoint.read_headers(path).values())
+        assert memory.weight_bytes(cfg, QuantConfig.recipe(bits)) == stored
+    assert memory.weight_bytes(cfg, None) == 4 * 7887232
+
+
+# ---- quality against float32 on ds2-tiny ----
+
+def sampled_text(model, n_seqs=6, length=160, seed=0):
+    rng, seqs = np.random.default_rng(seed), []
+    for k in range(n_seqs):
+        prompt = ["ROMEO:\n", "What is 12 + 34?", "KING.\n"][k % 3]
+        ids = (model.tokenizer.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+               if "?" in prompt else model.tokenizer.encode(prompt))
+        cache = model.new_cache(len(ids) + length)
+        logits, out = model.forward(ids, cache), list(ids)
+        for _ in range(length):
+            p = np.exp(logits - logits.max())
+            token = int(rng.choice(len(p), p=p / p.sum()))
+            out.append(token)
+            logits = model.forward([token], cache)
+        seqs.append(out)
+    return seqs
+
+
+def log_softmax(x):
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def additions(model, n=100):
+    spec = importlib.util.spec_from_file_location("arithmetic", EXAMPLES / "arithmetic.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rng = random.Random(0)
+    ok = 0
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        ok += example.ask(model, f"What is {a} + {b}?") == f"{a} + {b} = {a + b}."
+    return ok
+
+
+@pytest.fixture(scope="module")
+def float_model():
+    return ds2cli.load()
+
+
+@pytest.mark.parametrize("bits, max_kl, min_top1, min_additions", [(8, 1.5e-2, 0.95, 98), (4, 0.25, 0.75, 95)])
+def test_quality_against_float32(float_model, bits, max_kl, min_top1, min_additions):
+    seqs = sampled_text(float_model)
+    q = ds2cli.load(quantize=bits)
+    ref = np.concatenate([log_softmax(float_model.forward(s, float_model.new_cache(len(s)), all_logits=True))
+                          for s in seqs])
+    got = np.concatenate([log_softmax(q.forward(s, q.new_cache(len(s)), all_logits=True)) for s in seqs])
+    assert len(ref) > 900
+    kl = float((np.exp(ref) * (ref - got)).sum(-1).mean())
+    top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
+    assert kl <= max_kl and top1 >= min_top1, (kl, top1)
+    assert additions(q) >= min_additions
