@@ -19,7 +19,6 @@ measured point, whose ratios are taken against those: a shared machine's speed d
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import json
@@ -30,6 +29,7 @@ import resource
 import shutil
 import statistics
 import struct
+import subprocess
 import sys
 import time
 import zlib
@@ -39,11 +39,13 @@ import click
 import ml_dtypes
 import numpy as np
 
-from ds2cli import checkpoint, console, moe
+from ds2cli import checkpoint, console, memory
 from ds2cli.attention import absorbed_cost, expanded_cost
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
-from ds2cli.model import Model, bundled_model_dir, check_model_dir, load
+from ds2cli.model import Model, bundled_model_dir, check_model_dir, load, read_quant_config
+from ds2cli.qcheckpoint import QuantConfig
+from ds2cli.quantize import quantize_checkpoint
 
 LITE_LAYERS = 27            # DeepSeek-V2-Lite's depth; --layers takes the first N of them
 DEFAULT_LAYERS = 4
@@ -267,39 +269,42 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
 
 
-def check_memory(cfg: DeepseekV2Config) -> None:
-    need = 4 * sum(math.prod(s) for s in checkpoint.expected_shapes(cfg).values())
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > total:
-        raise BenchError(f"the {cfg.num_hidden_layers}-layer model needs {need / 1e9:.1f} GB as float32 "
-                         f"but this machine has {total / 1e9:.1f} GB of memory; use fewer --layers")
+def params_of(w) -> int:
+    return math.prod(w.shape)
 
 
-# ---- what the model must do ----
+def layer_weights(layer: dict) -> list:
+    """Everything every token reads in this layer, routed experts aside (absorbed decode reads
+    all of w_uk and w_uv): arrays and weight objects (linear.Dense, quant.QuantMatrix) alike."""
+    mlp = [a for name, a in layer["mlp"].items() if not name.startswith("experts_")]
+    return [layer["input_layernorm"], layer["post_attention_layernorm"], *layer["attn"].values(), *mlp]
+
 
 def layer_params(layer: dict, matrices_only: bool = False) -> int:
-    """Parameters every token reads in this layer, routed experts aside (absorbed decode reads
-    all of w_uk and w_uv). matrices_only leaves out the norm weights, for counting multiply-adds."""
-    mlp = [a for name, a in layer["mlp"].items() if not name.startswith("experts_")]
-    arrays = [layer["input_layernorm"], layer["post_attention_layernorm"], *layer["attn"].values(), *mlp]
-    return sum(a.size for a in arrays if a.ndim >= 2 or not matrices_only)
+    """Parameters of layer_weights; matrices_only leaves out the norm weights, for counting
+    multiply-adds."""
+    return sum(params_of(a) for a in layer_weights(layer) if len(a.shape) >= 2 or not matrices_only)
+
+
+def routed_expert(model: Model) -> list:
+    """One routed expert's weights (gate_up, down); none without MoE layers."""
+    mlp = next((layer["mlp"] for layer in model.layers if layer["is_moe"]), None)
+    return [] if mlp is None else [mlp["experts_gate_up"][0], mlp["experts_down"][0]]
 
 
 def expert_params(model: Model) -> int:
     """Parameters of one routed expert (gate_proj, up_proj, down_proj); 0 without MoE layers."""
-    mlp = next((layer["mlp"] for layer in model.layers if layer["is_moe"]), None)
-    return 0 if mlp is None else mlp["experts_gate_up"][0].size + mlp["experts_down"][0].size
+    return sum(params_of(w) for w in routed_expert(model))
 
 
 def forward_weight_bytes(model: Model, routed_experts: float, tokens: int = 1) -> float:
     """Weight bytes one forward of `tokens` tokens reads when its gates picked `routed_experts`
-    distinct routed experts, summed over the MoE layers; each weight is read once per forward."""
-    D = model.embed_tokens.shape[1]
-    params = tokens * D + model.norm.size + model.lm_head.size + sum(layer_params(layer) for layer in model.layers)
-    return (params + routed_experts * expert_params(model)) * model.lm_head.itemsize
+    distinct routed experts, summed over the MoE layers; each weight is read once per forward,
+    in the form it is stored (float32 or low-bit)."""
+    embed_row = model.embed_tokens.nbytes / len(model.embed_tokens)
+    fixed = (tokens * embed_row + model.norm.nbytes + model.lm_head.nbytes
+             + sum(w.nbytes for layer in model.layers for w in layer_weights(layer)))
+    return fixed + routed_experts * sum(w.nbytes for w in routed_expert(model))
 
 
 def attention_macs(cfg: DeepseekV2Config, tokens: int) -> int:
@@ -319,21 +324,30 @@ def prefill_flops(model: Model, tokens: int) -> float:
     per_token = (sum(layer_params(layer, matrices_only=True) for layer in model.layers)
                  + len(cfg.moe_layers) * (cfg.num_experts_per_tok or 0) * expert_params(model))
     attention = cfg.num_hidden_layers * attention_macs(cfg, tokens)
-    return 2.0 * (tokens * per_token + attention + model.lm_head.size)
+    return 2.0 * (tokens * per_token + attention + params_of(model.lm_head))
 
 
-def weight_nbytes(model: Model) -> int:
-    """float32 bytes the loaded model holds (a tied lm_head is the embedding, counted once)."""
+def all_weights(model: Model) -> list:
     arrays = [model.embed_tokens, model.norm, model.lm_head]
     for layer in model.layers:
         arrays += [layer["input_layernorm"], layer["post_attention_layernorm"],
                    *layer["attn"].values(), *layer["mlp"].values()]
-    return sum({id(a): a.nbytes for a in arrays}.values())
+    return list({id(a): a for a in arrays}.values())   # a tied lm_head is the embedding, once
+
+
+def weight_nbytes(model: Model) -> int:
+    """Bytes the loaded model's weights hold, in their stored form."""
+    return sum(a.nbytes for a in all_weights(model))
+
+
+def total_params(model: Model) -> int:
+    return sum(params_of(a) for a in all_weights(model))
 
 
 # ---- measurements ----
 
-def time_load(path: Path, repeats: int) -> tuple[Model, dict]:
+def time_load(path: Path, repeats: int, quantize: int | None = None,
+              context: int | None = None) -> tuple[Model, dict]:
     samples, model = [], None
     for r in range(repeats):
         model = None  # free the previous copy first: two might not fit side by side
@@ -342,7 +356,7 @@ def time_load(path: Path, repeats: int) -> tuple[Model, dict]:
         progress = console.LoadProgress()
         try:
             t0 = time.perf_counter()
-            model = load(path, progress=progress)
+            model = load(path, progress=progress, quantize=quantize, context=context)
             samples.append(time.perf_counter() - t0)
         finally:
             progress.close()
@@ -359,8 +373,7 @@ def bench_prefill(model: Model, tokens: int, repeats: int, rng) -> dict:
     for _ in range(repeats):
         ids = rng.integers(model.config.vocab_size, size=tokens)
         cache = model.new_cache(tokens)
-        with record_routes(routes):
-            samples.append(tokens / seconds(lambda: model.forward(ids, cache)))
+        samples.append(tokens / seconds(lambda: model.forward(ids, cache, trace=routes)))
     routed = sum(len(np.unique(idx)) for idx in routes) / repeats
     weight_bytes = forward_weight_bytes(model, routed, tokens)
     tok_per_s, gflop = summary(samples), prefill_flops(model, tokens) / 1e9
@@ -370,24 +383,6 @@ def bench_prefill(model: Model, tokens: int, repeats: int, rng) -> dict:
             "routed_experts": routed, "weight_bytes": weight_bytes, "weight_gb_per_s": gb_per_s,
             "probes": probes, "gemm_ratio": gflop_per_s["median"] / probes["gemm_gflop_per_s"]["median"],
             "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"]}
-
-
-@contextlib.contextmanager
-def record_routes(log: list):
-    """Append the expert ids every MoE layer's gate selects to `log` (one (T, k) array a call).
-    moe.moe looks `route` up in its module at each call, so wrapping it there is enough."""
-    original = moe.route
-
-    def recording(x, gate, cfg):
-        idx, weight = original(x, gate, cfg)
-        log.append(idx)
-        return idx, weight
-
-    moe.route = recording
-    try:
-        yield log
-    finally:
-        moe.route = original
 
 
 def fill_cache(model: Model, cache, ids: np.ndarray) -> None:
@@ -415,11 +410,10 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
     for _ in range(repeats):
         ids = rng.integers(model.config.vocab_size, size=steps)
         cache.truncate(context)
-        with record_routes(routes):
-            t0 = time.perf_counter()
-            for token in ids:
-                model.forward(token[None], cache)
-            samples.append(steps / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        for token in ids:
+            model.forward(token[None], cache, trace=routes)
+        samples.append(steps / (time.perf_counter() - t0))
     cache.truncate(context)
     routed = sum(len(np.unique(idx)) for idx in routes) / (steps * repeats)
     weight_bytes = forward_weight_bytes(model, routed)
@@ -488,6 +482,11 @@ def time_hf(torch, transformers, path: Path, prompt_lengths: list[int], contexts
 
 # ---- the command ----
 
+def cache_tokens(prompt_lengths: list[int], contexts: list[int], steps: int) -> int:
+    """The largest cache the run allocates."""
+    return max(max(contexts) + steps, max(prompt_lengths))
+
+
 def check_settings(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: list[int], steps: int) -> None:
     limit = cfg.max_position_embeddings
     if max(prompt_lengths) > limit:
@@ -506,19 +505,20 @@ def probe_machine() -> dict:
 
 
 def memory_section(model: Model, cache_tokens: int) -> dict:
-    """Peak RSS so far against what must be resident: the float32 weights and the largest cache."""
+    """Peak RSS so far against what must be resident: the weights as stored (memory-mapped ones
+    count once their pages are touched) and the largest cache; and against the float32 weights."""
     weights = weight_nbytes(model)
     cache = cache_tokens * model.new_cache(1).bytes_per_token
     rss = peak_rss_bytes()
-    return {"peak_rss_bytes": rss, "float32_weight_bytes": weights, "cache_bytes": cache,
-            "rss_ratio": rss / (weights + cache)}
+    return {"peak_rss_bytes": rss, "weight_bytes": weights, "cache_bytes": cache,
+            "float32_weight_bytes": 4 * total_params(model), "rss_ratio": rss / (weights + cache)}
 
 
 def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[int], contexts: list[int],
-              steps: int, hf: bool) -> dict:
+              steps: int, hf: bool, quantize: int | None = None) -> dict:
     rng = np.random.default_rng(0)
     probes = probe_machine()
-    model, load_s = time_load(path, repeats)
+    model, load_s = time_load(path, repeats, quantize, context=cache_tokens(prompt_lengths, contexts, steps))
     warm = min(prompt_lengths)  # one untimed forward first, as llama-bench does
     model.forward(rng.integers(model.config.vocab_size, size=warm), model.new_cache(warm))
     prefill = [bench_prefill(model, tokens, repeats, rng) for tokens in prompt_lengths]
@@ -527,13 +527,13 @@ def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[in
     report = {
         "model": {"path": str(path), "synthetic": synthetic, "num_hidden_layers": cfg.num_hidden_layers,
                   "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-                  "params": weight_nbytes(model) // model.lm_head.itemsize,
-                  "float32_weight_bytes": weight_nbytes(model)},
+                  "params": total_params(model), "format": memory.label(model.quantization),
+                  "weight_bytes": weight_nbytes(model), "float32_weight_bytes": 4 * total_params(model)},
         "machine": machine_info(),
         "settings": {"repeats": repeats, "prompt_lengths": prompt_lengths, "contexts": contexts,
                      "decode_steps": steps},
         "probes": probes, "load_s": load_s, "prefill": prefill, "decode": decode,
-        "memory": memory_section(model, max(max(contexts) + steps, max(prompt_lengths))),
+        "memory": memory_section(model, cache_tokens(prompt_lengths, contexts, steps)),
     }
     if hf:
         del model  # transformers' copy must not sit beside ours
@@ -551,6 +551,18 @@ def parse_counts(ctx, param, value: str) -> list[int]:
     if not counts or counts[0] < 1:
         raise click.BadParameter(f"expected positive token counts, got {value!r}")
     return counts
+
+
+def parse_formats(ctx, param, value: str | None) -> list[int | None] | None:
+    """click callback: "f32,8,4" -> [None, 8, 4]."""
+    if value is None:
+        return None
+    names = {"f32": None, "float32": None, "8": 8, "q8": 8, "4": 4, "q4": 4}
+    chosen = [v.strip().lower() for v in value.split(",") if v.strip()]
+    unknown = [v for v in chosen if v not in names]
+    if unknown or not chosen:
+        raise click.BadParameter(f"expected formats among f32, 8, 4 (comma-separated), got {value!r}")
+    return list(dict.fromkeys(names[v] for v in chosen))
 
 
 @click.command("bench")
@@ -571,9 +583,15 @@ def parse_counts(ctx, param, value: str) -> list[int]:
 @click.option("--compare-hf", is_flag=True,
               help="Also time Hugging Face transformers on the same checkpoint (where torch and "
                    "transformers are installed).")
+@click.option("--quantize", type=click.Choice(["8", "4"]),
+              help="Quantize the float checkpoint to 8 or 4 bits in memory as it loads.")
+@click.option("--formats", callback=parse_formats,
+              help="Compare formats side by side, each in its own process, e.g. f32,8,4: f32 loads "
+                   "the float checkpoint, 8 and 4 load ds2 quantize copies kept beside it (made once).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
-def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, compare_hf, as_json):
+def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
+          quantize, formats, as_json):
     """Measure load, prefill and decode speed, and compare them with what this machine's memory
     bandwidth and float32 GEMM can do.
 
@@ -582,20 +600,88 @@ def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decod
     runs reuse it. Progress goes to stderr; the table (or --json) to stdout."""
     if model_dir is not None and layers is not None:
         raise BenchError("--layers sets the depth of the synthetic checkpoint; it cannot be used with --model")
+    if formats and (quantize or compare_hf):
+        raise click.UsageError("--formats runs each format itself; it cannot be combined with --quantize or --compare-hf")
     if model_dir is None:
         cfg = DeepseekV2Config.from_dict(lite_config(layers or DEFAULT_LAYERS))
     else:
         model_dir = check_model_dir(model_dir)
         cfg = DeepseekV2Config.from_file(model_dir / "config.json")
     check_settings(cfg, prompt_lengths, contexts, decode_steps)
-    check_memory(cfg)
-    path = model_dir or synthetic_model(cache_dir or Path("~/.cache/ds2/bench"), layers or DEFAULT_LAYERS)
-    report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf)
+    bench_dir = (cache_dir or Path("~/.cache/ds2/bench")).expanduser()
+    context = cache_tokens(prompt_lengths, contexts, decode_steps)
+    # refuse what cannot fit before synthesising or quantizing anything
+    stored = None if model_dir is None else read_quant_config(model_dir)
+    for bits in formats or [int(quantize) if quantize else None]:
+        memory.check(cfg, model_dir or Path(f"deepseek-v2-lite-{cfg.num_hidden_layers}-layers"),
+                     stored or (QuantConfig.recipe(bits) if bits and formats else None),
+                     None if formats else bits, context)
+    path = model_dir or synthetic_model(bench_dir, layers or DEFAULT_LAYERS)
+    if formats:
+        settings = ["-r", str(repeats), "-p", ",".join(map(str, prompt_lengths)),
+                    "-c", ",".join(map(str, contexts)), "-n", str(decode_steps)]
+        report = compare_formats(path, bench_dir, formats, settings)
+    else:
+        report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
+                           int(quantize) if quantize else None)
     if as_json:
         click.echo(json.dumps(report))
     else:
         from rich.console import Console
-        render(report, Console())
+        (render_formats if formats else render)(report, Console())
+
+
+def quantized_copy(path: Path, bench_dir: Path, bits: int) -> Path:
+    """`ds2 quantize` of `path`, made once into the bench directory and reused after."""
+    target = bench_dir / f"{path.name}-q{bits}"
+    if (target / "config.json").is_file():
+        return target
+    console.info(f"quantizing {path} to {bits} bits into {target} (once)")
+    progress = console.LoadProgress(delay=0, label="quantizing")
+    try:
+        quantize_checkpoint(path, target, bits, force=True, progress=progress)
+    finally:
+        progress.close()
+    return target
+
+
+def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], settings: list[str]) -> dict:
+    """Each format benchmarked by a fresh `ds2 bench --json` process, so that each has its own
+    peak RSS, one after the other in this one run."""
+    reports = {}
+    for bits in formats:
+        target = path if bits is None else quantized_copy(path, bench_dir, bits)
+        name = "f32" if bits is None else f"q{bits}"
+        console.info(f"== {name}: {target}")
+        child = subprocess.run([sys.executable, "-m", "ds2cli", "bench", "-m", str(target), "--json", *settings],
+                               stdout=subprocess.PIPE, text=True)
+        if child.returncode != 0:
+            raise BenchError(f"the {name} benchmark failed (exit {child.returncode}); its error is above")
+        reports[name] = json.loads(child.stdout)
+    return {"formats": reports, "comparison": format_ratios(reports)}
+
+
+def comparison_figures(report: dict) -> dict[str, float]:
+    """The figures a format comparison puts side by side, by row name."""
+    rows = {"load s": report["load_s"]["median"]}
+    rows.update({f"pp{r['tokens']} tok/s": r["tok_per_s"]["median"] for r in report["prefill"]})
+    rows.update({f"tg @ {r['context']} tok/s": r["tok_per_s"]["median"] for r in report["decode"]})
+    rows["peak RSS GB"] = report["memory"]["peak_rss_bytes"] / 1e9
+    rows["weights GB"] = report["model"]["weight_bytes"] / 1e9
+    return rows
+
+
+def format_ratios(reports: dict) -> dict:
+    """Each format's figures over the first format's (speed: higher is better; load, RSS and
+    weights: lower is better), plus peak RSS against the float32 weight bytes."""
+    base = comparison_figures(next(iter(reports.values())))
+    out = {}
+    for name, report in reports.items():
+        figures = comparison_figures(report)
+        out[name] = {"figures": figures,
+                     "ratios": {row: figures[row] / base[row] if base[row] else None for row in figures},
+                     "rss_vs_float32_weights": report["memory"]["peak_rss_bytes"] / report["model"]["float32_weight_bytes"]}
+    return out
 
 
 # ---- the table ----
@@ -605,7 +691,7 @@ def render(report: dict, out) -> None:
     from rich.table import Table
     m = report["model"]
     table = Table(title=f"ds2 bench: {m['path']}\n{m['num_hidden_layers']} layers, "
-                        f"{m['params'] / 1e9:.2f} B params, {m['float32_weight_bytes'] / 1e9:.2f} GB as float32",
+                        f"{m['params'] / 1e9:.2f} B params, {m['weight_bytes'] / 1e9:.2f} GB as {m['format']}",
                   caption=machine_line(report["machine"]), box=box.SIMPLE_HEAD)
     for name in ("test", "median", "min", "derived", "vs probe beside it"):
         table.add_column(name, no_wrap=name == "test", justify="right" if name in ("median", "min") else "left")
@@ -636,7 +722,7 @@ def table_rows(report: dict) -> list[list[str]]:
              for r in report["decode"]]
     mem = report["memory"]
     rows.append(["peak RSS GB", f"{mem['peak_rss_bytes'] / 1e9:.2f}", "",
-                 f"weights {mem['float32_weight_bytes'] / 1e9:.2f} + cache {mem['cache_bytes'] / 1e9:.2f}",
+                 f"weights {mem['weight_bytes'] / 1e9:.2f} + cache {mem['cache_bytes'] / 1e9:.2f}",
                  f"{mem['rss_ratio']:.2f}x those"])
     return rows + hf_rows(report)
 
@@ -655,6 +741,35 @@ def hf_rows(report: dict) -> list[list[str]]:
             rows.append([f"{name} tok/s", *stat_cells(r["tok_per_s"], ".2f"), f"transformers {hf['transformers']}",
                          f"ds2 {mine / r['tok_per_s']['median']:.2f}x"])
     return rows
+
+
+def render_formats(report: dict, out) -> None:
+    from rich import box
+    from rich.table import Table
+    comparison = report["comparison"]
+    first = next(iter(report["formats"].values()))
+    m = first["model"]
+    table = Table(title=f"ds2 bench --formats: {m['path']}\n{m['num_hidden_layers']} layers, "
+                        f"{m['params'] / 1e9:.2f} B params, {m['float32_weight_bytes'] / 1e9:.2f} GB as float32",
+                  caption=machine_line(first["machine"]) + "; medians; ratio = this format / the first",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("test", no_wrap=True)
+    for name in comparison:
+        table.add_column(name, justify="right")
+        if name != next(iter(comparison)):
+            table.add_column("ratio", justify="right")
+    for row in next(iter(comparison.values()))["figures"]:
+        cells = [row]
+        for k, (name, c) in enumerate(comparison.items()):
+            cells.append(f"{c['figures'][row]:.2f}")
+            if k:
+                cells.append("-" if c["ratios"][row] is None else f"{c['ratios'][row]:.2f}x")
+        table.add_row(*cells)
+    cells = ["peak RSS / f32 weights"]
+    for k, c in enumerate(comparison.values()):
+        cells += [f"{c['rss_vs_float32_weights']:.2f}x"] + ([""] if k else [])
+    table.add_row(*cells)
+    out.print(table)
 
 
 def machine_line(machine: dict) -> str:

@@ -181,9 +181,10 @@ class Model:
         capacity = cfg.max_position_embeddings if capacity is None else capacity
         return LatentCache(cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
-    def forward(self, token_ids, cache: LatentCache, all_logits: bool = False) -> np.ndarray:
+    def forward(self, token_ids, cache: LatentCache, all_logits: bool = False, trace: list | None = None) -> np.ndarray:
         """Run `token_ids` after what `cache` holds; return float32 logits for the last position
-        (V,), or for every new position (T, V) with all_logits."""
+        (V,), or for every new position (T, V) with all_logits. With `trace`, each MoE layer
+        appends the expert ids its gate chose (T, k): what the forward pass read."""
         cfg = self.config
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
@@ -200,7 +201,7 @@ class Model:
                         cfg.num_attention_heads, cfg.rms_norm_eps, self.softmax_scale)
             h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
             w = layer["mlp"]
-            x = x + (moe(h, w, cfg) if layer["is_moe"] else swiglu(h, w["gate_up"], w["down_proj"]))
+            x = x + (moe(h, w, cfg, trace) if layer["is_moe"] else swiglu(h, w["gate_up"], w["down_proj"]))
         cache.length = start + len(ids)
         x = rms_norm(x if all_logits else x[-1:], self.norm, cfg.rms_norm_eps)
         logits = self.lm_head.matmul(x)                                      # (T or 1, V)

@@ -50,9 +50,12 @@ def route(x: np.ndarray, gate: np.ndarray, cfg: DeepseekV2Config) -> tuple[np.nd
     return idx, weight.astype(np.float32)
 
 
-def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config) -> np.ndarray:
-    """Run only the experts the gate selected, each once over the tokens routed to it."""
+def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
+    """Run only the experts the gate selected, each once over the tokens routed to it; the
+    chosen expert ids (T, k) are appended to `trace` when one is given."""
     idx, weight = route(x, w["gate"], cfg)                                  # (T, k)
+    if trace is not None:
+        trace.append(idx)
     k = idx.shape[1]
     flat = idx.ravel()
     order = np.argsort(flat, kind="stable")                                 # (T*k,) grouped by expert
