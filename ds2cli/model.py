@@ -257,10 +257,10 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
         quantize = None if stored is not None else memory.choose_auto(cfg, context)
     if quantize not in (None, 8, 4):
         raise ConfigError(f"quantize must be 8, 4 or 'auto', got {quantize!r}")
-    tokenizer = Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
-    gen = read_generation_config(model_dir)
     if memory_check:
         memory.check(cfg, model_dir, stored, quantize, context)
+    tokenizer = Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
+    gen = read_generation_config(model_dir)
     if stored is not None:
         if quantize is not None and quantize != stored.bits:
             raise ConfigError(f"{model_dir} is already a {stored.bits}-bit ds2 checkpoint; "
