@@ -34,3 +34,9 @@ def test_score_reports_perplexity_consistent_with_log_probs():
     mean = sum(lps) / len(lps)
     assert abs(float(summary.group(2)) - mean) < 1e-3
     assert abs(float(summary.group(3)) - 2.718281828 ** -mean) / float(summary.group(3)) < 1e-2
+
+
+def test_quant_quality_reports_kl_and_agreement_on_a_reference_case():
+    out = run("quant_quality.py", "--bits", "8", "--model", str(EXAMPLES.parent / "tests/data/reference/lite_like_plainq_yarn"))
+    m = re.search(r"over (\d+) positions: mean KL ([\d.e-]+), top-1 agreement ([\d.]+)%", out)
+    assert int(m.group(1)) == 220 and 0 < float(m.group(2)) < 1e-2 and float(m.group(3)) > 80, out
