@@ -11,8 +11,8 @@ in the page cache once used) + the latent cache at the requested context + a wor
 (WORKING_MARGIN_BYTES plus WORKING_MARGIN_FRACTION of the weights: activations, dequantization
 scratch, the tokenizer and Python). Quantizing at load also holds one layer in float32 at a time.
 
-For tests and for people who know better, DS2_MEMORY_AVAILABLE (bytes, or a number with K/M/G
-suffix) replaces the measured available memory.
+For tests and for people who know better, DS2_MEMORY_AVAILABLE (bytes, or a number with a K, M,
+G suffix for powers of 1000 or KiB, MiB, GiB for powers of 1024) replaces the measured figure.
 """
 
 from __future__ import annotations
@@ -75,15 +75,18 @@ def required(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None,
 
 
 def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    """"8589934592", "8G" or "8GB" (10^9, as ds2 prints sizes), "8GiB" (2^30); K, M, T alike."""
+    t = text.strip().upper()
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    unit = next((u for u in units if t.endswith(u)), "")
     try:
-        value = float(text[:-1] if scale > 1 else text)
+        value = float(t[:len(t) - len(unit)])
     except ValueError:
-        raise Ds2Error(f"{ENV} must be a size such as 8G or 8589934592, got {text!r}") from None
+        value = -1.0
     if not math.isfinite(value) or value < 0:
-        raise Ds2Error(f"{ENV} must be a size such as 8G or 8589934592, got {text!r}")
-    return int(value * scale)
+        raise Ds2Error(f"{ENV} must be a size such as 8G, 8GiB or 8000000000, got {text!r}")
+    return int(value * units.get(unit, 1))
 
 
 def available_bytes() -> int | None:
