@@ -36,6 +36,12 @@ MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit ("header t
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some exporters store; recomputed from config
+# DeepSeek-V3's fp8 storage: "<name>.weight" F8_E4M3 beside a float32 "<name>.weight_scale_inv"
+# holding one scale per FP8_BLOCK block of the weight (edge blocks partial).
+FP8_DTYPES = ("F8_E4M3",)
+FP8_FMT = "e4m3"
+FP8_BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +219,8 @@ def iter_expected(cfg: DeepseekV2Config) -> Iterator[tuple[str, tuple[int, ...]]
         yield a + "o_proj.weight", (D, H * cfg.v_head_dim)
         if cfg.is_moe_layer(i):
             yield p + "mlp.gate.weight", (cfg.n_routed_experts, D)
+            if cfg.topk_method == "noaux_tc":  # DeepSeek-V3's load-balancing bias, used to choose
+                yield p + "mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,)
             for e in range(cfg.n_routed_experts):
                 yield from _mlp_shapes(p + f"mlp.experts.{e}.", D, cfg.moe_intermediate_size)
             if cfg.n_shared_experts:
@@ -239,17 +247,79 @@ def problems(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo]) -> list[str]
                 f"{cfg.num_hidden_layers}, n_routed_experts {cfg.n_routed_experts}) "
                 f"but the checkpoint holds {len(tensors)}"]
     out = [f"missing tensor {name} {list(shape)}" for name, shape in want.items() if name not in tensors]
+    fp8 = []
     for name, info in tensors.items():
-        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        if (name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+                or is_mtp(name, cfg) or is_scale_of(name, want)):
             continue
         if name not in want:
             out.append(f"unexpected tensor {name}")
         elif info.shape != want[name]:
             out.append(f"tensor {name} has shape {list(info.shape)}, config says {list(want[name])}")
+        elif info.dtype in FP8_DTYPES and cfg.quantization_config is not None:
+            fp8.append(name)
         elif info.dtype not in LOADABLE_DTYPES:
+            fp8_hint = f", or {FP8_DTYPES[0]} with an fp8 quantization_config" if cfg.is_v3 else ""
             out.append(f"tensor {name} has unsupported dtype {info.dtype} "
-                       f"(ds2 loads {', '.join(LOADABLE_DTYPES)})")
+                       f"(ds2 loads {', '.join(LOADABLE_DTYPES)}{fp8_hint})")
+    return out + fp8_problems(cfg, tensors, fp8) + stray_scales(tensors, want)
+
+
+# ---- DeepSeek-V3: multi-token-prediction layers and fp8 block scales ----
+
+def is_mtp(name: str, cfg: DeepseekV2Config) -> bool:
+    """A tensor of a multi-token-prediction layer (model.layers.<num_hidden_layers + j>.*):
+    stored for speculative decoding and training, never read by inference."""
+    if not cfg.num_nextn_predict_layers or not name.startswith("model.layers."):
+        return False
+    index = name.split(".", 3)[2]
+    return index.isdigit() and int(index) in range(cfg.num_hidden_layers,
+                                                    cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+
+
+def is_scale_of(name: str, want: dict) -> bool:
+    """`name` is the weight_scale_inv of an expected weight (checked with that weight)."""
+    return name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in want
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = FP8_BLOCK) -> tuple[int, int]:
+    """(out, in) -> one scale per block, edge blocks partial: (ceil(out/128), ceil(in/128))."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def fp8_problems(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo], names: list[str]) -> list[str]:
+    """The F8_E4M3 weights `names` need a supported quantization_config (reported once) and
+    each its own well-shaped float weight_scale_inv."""
+    if not names:
+        return []
+    qc = cfg.quantization_config or {}
+    first = f"{names[0]}" + (f" and {len(names) - 1} more F8_E4M3 tensors" if len(names) > 1 else "")
+    if qc.get("fmt", FP8_FMT) != FP8_FMT:
+        return [f"tensor {first}: quantization_config.fmt {qc['fmt']!r} is not supported "
+                f"(ds2 dequantizes {FP8_FMT})"]
+    if qc.get("weight_block_size") != list(FP8_BLOCK):
+        return [f"tensor {first}: quantization_config.weight_block_size "
+                f"{qc.get('weight_block_size')!r} is not supported (ds2 dequantizes {list(FP8_BLOCK)})"]
+    out = []
+    for name in names:
+        scale, want = tensors.get(name + SCALE_SUFFIX), scale_shape(tensors[name].shape)
+        if scale is None:
+            out.append(f"tensor {name} is F8_E4M3 but its scale {name}{SCALE_SUFFIX} is missing")
+        elif scale.shape != want:
+            out.append(f"scale {scale.name} has shape {list(scale.shape)}, but F8_E4M3 "
+                       f"{list(tensors[name].shape)} in {FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks needs {list(want)}")
+        elif scale.dtype not in LOADABLE_DTYPES:
+            out.append(f"scale {scale.name} has unsupported dtype {scale.dtype}")
     return out
+
+
+def stray_scales(tensors: dict[str, TensorInfo], want: dict) -> list[str]:
+    """A weight_scale_inv beside an expected weight that is not stored as fp8."""
+    return [f"tensor {name} scales {name.removesuffix(SCALE_SUFFIX)}, which is "
+            f"{tensors[name.removesuffix(SCALE_SUFFIX)].dtype}, not F8_E4M3"
+            for name in tensors if is_scale_of(name, want)
+            and tensors.get(name.removesuffix(SCALE_SUFFIX)) is not None
+            and tensors[name.removesuffix(SCALE_SUFFIX)].dtype not in FP8_DTYPES]
 
 
 def validate(cfg: DeepseekV2Config, model_dir: Path) -> dict[str, TensorInfo]:
@@ -264,7 +334,9 @@ def validate(cfg: DeepseekV2Config, model_dir: Path) -> dict[str, TensorInfo]:
 
 def iter_tensors(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array in its stored dtype) for `names`, one tensor at a time: the files are
-    memory-mapped, so only the tensor being handed out is ever held in memory."""
+    memory-mapped, so only the tensor being handed out is ever held in memory. An F8_E4M3
+    weight comes out dequantized to float32 with its weight_scale_inv (see dequantize_fp8):
+    no fp8 array leaves this module, so every reader gets the weight's real values."""
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(tensors[name].file, []).append(name)
@@ -272,11 +344,52 @@ def iter_tensors(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[t
         try:
             with safe_open(str(path), framework="numpy") as f:
                 for name in group:
-                    yield name, f.get_tensor(name)
+                    if tensors[name].dtype in FP8_DTYPES:
+                        yield name, dequantize_fp8(read_fp8(tensors[name]), read_scale(tensors, name, f), name)
+                    else:
+                        yield name, f.get_tensor(name)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own types; report them as ours
             raise CheckpointError(f"{path.name}: cannot read tensors: {e}") from None
+
+
+def read_fp8(info: TensorInfo) -> np.ndarray:
+    """An F8_E4M3 tensor's bytes as ml_dtypes.float8_e4m3fn (safetensors' NumPy reader has no
+    fp8 type); read_header has bounds-checked the offsets."""
+    raw = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    if raw.size != info.nbytes:
+        raise CheckpointError(f"{info.file.name}: tensor {info.name} is truncated")
+    return raw.view(ml_dtypes.float8_e4m3fn).reshape(info.shape)
+
+
+def read_scale(tensors: dict[str, TensorInfo], name: str, f) -> np.ndarray:
+    """`name`'s weight_scale_inv as float32, from the open shard `f` or its own shard."""
+    scale = tensors.get(name + SCALE_SUFFIX)
+    if scale is None:
+        raise CheckpointError(f"tensor {name} is F8_E4M3 but its scale {name}{SCALE_SUFFIX} is missing")
+    if scale.file == tensors[name].file:
+        return np.asarray(f.get_tensor(scale.name), dtype=np.float32)
+    with safe_open(str(scale.file), framework="numpy") as g:
+        return np.asarray(g.get_tensor(scale.name), dtype=np.float32)
+
+
+def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, name: str = "weight",
+                   block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
+    """weight (O, I) float8_e4m3fn times its block's scale_inv (ceil(O/bo), ceil(I/bi)) -> float32.
+
+    One block row at a time, so the only float32 beside the result is a (bo, I) stripe."""
+    O, I = weight.shape
+    bo, bi = block
+    if scale_inv.shape != scale_shape((O, I), block):
+        raise CheckpointError(f"scale {name}{SCALE_SUFFIX} has shape {list(scale_inv.shape)}, but F8_E4M3 "
+                              f"{[O, I]} in {bo}x{bi} blocks needs {list(scale_shape((O, I), block))}")
+    out = np.empty((O, I), dtype=np.float32)
+    for r in range(scale_inv.shape[0]):
+        rows = slice(r * bo, min((r + 1) * bo, O))
+        col_scale = np.repeat(scale_inv[r], bi)[:I]                         # (I,) one per column
+        np.multiply(weight[rows].astype(np.float32), col_scale, out=out[rows])  # (bo, I)
+    return out
 
 
 def iter_float32(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:

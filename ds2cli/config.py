@@ -12,6 +12,19 @@ from ds2cli.errors import ConfigError, Ds2Error
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2",)
 TOPK_METHODS = ("greedy", "group_limited_greedy")
+# The DeepSeek-V3 family keeps V2's architecture and changes the router (sigmoid scores,
+# noaux_tc choice with a correction bias), the weight format (fp8 blocks) and adds MTP layers.
+# Kimi-K2 ships model_type kimi_k2 with DeepSeek-V3's architecture.
+V3_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+V3_ARCHITECTURE = "DeepseekV3ForCausalLM"
+V3_TOPK_METHODS = ("noaux_tc",)
+V3_SCORING_FUNCS = ("sigmoid",)
+QUANT_METHODS = ("fp8",)
+# transformers' DeepseekV3Config defaults for the fields whose V2 default differs; a V3
+# config.json that omits one of them means these values, as it does to transformers.
+V3_DEFAULTS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "n_group": 8, "topk_group": 4,
+               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+               "n_shared_experts": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +61,10 @@ class DeepseekV2Config:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     model_type: str = "deepseek_v2"
+    # DeepSeek-V3 family only (a deepseek_v2 config keeps these defaults whatever it holds)
+    rope_interleave: bool = True          # False: q_pe/k_pe rows are already in rotate_half order
+    num_nextn_predict_layers: int = 0     # MTP layers stored after the decoder; never run
+    quantization_config: dict | None = None  # {quant_method: fp8, fmt: e4m3, weight_block_size}
 
     # ---- derived ----
     @property
@@ -61,11 +78,24 @@ class DeepseekV2Config:
             return ()
         return tuple(eos) if isinstance(eos, list) else (eos,)
 
+    @property
+    def is_v3(self) -> bool:
+        """The DeepSeek-V3 family: sigmoid/noaux_tc router, optional fp8 weights and MTP layers."""
+        return self.model_type in V3_MODEL_TYPES
+
+    @property
+    def mtp_layers(self) -> list[int]:
+        """Indices of the stored multi-token-prediction layers, which inference never reads."""
+        return list(range(self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers))
+
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """The original DeepseekV2DecoderLayer's rule for choosing DeepseekV2MoE over a dense MLP."""
+        """The original DeepseekV2DecoderLayer's rule for choosing DeepseekV2MoE over a dense MLP.
+        DeepseekV3DecoderLayer (transformers, and DeepSeek's own inference code) has no
+        moe_layer_freq: every layer from first_k_dense_replace on is MoE."""
+        freq = 1 if self.is_v3 else self.moe_layer_freq
         return (self.n_routed_experts is not None
                 and layer_idx >= self.first_k_dense_replace
-                and layer_idx % self.moe_layer_freq == 0)
+                and layer_idx % freq == 0)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -130,6 +160,7 @@ _POSITIVE_INTS = ("moe_layer_freq", "max_position_embeddings")
 _FLOATS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
 _BOOLS = ("norm_topk_prob", "tie_word_embeddings", "attention_bias")
 _STRINGS = ("topk_method", "scoring_func", "hidden_act")
+V3_ONLY_FIELDS = ("rope_interleave", "num_nextn_predict_layers", "quantization_config")
 
 
 def _is_int(v: Any) -> bool:
@@ -204,10 +235,10 @@ def _check_moe(d: dict) -> None:
     n, k = d["n_routed_experts"], d["num_experts_per_tok"]
     if k > n:
         raise ConfigError(f"num_experts_per_tok ({k}) is larger than n_routed_experts ({n})")
-    if d["topk_method"] == "group_limited_greedy":
+    if d["topk_method"] in ("group_limited_greedy", "noaux_tc"):
         n_group, topk_group = d.get("n_group"), d.get("topk_group")
         if n_group is None or topk_group is None:
-            raise ConfigError("topk_method group_limited_greedy needs n_group and topk_group")
+            raise ConfigError(f"topk_method {d['topk_method']} needs n_group and topk_group")
         if n % n_group:
             raise ConfigError(f"n_routed_experts ({n}) is not divisible by n_group ({n_group})")
         if topk_group > n_group:
@@ -215,14 +246,58 @@ def _check_moe(d: dict) -> None:
         if topk_group * (n // n_group) < k:
             raise ConfigError(f"topk_group ({topk_group}) groups of {n // n_group} experts "
                               f"hold fewer than num_experts_per_tok ({k})")
+        if d["topk_method"] == "noaux_tc" and n // n_group < 2:
+            raise ConfigError(f"topk_method noaux_tc ranks each group by its two best experts, but "
+                              f"n_routed_experts ({n}) / n_group ({n_group}) leaves groups of one")
+
+
+def is_v3_family(raw: dict) -> bool:
+    """deepseek_v3, or kimi_k2 when it declares DeepSeek-V3's architecture."""
+    model_type, arch = raw.get("model_type"), raw.get("architectures")
+    if model_type == "deepseek_v3":
+        return True
+    return model_type == "kimi_k2" and isinstance(arch, list) and V3_ARCHITECTURE in arch
+
+
+def _check_v3(d: dict) -> None:
+    """The V3 family's router, layout and storage fields; V3_DEFAULTS fill the absent ones."""
+    for key, value in V3_DEFAULTS.items():
+        d.setdefault(key, value)
+    if d["topk_method"] not in V3_TOPK_METHODS:
+        raise ConfigError(f"unsupported topk_method {d['topk_method']!r} for model_type "
+                          f"{d['model_type']!r} (ds2 supports {', '.join(V3_TOPK_METHODS)})")
+    if d["scoring_func"] not in V3_SCORING_FUNCS:
+        raise ConfigError(f"unsupported scoring_func {d['scoring_func']!r} for model_type "
+                          f"{d['model_type']!r} (ds2 supports {', '.join(V3_SCORING_FUNCS)})")
+    if d.get("rope_interleave") is not None and not isinstance(d["rope_interleave"], bool):
+        raise ConfigError(f"config field rope_interleave must be true or false, got {d['rope_interleave']!r}")
+    if d.get("num_nextn_predict_layers") is not None:
+        _check_int(d, "num_nextn_predict_layers", 0)
+        if d["num_nextn_predict_layers"] > MAX_LAYERS:
+            raise ConfigError(f"config field num_nextn_predict_layers must be <= {MAX_LAYERS}")
+    qc = d.get("quantization_config")
+    if qc is None:
+        return
+    if not isinstance(qc, dict):
+        raise ConfigError(f"config field quantization_config must be an object, got {qc!r}")
+    if qc.get("quant_method") not in QUANT_METHODS:
+        raise ConfigError(f"unsupported quantization_config.quant_method {qc.get('quant_method')!r} "
+                          f"(ds2 reads {', '.join(QUANT_METHODS)} block-scaled weights)")
+    # fmt and weight_block_size are checked against the stored tensors (checkpoint.problems),
+    # so that a mismatch names the tensors it concerns.
 
 
 def _parse(raw: dict) -> DeepseekV2Config:
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    v3 = is_v3_family(raw)
+    if model_type not in SUPPORTED_MODEL_TYPES and not v3:
         raise ConfigError(f"not a DeepSeek-V2 checkpoint: model_type is {model_type!r}, "
-                          f"ds2 runs model_type 'deepseek_v2'")
+                          f"ds2 runs model_type 'deepseek_v2', 'deepseek_v3' "
+                          f"(and 'kimi_k2' with architectures {V3_ARCHITECTURE})")
     d = _rope_from_parameters(raw) if "rope_parameters" in raw and "rope_scaling" not in raw else dict(raw)
+    if not v3:  # a V2 config is read exactly as before, whatever V3 fields it may hold
+        for key in V3_ONLY_FIELDS:
+            d.pop(key, None)
     fields = {f.name: f for f in dataclasses.fields(DeepseekV2Config)}
     for key in _REQUIRED_INTS:
         if key not in d:
@@ -246,11 +321,14 @@ def _parse(raw: dict) -> DeepseekV2Config:
     for key in _STRINGS:
         if key in d and not isinstance(d[key], str):
             raise ConfigError(f"config field {key} must be a string, got {d[key]!r}")
-    d.setdefault("topk_method", "greedy")
-    if d["topk_method"] not in TOPK_METHODS:
-        raise ConfigError(f"unsupported topk_method {d['topk_method']!r} (ds2 supports greedy, group_limited_greedy)")
-    if d.get("scoring_func", "softmax") != "softmax":
-        raise ConfigError(f"unsupported scoring_func {d['scoring_func']!r} (ds2 supports softmax)")
+    if v3:
+        _check_v3(d)
+    else:
+        d.setdefault("topk_method", "greedy")
+        if d["topk_method"] not in TOPK_METHODS:
+            raise ConfigError(f"unsupported topk_method {d['topk_method']!r} (ds2 supports greedy, group_limited_greedy)")
+        if d.get("scoring_func", "softmax") != "softmax":
+            raise ConfigError(f"unsupported scoring_func {d['scoring_func']!r} (ds2 supports softmax)")
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported hidden_act {d['hidden_act']!r} (ds2 supports silu)")
     if d.get("attention_bias"):
@@ -265,6 +343,8 @@ def _parse(raw: dict) -> DeepseekV2Config:
     kwargs = {k: v for k, v in d.items() if k in fields and v is not None}
     for key in ("norm_topk_prob", "tie_word_embeddings", "attention_bias"):
         kwargs[key] = bool(d.get(key) or False)
+    if v3:
+        kwargs["rope_interleave"] = d.get("rope_interleave") is not False
     kwargs["routed_scaling_factor"] = float(d.get("routed_scaling_factor", 1.0))
     kwargs["rms_norm_eps"] = float(d.get("rms_norm_eps", 1e-6))
     kwargs["rope_theta"] = float(d.get("rope_theta", 10000.0))

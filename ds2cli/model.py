@@ -45,12 +45,17 @@ def read_generation_config(model_dir: Path) -> dict:
 
 
 def names_by_layer(tensors, num_layers: int) -> list[list[str]]:
-    """Each layer's stored tensor names, found in one pass (a full V2 holds ~55k tensors)."""
+    """Each layer's stored tensor names, found in one pass (a full V2 holds ~55k tensors).
+    fp8 scales travel with their weights (checkpoint.iter_tensors) and the MTP layers stored
+    after the decoder (DeepSeek-V3's num_nextn_predict_layers) are never read."""
     layers: list[list[str]] = [[] for _ in range(num_layers)]
+    skipped = checkpoint.IGNORED_SUFFIXES + (checkpoint.SCALE_SUFFIX,)
     for name in tensors:
         parts = name.split(".", 3)
-        if parts[:2] == ["model", "layers"] and not name.endswith(checkpoint.IGNORED_SUFFIXES):
-            layers[int(parts[2])].append(name)   # validate() has vouched for every layer index
+        if parts[:2] == ["model", "layers"] and not name.endswith(skipped):
+            i = int(parts[2])                    # validate() has vouched for every layer index
+            if i < num_layers:
+                layers[i].append(name)
     return layers
 
 
@@ -59,13 +64,13 @@ def prepare_attention(t: dict, cfg: DeepseekV2Config) -> dict:
     the absorbed per-head W_UK / W_UV, once, at load."""
     H, d, R, C, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                      cfg.kv_lora_rank, cfg.v_head_dim)
-    q_rows = np.concatenate([h * (d + R) + np.concatenate([np.arange(d), d + rope.deinterleave_rows(R)])
+    q_rows = np.concatenate([h * (d + R) + np.concatenate([np.arange(d), d + rope.rope_rows(cfg)])
                              for h in range(H)])
     q_name = "q_proj" if cfg.q_lora_rank is None else "q_b_proj"
     w = {q_name: t.pop(q_name)[q_rows]}
     if cfg.q_lora_rank is not None:
         w["q_a_proj"], w["q_a_layernorm"] = t.pop("q_a_proj"), t.pop("q_a_layernorm")
-    kv_rows = np.concatenate([np.arange(C), C + rope.deinterleave_rows(R)])
+    kv_rows = np.concatenate([np.arange(C), C + rope.rope_rows(cfg)])
     w["kv_a_proj_with_mqa"] = t.pop("kv_a_proj_with_mqa")[kv_rows]
     w["kv_a_layernorm"] = t.pop("kv_a_layernorm")
     kv_b = t.pop("kv_b_proj").reshape(H, d + v, C)                          # (H, d+v, C)
@@ -141,6 +146,8 @@ def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int) -> dict
             t[key] = np.ascontiguousarray(array, dtype=np.float32)
     if "gate" in t:
         mlp["gate"] = t.pop("gate")
+    if "gate.e_score_correction_bias" in t:  # DeepSeek-V3's router bias (E,)
+        mlp["e_score_correction_bias"] = t.pop("gate.e_score_correction_bias")
     return wrap_projections({"input_layernorm": t.pop("input_layernorm"),
                              "post_attention_layernorm": t.pop("post_attention_layernorm"),
                              "attn": prepare_attention(t, cfg),

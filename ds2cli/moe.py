@@ -31,8 +31,12 @@ def topk(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return idx, np.take_along_axis(scores, idx, axis=-1)
 
 
-def route(x: np.ndarray, gate: np.ndarray, cfg: DeepseekV2Config) -> tuple[np.ndarray, np.ndarray]:
-    """The original MoEGate: softmax scores, (group-limited) greedy top-k, then normalise or scale."""
+def route(x: np.ndarray, gate: np.ndarray, cfg: DeepseekV2Config,
+          e_score_correction_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The original MoEGate: softmax scores, (group-limited) greedy top-k, then normalise or scale.
+    DeepSeek-V3's topk_method noaux_tc goes to route_noaux_tc."""
+    if cfg.topk_method == "noaux_tc":
+        return route_noaux_tc(x, gate, e_score_correction_bias, cfg)
     scores = softmax(x @ gate.T)                                            # (T, E)
     k = cfg.num_experts_per_tok
     if cfg.topk_method == "group_limited_greedy":
@@ -50,10 +54,45 @@ def route(x: np.ndarray, gate: np.ndarray, cfg: DeepseekV2Config) -> tuple[np.nd
     return idx, weight.astype(np.float32)
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    # exp(-x) overflows to inf for x < -88 and 1/inf is the right answer, 0: no warning wanted
+    with np.errstate(over="ignore"):
+        return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def top2_group_mask(scores: np.ndarray, n_group: int, topk_group: int) -> np.ndarray:
+    """True for the experts in each token's topk_group best groups, a group ranked by the sum
+    of its two highest scores (DeepSeek-V3's node-limited routing)."""
+    T, E = scores.shape
+    grouped = scores.reshape(T, n_group, E // n_group)                      # (T, G, E/G)
+    best_two = -np.partition(-grouped, 1, axis=-1)[..., :2]                 # (T, G, 2)
+    group_idx, _ = topk(best_two.sum(axis=-1), topk_group)                  # (T, topk_group)
+    keep = np.zeros((T, n_group), dtype=bool)
+    np.put_along_axis(keep, group_idx, True, axis=-1)
+    return np.repeat(keep, E // n_group, axis=-1)                           # (T, E)
+
+
+def route_noaux_tc(x: np.ndarray, gate: np.ndarray, bias: np.ndarray,
+                   cfg: DeepseekV2Config) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V3's router: sigmoid scores; the correction bias only decides which experts
+    (groups first), the chosen experts are weighted by their unbiased scores, normalised when
+    norm_topk_prob, and always multiplied by routed_scaling_factor."""
+    scores = sigmoid(x @ gate.T)                                            # (T, E) float32
+    for_choice = scores + bias                                              # (T, E)
+    if cfg.n_group > 1:
+        keep = top2_group_mask(for_choice, cfg.n_group, cfg.topk_group)     # (T, E)
+        for_choice = np.where(keep, for_choice, -np.inf)
+    idx, _ = topk(for_choice, cfg.num_experts_per_tok)                      # (T, k)
+    weight = np.take_along_axis(scores, idx, axis=-1)                       # (T, k) unbiased
+    if cfg.norm_topk_prob:
+        weight = weight / (weight.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+    return idx, (weight * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
+
+
 def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
     """Run only the experts the gate selected, each once over the tokens routed to it; the
     chosen expert ids (T, k) are appended to `trace` when one is given."""
-    idx, weight = route(x, w["gate"], cfg)                                  # (T, k)
+    idx, weight = route(x, w["gate"], cfg, w.get("e_score_correction_bias"))  # (T, k)
     if trace is not None:
         trace.append(idx)
     k = idx.shape[1]

@@ -97,6 +97,14 @@ def deinterleave_rows(n: int) -> np.ndarray:
     return np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
 
 
+def rope_rows(cfg: DeepseekV2Config) -> np.ndarray:
+    """Where load puts the stored q_pe/k_pe rows: de-interleaved for the original's pair layout
+    (every V2 checkpoint; V3 unless its config says rope_interleave: false, in which case the
+    rows are already in rotate_half order)."""
+    R = cfg.qk_rope_head_dim
+    return deinterleave_rows(R) if cfg.rope_interleave else np.arange(R)
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """rotate_half RoPE on de-interleaved x (..., T, R) or (T, ..., R) with cos/sin broadcast."""
     half = x.shape[-1] // 2

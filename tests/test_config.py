@@ -41,7 +41,7 @@ def test_moe_layer_rule_honours_first_k_dense_and_layer_freq(raw):
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "llama"}, "not a DeepSeek-V2 checkpoint: model_type is 'llama'"),
-    ({"model_type": "deepseek_v3"}, "model_type is 'deepseek_v3'"),
+    ({"model_type": "kimi_k2"}, "model_type is 'kimi_k2'"),  # kimi_k2 needs DeepseekV3ForCausalLM
     ({"scoring_func": "sigmoid"}, "scoring_func 'sigmoid'"),
     ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling type 'linear'"),

@@ -221,7 +221,7 @@ def test_config_field_errors_name_the_field(checkpoint_copy, edit, message):
         ds2cli.load(model_dir)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3", "qwen2_moe", None])
+@pytest.mark.parametrize("model_type", ["llama", "kimi_k2", "qwen2_moe", None])
 def test_another_family_is_named(checkpoint_copy, model_type):
     model_dir = checkpoint_copy(SINGLE)
     edit_json(model_dir / "config.json", setter(model_type=model_type))
