@@ -12,10 +12,15 @@ Active parameters per token count what one token's forward pass multiplies by:
     (DeepSeek's published "2.4B active" for V2-Lite counts the same way)
   - a stored lm_head.weight when tied: the tied model reads the embedding matrix as its head
 so lm_head (or the tied embedding standing in for it) is counted once.
+
+DeepSeek-V3 checkpoints may also store fp8 weights with block scales (`*.weight_scale_inv`,
+reported under `fp8`, not counted as parameters) and multi-token-prediction layers after the
+decoder (reported under `mtp` and counted apart: inference never reads them).
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -42,17 +47,18 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
     values are scanned, one tensor at a time, and NaN/Inf counts become `warnings`."""
     model_dir = check_model_dir(model_dir)
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
-    tensors = checkpoint.read_headers(model_dir)
+    stored = checkpoint.read_headers(model_dir)
+    tensors = {n: t for n, t in stored.items() if not checkpoint.is_mtp(n, cfg)}  # what inference reads
     qc, found = quantization_config(model_dir)
     if qc is not None:
-        found += qcheckpoint.problems(cfg, qc, tensors)
+        found += qcheckpoint.problems(cfg, qc, stored)
     elif not found:
-        found = checkpoint.problems(cfg, tensors)
+        found = checkpoint.problems(cfg, stored)
     generation, gen_problems = _generation_config(model_dir)
     tok, tok_problems = tokenizer_section(model_dir, cfg, generation)
     # a low-bit checkpoint stores prepared tensors: count the parameters its config describes
     params = params_section(cfg, expected_tensors(cfg) if qc is not None else tensors)
-    storage = storage_section(model_dir, tensors)
+    storage = storage_section(model_dir, stored)
     memory = memory_section(cfg, params["total"])
     memory["formats"] = formats_section(cfg, qc)
     return {
@@ -71,13 +77,15 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         "model": model_section(cfg),
         "mla": mla_section(cfg),
         "moe": moe_section(cfg),
+        "fp8": fp8_section(cfg, tensors),
+        "mtp": mtp_section(cfg, stored),
         "params": params,
         "storage": storage,
         "memory": memory,
         "quantization": None if qc is None else {**qc.to_json(), "file_bytes": storage["total_bytes"]},
         "tokenizer": tok,
         "checked": check,
-        "warnings": nonfinite_warnings(tensors) if check else [],
+        "warnings": nonfinite_warnings(stored) if check else [],
         "problems": found + gen_problems + tok_problems,
     }
 
@@ -118,6 +126,7 @@ def formats_section(cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None) -
 
 def model_section(cfg: DeepseekV2Config) -> dict:
     return {"type": cfg.model_type,
+            "family": "DeepSeek-V3" if cfg.is_v3 else "DeepSeek-V2",
             "layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size,
             "heads": cfg.num_attention_heads,
@@ -152,8 +161,43 @@ def moe_section(cfg: DeepseekV2Config) -> dict:
     keys = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "topk_method",
             "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
             "moe_intermediate_size", "intermediate_size", "first_k_dense_replace", "moe_layer_freq")
-    return {**{k: getattr(cfg, k) for k in keys},
+    return {"router": router_description(cfg),
+            **{k: getattr(cfg, k) for k in keys},
             "moe_layers": cfg.moe_layers, "dense_layers": cfg.dense_layers}
+
+
+def router_description(cfg: DeepseekV2Config) -> str:
+    """How the gate picks experts, in words."""
+    if cfg.topk_method == "noaux_tc":
+        groups = (f", top {cfg.topk_group} of {cfg.n_group} groups by their two best"
+                  if cfg.n_group > 1 else "")
+        return f"sigmoid, noaux_tc (e_score_correction_bias chooses{groups})"
+    if cfg.topk_method == "group_limited_greedy":
+        return f"softmax, group-limited greedy (top {cfg.topk_group} of {cfg.n_group} groups)"
+    return "softmax, greedy"
+
+
+def fp8_section(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo]) -> dict | None:
+    """fp8 block-quantized storage: which tensors, and the scales beside them (None: no fp8)."""
+    fp8 = [t for t in tensors.values() if t.dtype in checkpoint.FP8_DTYPES]
+    scales = [t for n, t in tensors.items() if n.endswith(checkpoint.SCALE_SUFFIX)]
+    if not fp8 and cfg.quantization_config is None:
+        return None
+    qc = cfg.quantization_config or {}
+    return {"quant_method": qc.get("quant_method"), "fmt": qc.get("fmt"),
+            "weight_block_size": qc.get("weight_block_size"),
+            "tensors": len(fp8), "params": sum(t.numel for t in fp8),
+            "scale_tensors": len(scales), "scale_bytes": sum(t.nbytes for t in scales),
+            "dequantized_to": "float32 at load, one tensor at a time"}
+
+
+def mtp_section(cfg: DeepseekV2Config, stored: dict[str, TensorInfo]) -> dict:
+    """The multi-token-prediction layers stored after the decoder: ignored, counted apart."""
+    mtp = {n: t for n, t in stored.items() if checkpoint.is_mtp(n, cfg)}
+    return {"layers": cfg.mtp_layers,
+            "tensors": len(mtp),
+            "params": sum(t.numel for t in parameters(mtp).values()),
+            "bytes": sum(t.nbytes for t in mtp.values())}
 
 
 # ---- parameters, from the stored headers ----
@@ -180,8 +224,10 @@ def param_category(name: str) -> str:
 
 
 def parameters(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
-    """The tensors that are parameters: rotary inv_freq buffers some exporters store are not."""
-    return {n: t for n, t in tensors.items() if not n.endswith(checkpoint.IGNORED_SUFFIXES)}
+    """The tensors that are parameters: rotary inv_freq buffers some exporters store are not,
+    nor are fp8 block scales (weight_scale_inv)."""
+    skipped = checkpoint.IGNORED_SUFFIXES + (checkpoint.SCALE_SUFFIX,)
+    return {n: t for n, t in tensors.items() if not n.endswith(skipped)}
 
 
 def layer_index(name: str) -> int | None:
@@ -331,10 +377,15 @@ def tokenizer_section(model_dir: Path, cfg: DeepseekV2Config,
 # ---- --check: scan values ----
 
 def nonfinite_warnings(tensors: dict[str, TensorInfo]) -> list[str]:
-    """One warning per floating-point tensor holding NaN or Inf, read one tensor at a time."""
-    names = [n for n, t in tensors.items() if t.dtype.startswith(("F", "BF"))]
+    """One warning per floating-point tensor holding NaN or Inf, read one tensor at a time.
+    fp8 weights are scanned as stored (their scales are scanned as tensors of their own), so a
+    missing or mis-shaped scale stays a problem in the report, not a failure of the scan."""
+    names = [n for n, t in tensors.items()
+             if t.dtype.startswith(("F", "BF")) and t.dtype not in checkpoint.FP8_DTYPES]
+    fp8 = ((n, checkpoint.read_fp8(t).astype(np.float32)) for n, t in tensors.items()
+           if t.dtype in checkpoint.FP8_DTYPES)
     warnings = []
-    for name, a in checkpoint.iter_float32(tensors, names):
+    for name, a in itertools.chain(checkpoint.iter_float32(tensors, names), fp8):
         nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
         if nan or inf:
             warnings.append(f"tensor {name} has {nan} NaN and {inf} Inf values")
@@ -389,7 +440,7 @@ def _kv_table(title: str, rows: list[tuple[str, object]]) -> Table:
 
 def _model_table(r: dict) -> Table:
     m = r["model"]
-    rows = [("type", m["type"]), ("path", r["path"]), ("layers", m["layers"]),
+    rows = [("type", m["type"]), ("family", m["family"]), ("path", r["path"]), ("layers", m["layers"]),
             ("hidden size", m["hidden_size"]), ("attention heads", m["heads"]),
             ("vocabulary", m["vocab_size"]), ("context length", m["context_length"]),
             ("rope theta", m["rope_theta"]), ("tied embeddings", m["tie_word_embeddings"])]
@@ -405,6 +456,22 @@ def _moe_table(r: dict) -> Table:
                                  ("intermediate size", m["intermediate_size"])])
     rows = [(k.replace("_", " "), v) for k, v in m.items()]
     return _kv_table("MoE", rows)
+
+
+def _v3_table(r: dict) -> Table | None:
+    """fp8 storage and MTP layers, for a checkpoint that has either."""
+    f, m = r["fp8"], r["mtp"]
+    rows = []
+    if f:
+        block = "x".join(map(str, f["weight_block_size"] or [])) or "-"
+        rows += [("fp8 weights", f"{f['fmt']}, {block} blocks: {human_count(f['params'])} params "
+                                 f"in {f['tensors']} tensors"),
+                 ("fp8 scales", f"{f['scale_tensors']} weight_scale_inv ({human_bytes(f['scale_bytes'])})"),
+                 ("fp8 at load", f["dequantized_to"])]
+    if m["tensors"]:
+        rows.append(("MTP layers (ignored)", f"{_show(m['layers'])}: {human_count(m['params'])} params "
+                                             f"in {m['tensors']} tensors ({human_bytes(m['bytes'])}), not loaded"))
+    return _kv_table("DeepSeek-V3 storage", rows) if rows else None
 
 
 def _params_table(r: dict) -> Table:
@@ -483,16 +550,17 @@ def render(report: dict, console: Console) -> None:
     """One table per section, then the problems in red. Warnings are left to the caller
     (`ds2 inspect` prints them to stderr), so they are not printed twice."""
     mla = [(k.replace("_", " "), v) for k, v in report["mla"].items()]
-    tables = [_model_table(report), _kv_table("MLA", mla), _moe_table(report),
+    tables = [_model_table(report), _kv_table("MLA", mla), _moe_table(report), _v3_table(report),
               _params_table(report), _storage_table(report), _memory_table(report), _tokenizer_table(report)]
     if report["quantization"]:
         q = report["quantization"]
-        tables.insert(5, _kv_table("Quantization (ds2)", [
+        tables.insert(6, _kv_table("Quantization (ds2)", [
             ("bits", q["bits"]), ("group size", q["group_size"]), ("scales", q["scale_dtype"]),
             *((role.replace("_", " "), fmt) for role, fmt in q["formats"].items()),
             ("bytes on disk", human_bytes(q["file_bytes"]))]))
     for table in tables:
-        console.print(table)
+        if table is not None:
+            console.print(table)
     if report["problems"]:
         n = len(report["problems"])
         console.print(f"{n} problem{'s' * (n > 1)}:", style="bold red", highlight=False)
