@@ -302,6 +302,10 @@ def fp8_problems(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo], names: l
                 f"{qc.get('weight_block_size')!r} is not supported (ds2 dequantizes {list(FP8_BLOCK)})"]
     out = []
     for name in names:
+        if len(tensors[name].shape) != 2:
+            out.append(f"tensor {name} is F8_E4M3 with shape {list(tensors[name].shape)}, but fp8 "
+                       f"block scales apply to matrices only")
+            continue
         scale, want = tensors.get(name + SCALE_SUFFIX), scale_shape(tensors[name].shape)
         if scale is None:
             out.append(f"tensor {name} is F8_E4M3 but its scale {name}{SCALE_SUFFIX} is missing")
@@ -314,12 +318,13 @@ def fp8_problems(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo], names: l
 
 
 def stray_scales(tensors: dict[str, TensorInfo], want: dict) -> list[str]:
-    """A weight_scale_inv beside an expected weight that is not stored as fp8."""
-    return [f"tensor {name} scales {name.removesuffix(SCALE_SUFFIX)}, which is "
-            f"{tensors[name.removesuffix(SCALE_SUFFIX)].dtype}, not F8_E4M3"
-            for name in tensors if is_scale_of(name, want)
-            and tensors.get(name.removesuffix(SCALE_SUFFIX)) is not None
-            and tensors[name.removesuffix(SCALE_SUFFIX)].dtype not in FP8_DTYPES]
+    """A weight_scale_inv beside an expected weight that is stored, but not as fp8."""
+    out = []
+    for name in tensors:
+        weight = tensors.get(name.removesuffix(SCALE_SUFFIX)) if is_scale_of(name, want) else None
+        if weight is not None and weight.dtype not in FP8_DTYPES:
+            out.append(f"tensor {name} scales {weight.name}, which is {weight.dtype}, not F8_E4M3")
+    return out
 
 
 def validate(cfg: DeepseekV2Config, model_dir: Path) -> dict[str, TensorInfo]:

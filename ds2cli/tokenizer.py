@@ -184,6 +184,13 @@ class StreamDecoder:
 
 # ---- loading ----
 def _read_backend(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file() and (path.parent / "tiktoken.model").is_file():
+        # Moonlight and Kimi-K2 ship a tiktoken BPE plus Python code to read it; ds2 never runs a
+        # checkpoint's code, so it asks for the tokenizer.json that code can write once.
+        raise TokenizerError(f"{path} not found: {path.parent} has only tiktoken.model, read by Python "
+                             f"code that ds2 does not run; convert it once to a tokenizer.json (for example "
+                             f"with transformers' convert_slow_tokenizer.TikTokenConverter, using the "
+                             f"checkpoint's pattern and special tokens) and put it beside config.json")
     if not path.is_file():
         raise TokenizerError(f"{path} not found: the model directory needs a Hugging Face tokenizer.json")
     try:

@@ -222,9 +222,8 @@ def test_v3_normalises_and_still_scales_unlike_v2():
     bias = np.zeros(16, np.float32)
     _, w = moe.route(x, gate, v3_config(norm_topk_prob=True, routed_scaling_factor=2.5), bias)
     np.testing.assert_allclose(w.sum(axis=-1), 2.5, rtol=1e-6)     # normalised, then scaled
-    v2 = DeepseekV2Config.from_file(ds2cli.model.bundled_model_dir() / "config.json")
-    v2 = DeepseekV2Config.from_dict({**json.loads((ds2cli.model.bundled_model_dir() / "config.json").read_text()),
-                                     "norm_topk_prob": True, "n_routed_experts": 16})
+    tiny = json.loads((ds2cli.model.bundled_model_dir() / "config.json").read_text())
+    v2 = DeepseekV2Config.from_dict({**tiny, "norm_topk_prob": True, "n_routed_experts": 16})
     _, w2 = moe.route(x, gate, v2)
     np.testing.assert_allclose(w2.sum(axis=-1), 1.0, rtol=1e-6)    # V2 normalises instead of scaling
 
@@ -553,3 +552,23 @@ def test_bench_accepts_a_v3_checkpoint(monkeypatch):
     cfg = DeepseekV2Config.from_file(REFERENCE / "moonlight_like" / "config.json")
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
     assert report["decode"][0]["routed_experts_per_step"] == moe_layers * cfg.num_experts_per_tok
+
+
+def test_tiktoken_only_checkpoint_says_what_is_missing(v3_copy):
+    """Moonlight and Kimi-K2 ship tiktoken.model and Python code: ds2 asks for a tokenizer.json."""
+    model_dir = v3_copy("moonlight_like")
+    (model_dir / "tokenizer.json").unlink()
+    (model_dir / "tiktoken.model").write_text("IQ== 0\n")
+    one_error_line(cli("generate", "-m", model_dir, "hi"), "has only tiktoken.model")
+
+
+def test_fp8_vector_is_a_problem_not_a_crash(v3_copy):
+    model_dir = v3_copy()
+    name = "model.layers.0.input_layernorm.weight"
+
+    def to_fp8(tensors):
+        if name in tensors:
+            tensors[name] = ["F8_E4M3", [160], np.ones(160, ml_dtypes.float8_e4m3fn).view(np.uint8).tobytes()]
+
+    edit_shards(model_dir, to_fp8)
+    one_error_line(cli("generate", "-m", model_dir, "hi"), f"tensor {name} is F8_E4M3 with shape [160]")
