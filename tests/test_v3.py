@@ -255,6 +255,15 @@ def test_dequantize_uses_each_elements_block_scale_including_partial_edges(shape
     np.testing.assert_array_equal(got, want)
 
 
+def test_every_fp8_code_dequantizes_as_ml_dtypes_converts_it():
+    codes = np.arange(256 * 3, dtype=np.uint16).astype(np.uint8).reshape(3, 256)   # every code, 3 rows
+    w = codes.view(ml_dtypes.float8_e4m3fn)
+    got = checkpoint.dequantize_fp8(w, np.full((1, 2), 0.5, np.float32))
+    want = w.astype(np.float32) * np.float32(0.5)
+    np.testing.assert_array_equal(got, want)                   # NaN codes (0x7f, 0xff) stay NaN
+    assert np.isnan(got[0, 0x7F]) and got[0, 0x7E] == 448 * 0.5 and got[0, 0x01] == 2.0 ** -9 * 0.5
+
+
 def test_dequantize_rejects_a_scale_of_the_wrong_shape():
     w = np.zeros((130, 260), ml_dtypes.float8_e4m3fn)
     with pytest.raises(CheckpointError, match=r"scale q_proj.weight_scale_inv has shape \[1, 3\].*needs \[2, 3\]"):
