@@ -23,6 +23,7 @@ from ds2cli.cli import main
 from ds2cli.config import DeepseekV2Config
 from ds2cli.describe import describe
 from ds2cli.errors import CheckpointError, ConfigError
+from ds2cli.tokenizer import Tokenizer
 
 REFERENCE = Path(__file__).parent / "data" / "reference_v3"
 CASES = sorted(p.name for p in REFERENCE.iterdir() if (p / "ref.npz").is_file())
@@ -581,3 +582,36 @@ def test_fp8_vector_is_a_problem_not_a_crash(v3_copy):
 
     edit_shards(model_dir, to_fp8)
     one_error_line(cli("generate", "-m", model_dir, "hi"), f"tensor {name} is F8_E4M3 with shape [160]")
+
+
+# DeepSeek-R1's chat template (tokenizer_config.json), its tool-call branches left out: the
+# history keeps only what follows </think>, and the generation prompt opens a <think> block.
+R1_TEMPLATE = (
+    '{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% end'
+    'if %}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_pro'
+    "mpt='', is_first_sp=true) %}{%- for message in messages %}{%- if message['role'] == 'syste"
+    "m' %}{%- if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content"
+    "'] %}{% set ns.is_first_sp = false %}{%- else %}{% set ns.system_prompt = ns.system_prompt"
+    " + '\\n\\n' + message['content'] %}{%- endif %}{%- endif %}{%- endfor %}{{ bos_token }}{{ ns"
+    ".system_prompt }}{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set "
+    "ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- if message['role'"
+    "] == 'assistant' and 'tool_calls' not in message %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁e"
+    "nd｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else"
+    " %}{% set content = message['content'] %}{% if '</think>' in content %}{% set content = co"
+    "ntent.split('</think>')[-1] %}{% endif %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜"
+    ">'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% "
+    "endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% en"
+    'dif %}'
+)
+
+
+def test_r1_chat_template_renders_through_jinja2(v3_copy):
+    model_dir = v3_copy("moonlight_like")
+    path = model_dir / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": R1_TEMPLATE}))
+    tok = Tokenizer.load(model_dir, vocab_size=4096)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "<think>greet</think>hello"},
+                {"role": "user", "content": "2+2?"}]
+    assert tok.render_chat(messages) == ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>hi<｜Assistant｜>hello"
+                                         "<｜end▁of▁sentence｜><｜User｜>2+2?<｜Assistant｜><think>\n")
