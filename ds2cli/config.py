@@ -275,6 +275,9 @@ def _check_v3(d: dict) -> None:
         _check_int(d, "num_nextn_predict_layers", 0)
         if d["num_nextn_predict_layers"] > MAX_LAYERS:
             raise ConfigError(f"config field num_nextn_predict_layers must be <= {MAX_LAYERS}")
+    rs = d.get("rope_scaling")
+    if isinstance(rs, dict) and rs.get("attention_factor") is not None and not _is_number(rs["attention_factor"]):
+        raise ConfigError(f"rope_scaling.attention_factor must be a number, got {rs['attention_factor']!r}")
     qc = d.get("quantization_config")
     if qc is None:
         return

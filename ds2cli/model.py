@@ -171,7 +171,7 @@ class Model:
                         else as_weight(weights["lm_head"]))                  # (V, D)
         self.layers = weights["layers"]
         self.inv_freq = rope.inv_freq(config)                                # (R/2,)
-        self.rope_scale = rope.cos_sin_scale(config.rope_scaling)
+        self.rope_scale = rope.cos_sin_scale(config.rope_scaling, config.is_v3)
         self.softmax_scale = rope.softmax_scale(config)
         self.quantization: qcheckpoint.QuantConfig | None = None   # set by load
 

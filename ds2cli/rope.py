@@ -56,10 +56,18 @@ def yarn_inv_freq(dim: int, base: float, rs: dict) -> np.ndarray:
     return (freq_inter * (1 - inv_freq_mask) + freq_extra * inv_freq_mask).astype(np.float32)
 
 
-def cos_sin_scale(rs: dict | None) -> float:
-    """YaRN multiplies cos and sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+def cos_sin_scale(rs: dict | None, v3: bool = False) -> float:
+    """YaRN multiplies cos and sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+
+    The DeepSeek-V3 family's reference (transformers' DeepseekV3, generic YaRN) agrees when both
+    are given and non-zero, as in every published V3 config; otherwise it takes an explicit
+    attention_factor, or else mscale(factor) alone."""
     if rs is None:
         return 1.0
+    if v3 and rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    if v3 and not (rs.get("mscale") and rs.get("mscale_all_dim")):
+        return yarn_get_mscale(rs["factor"])
     p = {**YARN_DEFAULTS, **rs}
     return yarn_get_mscale(p["factor"], p["mscale"]) / yarn_get_mscale(p["factor"], p["mscale_all_dim"])
 

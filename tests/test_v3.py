@@ -615,3 +615,27 @@ def test_r1_chat_template_renders_through_jinja2(v3_copy):
                 {"role": "user", "content": "2+2?"}]
     assert tok.render_chat(messages) == ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>hi<｜Assistant｜>hello"
                                          "<｜end▁of▁sentence｜><｜User｜>2+2?<｜Assistant｜><think>\n")
+
+
+L4 = math.log(4.0)
+
+
+@pytest.mark.parametrize("extra, v2_scale, v3_scale", [
+    ({"mscale": 1.0, "mscale_all_dim": 1.0}, 1.0, 1.0),                       # every published V3
+    ({"mscale": 0.8, "mscale_all_dim": 0.6}, (0.08 * L4 + 1) / (0.06 * L4 + 1), (0.08 * L4 + 1) / (0.06 * L4 + 1)),
+    ({}, 0.1 * L4 + 1, 0.1 * L4 + 1),
+    ({"mscale": 0.707}, 0.0707 * L4 + 1, 0.1 * L4 + 1),
+    ({"mscale_all_dim": 0.707}, (0.1 * L4 + 1) / (0.0707 * L4 + 1), 0.1 * L4 + 1),
+    ({"mscale": 1.0, "mscale_all_dim": 1.0, "attention_factor": 1.5}, 1.0, 1.5),
+], ids=["both_one", "both_set", "neither", "mscale_only", "mscale_all_dim_only", "attention_factor"])
+def test_yarn_cos_sin_scale_v2_original_and_v3_transformers(extra, v2_scale, v3_scale):
+    rs = {"type": "yarn", "factor": 4.0, **extra}
+    assert rope.cos_sin_scale(rs) == pytest.approx(v2_scale, rel=1e-12)
+    assert rope.cos_sin_scale(rs, v3=True) == pytest.approx(v3_scale, rel=1e-12)
+    model_v3 = v3_config(rope_scaling=rs)
+    assert model_v3.is_v3 and model_v3.rope_scaling["factor"] == 4.0
+
+
+def test_v3_attention_factor_must_be_a_number():
+    with pytest.raises(ConfigError, match="rope_scaling.attention_factor must be a number"):
+        v3_config(rope_scaling={"type": "yarn", "factor": 4.0, "attention_factor": "big"})
