@@ -20,6 +20,7 @@ V3_ARCHITECTURE = "DeepseekV3ForCausalLM"
 V3_TOPK_METHODS = ("noaux_tc",)
 V3_SCORING_FUNCS = ("sigmoid",)
 QUANT_METHODS = ("fp8",)
+DS2_QUANT_METHOD = "ds2"  # qcheckpoint.QUANT_METHOD: `ds2 quantize`'s own low-bit layout
 # transformers' DeepseekV3Config defaults for the fields whose V2 default differs; a V3
 # config.json that omits one of them means these values, as it does to transformers.
 V3_DEFAULTS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "n_group": 8, "topk_group": 4,
@@ -283,9 +284,13 @@ def _check_v3(d: dict) -> None:
         return
     if not isinstance(qc, dict):
         raise ConfigError(f"config field quantization_config must be an object, got {qc!r}")
+    if qc.get("quant_method") == DS2_QUANT_METHOD:  # read by qcheckpoint, not an fp8 checkpoint
+        d["quantization_config"] = None
+        return
     if qc.get("quant_method") not in QUANT_METHODS:
         raise ConfigError(f"unsupported quantization_config.quant_method {qc.get('quant_method')!r} "
-                          f"(ds2 reads {', '.join(QUANT_METHODS)} block-scaled weights)")
+                          f"(ds2 reads {', '.join(QUANT_METHODS)} block-scaled weights and its own "
+                          f"{DS2_QUANT_METHOD!r} low-bit checkpoints)")
     # fmt and weight_block_size are checked against the stored tensors (checkpoint.problems),
     # so that a mismatch names the tensors it concerns.
 

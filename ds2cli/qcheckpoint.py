@@ -14,6 +14,7 @@ the RoPE rows of q and kv_a_proj_with_mqa de-interleaved, kv_b_proj split into p
   model.layers.{i}.self_attn.{q_a_layernorm, kv_a_layernorm, w_uk, w_uv}.weight   F32
   model.layers.{i}.mlp.{gate_up, down_proj}.*                       (dense layers)
   model.layers.{i}.mlp.gate.weight                                  F32 (MoE layers)
+  model.layers.{i}.mlp.e_score_correction_bias.weight               F32 (DeepSeek-V3's MoE layers)
   model.layers.{i}.mlp.{experts_gate_up, experts_down, shared_gate_up, shared_down}.*
   model.embed_tokens.*, model.norm.weight, lm_head.* (absent when tied)
 
@@ -138,6 +139,8 @@ def layer_shapes(cfg: DeepseekV2Config, i: int) -> dict[tuple[str, str], tuple[i
         return s
     E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
     s["mlp", "gate"] = (E, D)
+    if cfg.topk_method == "noaux_tc":  # DeepSeek-V3's router bias, float32 like the gate
+        s["mlp", "e_score_correction_bias"] = (E,)
     s["mlp", "experts_gate_up"], s["mlp", "experts_down"] = (E, 2 * inter, D), (E, D, inter)
     if cfg.n_shared_experts:
         shared = inter * cfg.n_shared_experts

@@ -17,7 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import checkpoint, moe, rope
+from ds2cli import checkpoint, moe, qcheckpoint, rope
+from ds2cli import config as config_module
 from ds2cli.bench import bench
 from ds2cli.cli import main
 from ds2cli.config import DeepseekV2Config
@@ -308,7 +309,7 @@ def test_loaded_fp8_weights_equal_the_stored_bytes_times_their_scales():
     assert scale.shape == (2, 1)                       # 160 rows: one full block and a partial one
     rows = np.arange(info.shape[0])[:, None] // 128
     want = raw.reshape(info.shape).astype(np.float32) * scale[rows, 0]
-    np.testing.assert_array_equal(model.layers[2]["attn"]["o_proj"], want)
+    np.testing.assert_array_equal(model.layers[2]["attn"]["o_proj"].w, want)   # a linear.Dense
 
 
 # ---- MTP layers ----
@@ -639,3 +640,31 @@ def test_yarn_cos_sin_scale_v2_original_and_v3_transformers(extra, v2_scale, v3_
 def test_v3_attention_factor_must_be_a_number():
     with pytest.raises(ConfigError, match="rope_scaling.attention_factor must be a number"):
         v3_config(rope_scaling={"type": "yarn", "factor": 4.0, "attention_factor": "big"})
+
+
+# ---- low-bit storage (ds2 quantize) of V3 checkpoints ----
+
+def test_quantized_v3_checkpoint_keeps_the_router_bias_and_equals_quantizing_at_load(tmp_path):
+    """`ds2 quantize` reads fp8 through the same dequantizing path as load: its 8-bit checkpoint
+    (which must store e_score_correction_bias) gives exactly the logits of --quantize 8. (The
+    quality of 8-bit itself is tested on the trained ds2-tiny in test_quant.py; these random
+    weights say nothing about it.)"""
+    dst = tmp_path / "q8"
+    result = cli("quantize", REFERENCE / FP8_CASE, dst, "--bits", "8")
+    assert result.exit_code == 0, result.output
+    stored = checkpoint.read_headers(dst)
+    assert stored["model.layers.1.mlp.e_score_correction_bias.weight"].shape == (16,)
+    assert not [n for n in stored if n.startswith("model.layers.4.")]          # no MTP layer
+    z = np.load(REFERENCE / FP8_CASE / "ref.npz")
+    ids = z["ids"][:48]
+    mapped, at_load = ds2cli.load(dst), ds2cli.load(REFERENCE / FP8_CASE, quantize=8)
+    got = mapped.forward(ids, mapped.new_cache(48), all_logits=True)
+    np.testing.assert_array_equal(got, at_load.forward(ids, at_load.new_cache(48), all_logits=True))
+    report = json.loads(cli("inspect", "--json", dst).stdout)
+    assert report["problems"] == [] and report["model"]["family"] == "DeepSeek-V3"
+
+
+def test_ds2_quant_method_is_not_an_fp8_config():
+    assert config_module.DS2_QUANT_METHOD == qcheckpoint.QUANT_METHOD
+    cfg = v3_config(quantization_config={"quant_method": "ds2", "bits": 8})
+    assert cfg.quantization_config is None
