@@ -229,10 +229,10 @@ def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None 
 
 
 def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | None = None,
-                 qc: qcheckpoint.QuantConfig | None = None) -> dict:
+                 qc: qcheckpoint.QuantConfig | None = None, tensors: dict | None = None) -> dict:
     """A Hugging Face checkpoint's weights, prepared; with qc, each layer is quantized as soon as
-    it is loaded, so only one layer ever exists in float32."""
-    tensors = checkpoint.validate(cfg, model_dir)
+    it is loaded, so only one layer ever exists in float32. `tensors`: the validated headers."""
+    tensors = checkpoint.validate(cfg, model_dir) if tensors is None else tensors
     top = load_top(tensors, cfg, qc)
     layers = []
     for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
@@ -260,22 +260,25 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     model_dir = check_model_dir(bundled_model_dir() if path is None else path)
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
     stored = read_quant_config(model_dir)
+    if quantize not in (None, 8, 4, "auto"):
+        raise ConfigError(f"quantize must be 8, 4 or 'auto', got {quantize!r}")
+    if stored is not None and quantize not in (None, "auto", stored.bits):
+        raise ConfigError(f"{model_dir} is already a {stored.bits}-bit ds2 checkpoint; "
+                          f"it cannot be loaded as {quantize}-bit")
+    # headers first (cheap, and they name a broken checkpoint precisely), then the memory check,
+    # then the weights
+    tensors = checkpoint.validate(cfg, model_dir) if stored is None else validate_quantized(model_dir, cfg, stored)
     if quantize == "auto":
         quantize = None if stored is not None else memory.choose_auto(cfg, context)
-    if quantize not in (None, 8, 4):
-        raise ConfigError(f"quantize must be 8, 4 or 'auto', got {quantize!r}")
     if memory_check:
         memory.check(cfg, model_dir, stored, quantize, context)
     tokenizer = Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
     gen = read_generation_config(model_dir)
     if stored is not None:
-        if quantize is not None and quantize != stored.bits:
-            raise ConfigError(f"{model_dir} is already a {stored.bits}-bit ds2 checkpoint; "
-                              f"it cannot be loaded as {quantize}-bit")
-        weights = qcheckpoint.load_weights(cfg, stored, validate_quantized(model_dir, cfg, stored), progress)
+        weights = qcheckpoint.load_weights(cfg, stored, tensors, progress)
     else:
         qc = qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None
-        weights = load_weights(model_dir, cfg, progress, qc)
+        weights = load_weights(model_dir, cfg, progress, qc, tensors)
     model = Model(cfg, weights, tokenizer, gen, model_dir)
     model.quantization = stored or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
     return model
