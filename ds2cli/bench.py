@@ -39,7 +39,7 @@ import click
 import ml_dtypes
 import numpy as np
 
-from ds2cli import checkpoint, console, memory
+from ds2cli import checkpoint, console, files, memory
 from ds2cli.attention import absorbed_cost, expanded_cost
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
@@ -162,38 +162,9 @@ def synthesise(target: Path, config: dict, seed: int = 0, shard_bytes: int = SHA
     cfg = DeepseekV2Config.from_dict(config)
     target.parent.mkdir(parents=True, exist_ok=True)
     check_disk(target.parent, 2 * sum(math.prod(s) for s in checkpoint.expected_shapes(cfg).values()))
-    remove_stale_partials(target)
-    partial = target.parent / f".{target.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    try:
+    with files.building(target, replace=False) as partial:
         write_checkpoint(partial, config, seed, shard_bytes)
-        if target.exists():  # another process finished the same synthesis first: keep theirs
-            shutil.rmtree(partial)
-        else:
-            partial.rename(target)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return target
-
-
-def remove_stale_partials(target: Path) -> None:
-    """A synthesis killed outright leaves `.NAME.partial-PID` behind: remove those whose process is gone."""
-    for path in target.parent.glob(f".{target.name}.partial-*"):
-        pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0 only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def check_disk(directory: Path, needed: int) -> None:

@@ -3,21 +3,20 @@
 It streams: one decoder layer is read (memory-mapped), prepared, quantized and written before
 the next is touched, so the peak is one float32 layer (2.3 GB for a V2-Lite MoE layer) plus the
 output buffers of that layer, whatever the model's size. Everything is written into a hidden
-directory beside DST that becomes DST by one rename once config.json, written last, is in place:
-an interrupted or failed run leaves nothing that looks like a checkpoint, and removes its partial
-directory itself when it can.
+directory beside DST (files.building) that becomes DST by one rename once config.json, written
+last, is in place: an interrupted or failed run leaves nothing that looks like a checkpoint, and
+removes its partial directory itself when it can.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Callable
 
-from ds2cli import checkpoint, memory, qcheckpoint
+from ds2cli import checkpoint, files, memory, qcheckpoint
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import CheckpointError, ConfigError, Ds2Error
 from ds2cli.model import check_model_dir, load_layer, load_top, names_by_layer, read_quant_config
@@ -64,20 +63,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool
     if size + DISK_MARGIN > free:
         raise QuantizeError(f"{dst.parent} has {memory.gb(free)} free but the {bits}-bit checkpoint "
                             f"needs {memory.gb(size)}")
-    partial = dst.parent / f".{dst.name}.ds2-partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
     try:
-        written = write_all(src, partial, raw, cfg, qc, tensors, progress)
-        replace_dir(partial, dst)
+        with files.building(dst, replace=True) as partial:
+            written = write_all(src, partial, raw, cfg, qc, tensors, progress)
     except OSError as e:
-        shutil.rmtree(partial, ignore_errors=True)
         if e.errno == errno.ENOSPC:
             raise QuantizeError(f"no space left on the device writing {dst}; nothing was kept") from None
         raise QuantizeError(f"cannot write {dst}: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return {"path": str(dst), "bits": bits, "bytes": written, "formats": qc.formats,
             "float32_bytes": memory.weight_bytes(cfg, None)}
 
@@ -114,14 +106,3 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
     config = {**raw, "quantization_config": qc.to_json()}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return total
-
-
-def replace_dir(partial: Path, dst: Path) -> None:
-    """Move the finished `partial` to `dst`, replacing an existing (--force) directory only now."""
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.ds2-old-{os.getpid()}"
-        dst.rename(old)
-    partial.rename(dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

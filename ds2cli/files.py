@@ -1,0 +1,56 @@
+"""Directories built beside their target and renamed into place only when complete, so an
+interrupted `ds2 quantize` or bench synthesis never leaves anything that looks finished."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(target: Path) -> None:
+    """A build killed outright leaves `.NAME.partial-PID` behind: remove those whose process is gone."""
+    for path in target.parent.glob(f".{target.name}.partial-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building(target: Path, replace: bool) -> Iterator[Path]:
+    """Yield an empty hidden sibling of `target` to build in. On success it becomes `target`:
+    an existing `target` is replaced (moved aside first, removed last) when `replace`, else kept
+    and the new build discarded (another process finished the same work first). On any error
+    or interrupt the partial directory is removed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(target)
+    partial = target.parent / f".{target.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        yield partial
+        if target.exists() and not replace:
+            shutil.rmtree(partial)
+            return
+        old = None
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            target.rename(old)
+        partial.rename(target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
