@@ -271,31 +271,30 @@ class QuantMatrix:
         g = self.f.group_size
         if out * inp <= SMALL_MATRIX:
             return dequantize(self.qweight, self.scales, self.f, workers().buffer(out * inp).reshape(out, inp)) @ x
-        xs = self.scales.astype(np.float32)                                 # (G, in)
-        xs *= x
         y = np.empty(out, np.float32)
-        if self.f.bits == 4:
-            # (q - 8) * s . x = q . xs - 8 * sum(xs): the offset is one number per group of rows
-            offset = np.repeat(xs.sum(axis=1) * np.float32(-8), g)[:out]    # (out,)
         block = max(g, L2_BLOCK_BYTES // (4 * inp) // g * g)
         pool = workers()
 
         def span(a: int, b: int) -> None:
+            # this span's groups of rows: a and b are multiples of g (split_rows)
+            xs = self.scales[a // g:-(-b // g)].astype(np.float32)          # (groups, in)
+            xs *= x
             buf = pool.buffer(block * inp)
             for r0 in range(a, b, block):
                 r1 = min(b, r0 + block)
                 w = unpack(self.qweight[r0:r1], self.f, buf[:(r1 - r0) * inp].reshape(r1 - r0, inp))
                 full = (r1 - r0) // g * g
-                g0 = r0 // g
+                g0 = (r0 - a) // g
                 if full:
                     np.matmul(w[:full].reshape(-1, g, inp), xs[g0:g0 + full // g, :, None],
                               out=y[r0:r0 + full].reshape(-1, g, 1))        # (groups, g, 1)
                 if full < r1 - r0:
                     y[r0 + full:r1] = w[full:] @ xs[g0 + full // g]
+            if self.f.bits == 4:
+                # (q - 8) * s . x = q . xs - 8 * sum(xs): one number per group of rows
+                y[a:b] += np.repeat(xs.sum(axis=1) * np.float32(-8), g)[:b - a]
 
         pool.run(span, split_rows(out, pool.n, g))
-        if self.f.bits == 4:
-            y += offset
         return y
 
     def matmul_many(self, x: np.ndarray) -> np.ndarray:
