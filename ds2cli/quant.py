@@ -190,11 +190,13 @@ class Workers:
         self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
         self.local = threading.local()
 
-    def buffer(self, n: int) -> np.ndarray:
-        """This thread's reused float32 scratch of at least n values."""
-        buf = getattr(self.local, "buf", None)
+    def buffer(self, n: int, slot: str = "block") -> np.ndarray:
+        """This thread's reused float32 scratch of at least n values. Reusing it matters: a fresh
+        64 MB array costs 16k page faults each time it is first written."""
+        buf = getattr(self.local, slot, None)
         if buf is None or buf.size < n:
-            buf = self.local.buf = np.empty(n, np.float32)
+            buf = np.empty(n, np.float32)
+            setattr(self.local, slot, buf)
         return buf[:n]
 
     def run(self, fn, spans: list[tuple[int, int]]) -> None:
@@ -302,13 +304,14 @@ class QuantMatrix:
         out, inp = self.shape
         g = self.f.group_size
         if out * inp <= SMALL_MATRIX:
-            return x @ dequantize(self.qweight, self.scales, self.f, workers().buffer(out * inp).reshape(out, inp)).T
+            return x @ dequantize(self.qweight, self.scales, self.f,
+                                  workers().buffer(out * inp, slot="chunk").reshape(out, inp)).T
         chunk = max(g, PREFILL_CHUNK_BYTES // (4 * inp) // g * g)
         yt = np.empty((out, len(x)), np.float32)                            # (out, T)
         pool = workers()
         for c0 in range(0, out, chunk):
             c1 = min(out, c0 + chunk)
-            w = np.empty((c1 - c0, inp), np.float32)
+            w = pool.buffer(min(out, chunk) * inp, slot="chunk")[:(c1 - c0) * inp].reshape(c1 - c0, inp)
 
             def span(a: int, b: int, c0=c0, w=w) -> None:
                 dequantize(self.qweight[c0 + a:c0 + b], self.scales[(c0 + a) // g:-(-(c0 + b) // g)],
