@@ -216,12 +216,18 @@ def float_model():
     return ds2cli.load()
 
 
-@pytest.mark.parametrize("bits, max_kl, min_top1, min_additions", [(8, 1.5e-2, 0.95, 98), (4, 0.25, 0.75, 95)])
-def test_quality_against_float32(float_model, bits, max_kl, min_top1, min_additions):
+@pytest.fixture(scope="module")
+def reference(float_model):
+    """Text sampled from the float32 model and the float32 next-token log-probabilities on it."""
     seqs = sampled_text(float_model)
+    return seqs, np.concatenate([log_softmax(float_model.forward(s, float_model.new_cache(len(s)), all_logits=True))
+                                 for s in seqs])
+
+
+@pytest.mark.parametrize("bits, max_kl, min_top1, min_additions", [(8, 1.5e-2, 0.95, 98), (4, 0.25, 0.75, 95)])
+def test_quality_against_float32(reference, bits, max_kl, min_top1, min_additions):
+    seqs, ref = reference
     q = ds2cli.load(quantize=bits)
-    ref = np.concatenate([log_softmax(float_model.forward(s, float_model.new_cache(len(s)), all_logits=True))
-                          for s in seqs])
     got = np.concatenate([log_softmax(q.forward(s, q.new_cache(len(s)), all_logits=True)) for s in seqs])
     assert len(ref) > 900
     kl = float((np.exp(ref) * (ref - got)).sum(-1).mean())
