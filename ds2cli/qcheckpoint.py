@@ -34,7 +34,6 @@ import numpy as np
 
 from ds2cli import checkpoint, quant
 from ds2cli.config import DeepseekV2Config
-from ds2cli.errors import CheckpointError
 from ds2cli.linear import Dense
 from ds2cli.quant import FORMATS, QuantError, QuantMatrix
 
