@@ -119,8 +119,10 @@ class Engine:
 class State:
     """What every handler thread shares: the engine and the server's settings."""
 
-    def __init__(self, engine: Engine, model_id: str, defaults: Defaults, api_key: str | None):
+    def __init__(self, engine: Engine, model_id: str, defaults: Defaults, api_key: str | None,
+                 sink=None):
         self.engine, self.model_id, self.defaults, self.api_key = engine, model_id, defaults, api_key
+        self.sink = sink                    # where log lines go (tests collect them); default stderr
         self.created = int(time.time())
         self.abort = threading.Event()      # a second signal: cut the running generation
         self.active = 0                     # requests being handled, for a graceful stop
@@ -131,6 +133,9 @@ class State:
         # request paths and error messages come from clients: no control characters reach a terminal
         line = "".join(c if c.isprintable() else "?" for c in line)
         with self.log_lock:
+            if self.sink is not None:
+                self.sink(line)
+                return
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
 
@@ -198,7 +203,7 @@ class Handler(BaseHTTPRequestHandler):
         state = self.server.state
         with state.active_cond:
             state.active += 1
-        self.t0, self.status, self.note = time.perf_counter(), 0, ""
+        self.t0, self.status, self.note, self.tokens = time.perf_counter(), 0, "", 0
         self.extra_headers: dict = {}
         self.body_read = False
         self.linger = False
@@ -212,10 +217,9 @@ class Handler(BaseHTTPRequestHandler):
             self.fail(e)
         except Ds2Error as e:  # the model failed mid-request (e.g. non-finite logits)
             self.fail(ApiError(500, str(e)))
-        except ClientGone:
-            self.status, self.note, self.close_connection = self.status or 499, "client gone", True
-        except (BrokenPipeError, ConnectionError, TimeoutError):
-            self.status, self.note, self.close_connection = self.status or 499, "client gone", True
+        except (ClientGone, ConnectionError, TimeoutError):  # BrokenPipeError is a ConnectionError
+            self.status, self.close_connection = self.status or 499, True
+            self.note = f"client gone after {self.tokens} chunks" + (" (aborted)" if state.abort.is_set() else "")
         except Exception as e:  # never a traceback to the client or the log: one line each
             self.fail(ApiError(500, f"internal error: {type(e).__name__}: {' '.join(str(e).split())}"))
         finally:
@@ -281,6 +285,7 @@ class Handler(BaseHTTPRequestHandler):
         pieces = []
         for chunk in chunks:
             pieces.append(chunk.text)
+            self.tokens += 1
             self.check_alive()
         self.send_json(200, response.whole("".join(pieces), chunk))
         return chunk
@@ -293,6 +298,7 @@ class Handler(BaseHTTPRequestHandler):
             for chunk in chunks:
                 if chunk.text:
                     self.send_event(response.chunk(chunk.text))
+                self.tokens += 1
                 self.check_alive()
         except Ds2Error as e:  # the status is sent: the error travels as an event, then the stream ends
             error = ApiError(500, str(e))
@@ -401,7 +407,7 @@ class Handler(BaseHTTPRequestHandler):
         self.t0 = getattr(self, "t0", time.perf_counter())
         self.extra_headers, self.body_read, self.close_connection = {}, True, True
         self.status, self.note = 0, ""
-        self.fail(ApiError(code, message or "bad request"))
+        self.fail(ApiError(code, message or "bad request", type_="invalid_request_error"))
         self.log_line(getattr(self, "command", None) or "-", getattr(self, "path", "-"))
 
     def start_events(self) -> None:
@@ -418,7 +424,9 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def send_event(self, obj) -> None:
-        data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()) + b"\n\n"
+        if not isinstance(obj, bytes):
+            obj = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        data = b"data: " + obj + b"\n\n"
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
 
     def end_events(self) -> None:
