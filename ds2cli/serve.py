@@ -238,9 +238,8 @@ class Handler(BaseHTTPRequestHandler):
         token = given[7:].strip() if given[:7].lower() == "bearer " else ""
         if not hmac.compare_digest(token.encode(), key.encode()):
             self.extra_headers["WWW-Authenticate"] = "Bearer"
-            raise ApiError(401, "missing or incorrect API key: send Authorization: Bearer KEY"
-                           if token else "missing API key: send Authorization: Bearer KEY",
-                           code="invalid_api_key")
+            raise ApiError(401, ("incorrect" if token else "missing") + " API key: send Authorization: Bearer KEY"
+                           " with the key ds2 serve was given", code="invalid_api_key")
 
     # ---- endpoints ----
     def health(self) -> None:
@@ -316,12 +315,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def client_gone(self) -> bool:
         """Whether the peer has closed its end: readable with nothing to read means EOF."""
+        sock = self.connection
         try:
-            poller = select.poll()
-            poller.register(self.connection, select.POLLIN | select.POLLHUP | select.POLLERR)
-            if not poller.poll(0):
-                return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
+            if hasattr(select, "poll"):     # select.select fails on descriptors past 1023
+                poller = select.poll()
+                poller.register(sock, select.POLLIN)
+                ready = bool(poller.poll(0))
+            else:
+                ready = bool(select.select([sock], [], [], 0)[0])
+            return ready and sock.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
 
