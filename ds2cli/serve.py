@@ -194,7 +194,7 @@ class Handler(BaseHTTPRequestHandler):
         if path not in routes:
             raise ApiError(404, f"no such endpoint: {path}", code="not_found")
         allowed, handler = routes[path]
-        if method != allowed:
+        if method != allowed and not (method == "HEAD" and allowed == "GET"):  # HEAD: GET's headers
             self.extra_headers["Allow"] = allowed
             raise ApiError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed")
         return path, handler
@@ -468,11 +468,11 @@ def serve_forever(server: Server, state: State) -> None:
             pass
         state.log("ds2 serve: stopping (a second Ctrl-C cuts the running request)")
         server.shutdown()
+        server.server_close()       # the listening socket: new connections are refused from now on
         state.engine.close()
         with state.active_cond:
             while state.active > 0:
                 state.active_cond.wait(0.2)
-        server.server_close()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

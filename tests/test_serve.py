@@ -188,6 +188,8 @@ def test_models_and_health(server):
     assert client(port).models.retrieve("ds2-tiny").id == "ds2-tiny"
     status, body, _ = request(port, "GET", "/health", headers={"Authorization": ""})
     assert status == 200 and body["status"] == "ok" and body["model"] == "ds2-tiny"
+    status, body, r = request(port, "HEAD", "/v1/models")
+    assert status == 200 and body is None and int(r.getheader("Content-Length")) > 0
 
 
 def test_server_default_sampling_with_a_seed_is_reproducible(server):
@@ -387,27 +389,53 @@ def test_a_client_that_hangs_up_mid_stream_stops_its_generation(model):
         assert status == 200 and payload["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_sigterm_stops_accepting_finishes_the_running_request_and_exits_0(tmp_path):
+@contextmanager
+def serve_process(*args):
+    """`ds2 serve` in a subprocess; yields (process, port, a streaming response of 200 or 1000 tokens)."""
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "ds2cli", "serve", "--port", "0", "--temperature", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "ds2cli", "serve", "--port", "0", "--temperature", "0", *args],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
-        first = proc.stderr.readline()
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", first).group(1))
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": ROMEO, "max_tokens": 200, "stream": True}))
-        r = conn.getresponse()
-        assert r.status == 200 and r.read(6) == b"data: "
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", proc.stderr.readline()).group(1))
+        yield proc, port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def start_stream(port, max_tokens):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": ROMEO, "max_tokens": max_tokens, "stream": True}))
+    r = conn.getresponse()
+    assert r.status == 200 and r.read(6) == b"data: "
+    return r
+
+
+def test_sigterm_stops_accepting_finishes_the_running_request_and_exits_0():
+    with serve_process() as (proc, port):
+        r = start_stream(port, 200)
         proc.send_signal(signal.SIGTERM)
         rest = r.read().decode()
         assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
         assert proc.wait(20) == 0
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
         log = proc.stderr.read()
-    finally:
-        proc.kill()
-        proc.wait()
     assert "stopping" in log and "stopped" in log and "Traceback" not in log
     assert re.search(r'"POST /v1/completions" 200 \| prompt \d+ tok, 0 cached \| gen 200 tok', log)
+
+
+def test_a_second_sigint_cuts_the_running_request_and_still_exits_0():
+    with serve_process() as (proc, port):
+        r = start_stream(port, 1000)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+        log = proc.stderr.read()
+        with pytest.raises(http.client.IncompleteRead):    # cut: no final chunk, no [DONE]
+            r.read()
+    assert "(aborted)" in log and "stopped" in log and "Traceback" not in log
 
 
 # ---- the prompt cache on its own ----
