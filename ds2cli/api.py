@@ -145,16 +145,25 @@ def _stream(body: dict) -> tuple[bool, bool]:
 
 
 # ---- prompts ----
+def _text(text: str, param: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param=param) from None
+    return text
+
+
 def _content(message: dict, i: int) -> str:
     """A message's text: a string, or a list of {"type": "text", "text": ...} parts joined."""
     content = message.get("content")
     if content is None and message.get("role") == "assistant":
         return ""
     if isinstance(content, str):
-        return content
+        return _text(content, f"messages[{i}].content")
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
+            return _text("".join(p["text"] for p in content), f"messages[{i}].content")
         raise ApiError(400, f"messages[{i}].content: ds2 reads only text parts", param=f"messages[{i}].content")
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                    param=f"messages[{i}].content")
@@ -181,7 +190,7 @@ def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(_text(prompt, "prompt"))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < vocab_size for t in prompt):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hmac
+import ipaddress
 import json
 import select
 import signal
@@ -27,7 +28,7 @@ from urllib.parse import unquote, urlsplit
 import click
 import numpy as np
 
-from ds2cli import __version__
+from ds2cli import __version__, console
 from ds2cli.api import ApiError, Defaults, Job, Response, parse_job
 from ds2cli.config import JSON_ERRORS, json_error
 from ds2cli.errors import Ds2Error
@@ -440,7 +441,8 @@ class Handler(BaseHTTPRequestHandler):
     def log_line(self, method: str, path: str) -> None:
         seconds = time.perf_counter() - self.t0
         note = f" | {self.note}" if self.note else ""
-        self.server.state.log(f"{self.client_address[0]} \"{method} {path[:200]}\" {self.status}{note} | {seconds:.2f}s")
+        self.server.state.log(f"{self.client_address[0]} \"{method} {path[:200]}\" {self.status}{note}"
+                              f" | {seconds:.2f}s")
 
     def version_string(self) -> str:
         return self.server_version
@@ -450,6 +452,13 @@ class Handler(BaseHTTPRequestHandler):
 
 
 # ---- the command ----
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def serve_forever(server: Server, state: State) -> None:
     """Serve until SIGINT/SIGTERM; then stop accepting, send waiting requests away, let the running
     one finish (a second signal cuts it at the next token), and return."""
@@ -491,7 +500,8 @@ def serve_forever(server: Server, state: State) -> None:
               help="Memory for latent caches of recent conversations (0 = no reuse).")
 @click.option("--queue", "max_queue", default=DEFAULT_QUEUE, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait while one runs; beyond, 503.")
-@click.option("--temperature", type=float, help="Default temperature (0 = greedy). Default: generation_config.json, else 0.7.")
+@click.option("--temperature", type=float,
+              help="Default temperature (0 = greedy). Default: generation_config.json, else 0.7.")
 @click.option("--top-k", type=int, help="Default top-k (0 = off).")
 @click.option("--top-p", type=float, help="Default nucleus threshold (1 = off).")
 @click.option("--min-p", type=float, help="Default min-p (0 = off).")
@@ -518,6 +528,8 @@ def serve(model_dir, host, port, ctx, api_key, prompt_cache_mb, max_queue, max_n
     except OSError as e:
         raise Ds2Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     host_shown, port_shown = server.server_address[:2]
+    if state.api_key is None and not is_loopback(host_shown):
+        console.warn(f"listening on {host_shown} without --api-key: anyone who can reach this machine can use the model")
     url_host = f"[{host_shown}]" if ":" in host_shown else host_shown
     slots = engine.prompt_cache.slots
     state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on http://{url_host}:{port_shown} | ctx {ctx} | "

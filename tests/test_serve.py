@@ -150,7 +150,8 @@ def test_follow_up_turn_reuses_the_cached_prefix_and_matches_a_fresh_prefill(ser
     messages = [{"role": "user", "content": "What is 30 + 12?"}]
     first = c.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=30)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": [{"type": "text", "text": "Count from 4 "}, {"type": "text", "text": "to 8."}]}]
+                 {"role": "user", "content": [{"type": "text", "text": "Count from 4 "},
+                                              {"type": "text", "text": "to 8."}]}]
     second = c.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=30)
     flat = messages[:2] + [{"role": "user", "content": "Count from 4 to 8."}]
     ids = model.tokenizer.encode_chat(flat)
@@ -226,6 +227,8 @@ ERROR_CASES = [
     ("POST", "/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt must be a string"),
     ("POST", "/v1/completions", {"prompt": [5, 99999]}, 400, "prompt token ids must be in [0, 4096)"),
     ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs is not supported"),
+    ("POST", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt is not valid Unicode"),
+    ("POST", "/v1/completions", b'{"prompt": "\xff"}', 400, "not valid JSON"),
     ("GET", "/v1/nothing", None, 404, "no such endpoint"),
     ("GET", "/v1/models/gpt-4", None, 404, "does not exist"),
     ("GET", "/v1/chat/completions", None, 405, "takes POST, not GET"),
@@ -405,7 +408,8 @@ def serve_process(*args):
 
 def start_stream(port, max_tokens):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": ROMEO, "max_tokens": max_tokens, "stream": True}))
+    body = {"prompt": ROMEO, "max_tokens": max_tokens, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body))
     r = conn.getresponse()
     assert r.status == 200 and r.read(6) == b"data: "
     return r
@@ -486,3 +490,12 @@ def test_prompt_cache_budget_evicts_least_recently_used_and_zero_keeps_nothing(m
     cache, _ = none.take([3, 4])
     none.put([3, 4], cache)
     assert none.slots == 0 and none.entries == [] and none.take([3, 4])[1] == 0
+
+
+def test_serve_refuses_a_port_in_use_with_one_error_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = CliRunner().invoke(main, ["serve", "--port", str(taken.getsockname()[1])])
+    assert r.exit_code == 1 and r.stdout == ""
+    assert re.fullmatch(r"error: cannot listen on 127\.0\.0\.1:\d+: .+\n", r.stderr)
