@@ -529,7 +529,8 @@ def serve(model_dir, host, port, ctx, api_key, prompt_cache_mb, max_queue, max_n
         raise Ds2Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     host_shown, port_shown = server.server_address[:2]
     if state.api_key is None and not is_loopback(host_shown):
-        console.warn(f"listening on {host_shown} without --api-key: anyone who can reach this machine can use the model")
+        console.warn(f"listening on {host_shown} without --api-key: anyone who can reach this machine "
+                     f"can use the model")
     url_host = f"[{host_shown}]" if ":" in host_shown else host_shown
     slots = engine.prompt_cache.slots
     state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on http://{url_host}:{port_shown} | ctx {ctx} | "
