@@ -227,6 +227,8 @@ ERROR_CASES = [
     ("POST", "/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt must be a string"),
     ("POST", "/v1/completions", {"prompt": [5, 99999]}, 400, "prompt token ids must be in [0, 4096)"),
     ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs is not supported"),
+    ("POST", "/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed must be >= 0"),
+    ("POST", "/v1/completions", {"prompt": "hi", "top_p": 1e999}, 400, "top_p must be a finite number"),
     ("POST", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt is not valid Unicode"),
     ("POST", "/v1/completions", b'{"prompt": "\xff"}', 400, "not valid JSON"),
     ("GET", "/v1/nothing", None, 404, "no such endpoint"),
@@ -246,6 +248,11 @@ def test_bad_input_gets_openai_style_errors(server, method, path, body, status, 
     assert message in payload["error"]["message"]
     assert payload["error"]["type"] == "invalid_request_error"
     assert logged(lines, f'"{method} {path}" {status} | error: {payload["error"]["message"]}')
+
+
+def test_a_negative_seed_is_one_error_line_in_generate_too():
+    r = CliRunner().invoke(main, ["generate", "hi", "--seed", "-1"])
+    assert r.exit_code == 1 and r.stderr == "error: seed must be >= 0\n"
 
 
 def test_a_prompt_longer_than_the_context_is_refused_with_the_counts(model):
