@@ -150,8 +150,11 @@ class Server(ThreadingHTTPServer):
         super().__init__(address, Handler)
 
     def handle_error(self, request, client_address):
-        # socketserver would print a traceback; a server log gets one line
+        # socketserver would print a traceback; a server log gets one line, and a client that
+        # resets an idle keep-alive connection (no request in flight) gets none
         e = sys.exc_info()[1]
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return
         self.state.log(f"{client_address[0]} connection error: {type(e).__name__}: {' '.join(str(e).split())}")
 
 
