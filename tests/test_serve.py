@@ -14,7 +14,6 @@ import time
 from contextlib import contextmanager
 
 import numpy as np
-import openai
 import pytest
 from click.testing import CliRunner
 
@@ -27,6 +26,8 @@ from ds2cli.generate import lstrip_reply, stream_generate
 from ds2cli.prompt_cache import PromptCache
 from ds2cli.sampling import SamplingParams, make_sampler
 from ds2cli.serve import MAX_BODY_BYTES, Engine, Server, State
+
+openai = pytest.importorskip("openai")   # the test extra: pip install ".[test]"
 
 KEY = "sk-test-key"
 ROMEO = "ROMEO:\n"
