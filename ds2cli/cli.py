@@ -387,7 +387,9 @@ from ds2cli.bench import bench  # noqa: E402
 
 main.add_command(bench)
 
-# The OpenAI-compatible server (HTTP, queueing, prompt cache) lives in serve.py.
+# The OpenAI-compatible server (HTTP, queueing, prompt cache) lives in serve.py; it loads as
+# generate does, with the same --quantize and --no-memory-check (added here: serve.py cannot
+# import this module at import time, since this module imports it).
 from ds2cli.serve import serve  # noqa: E402
 
-main.add_command(serve)
+main.add_command(memory_options(serve))

@@ -512,13 +512,14 @@ def serve_forever(server: Server, state: State) -> None:
 @click.option("--seed", type=int, help="Default seed for requests that give none.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1),
               help="Default max_tokens. Default: generation_config.json, else 256.")
-def serve(model_dir, host, port, ctx, api_key, prompt_cache_mb, max_queue, max_new_tokens, **sampling):
+def serve(model_dir, host, port, ctx, api_key, prompt_cache_mb, max_queue, max_new_tokens, quantize,
+          no_memory_check, **sampling):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
     Listens on 127.0.0.1:8000 unless told otherwise; Ctrl-C (or SIGTERM) stops it gracefully."""
     from ds2cli.cli import check_ctx, load_model, max_new_tokens_for  # cli.py registers this command
 
-    model, load_s = load_model(model_dir)
+    model, load_s = load_model(model_dir, quantize, ctx or DEFAULT_CTX, not no_memory_check)
     check_ctx(model, ctx)
     ctx = ctx or min(model.config.max_position_embeddings, DEFAULT_CTX)
     params = SamplingParams.from_generation_config(model.generation_config, **sampling)

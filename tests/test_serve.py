@@ -444,7 +444,7 @@ def test_sigterm_stops_accepting_finishes_the_running_request_and_exits_0():
 
 
 def test_a_second_sigint_cuts_the_running_request_and_still_exits_0():
-    with serve_process() as (proc, port):
+    with serve_process("--quantize", "8") as (proc, port):     # serve loads as generate does
         r = start_stream(port, 1000)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.2)
