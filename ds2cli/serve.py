@@ -339,13 +339,10 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             raise ApiError(411, "a POST needs a Content-Length header")
-        try:
-            n = int(length)
-            if n < 0:
-                raise ValueError
-        except ValueError:
+        if not (length.strip().isascii() and length.strip().isdigit()):  # int() would take "-1", "1_0"
             self.close_connection = True
-            raise ApiError(400, f"bad Content-Length {length[:40]!r}") from None
+            raise ApiError(400, f"bad Content-Length {length[:40]!r}")
+        n = int(length)
         if n > MAX_BODY_BYTES:
             self.linger = True
             raise ApiError(413, f"the request body is {n} bytes, more than the limit of {MAX_BODY_BYTES} bytes",
@@ -410,7 +407,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (bad request line, unsupported method, ...) in OpenAI's format."""
-        self.t0 = getattr(self, "t0", time.perf_counter())
+        self.t0 = time.perf_counter()
         self.extra_headers, self.body_read, self.close_connection = {}, True, True
         self.status, self.note = 0, ""
         self.fail(ApiError(code, message or "bad request", type_="invalid_request_error"))

@@ -287,7 +287,8 @@ def test_oversized_body_gets_413_without_being_read(server):
 
 
 @pytest.mark.parametrize("headers,status", [({"Transfer-Encoding": "chunked"}, 411), ({}, 411),
-                                            ({"Content-Length": "-5"}, 400), ({"Content-Length": "abc"}, 400)])
+                                            ({"Content-Length": "-5"}, 400), ({"Content-Length": "abc"}, 400),
+                                            ({"Content-Length": "1_0"}, 400)])
 def test_bodies_without_a_usable_length(server, headers, status):
     port, _, _ = server
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
