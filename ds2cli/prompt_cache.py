@@ -12,14 +12,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
+import numpy as np
+
 from ds2cli.cache import LatentCache
-from ds2cli.chat import common_prefix
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)   # entries are told apart by identity (list.remove)
 class Entry:
-    ids: list[int]          # the tokens whose latents cache[:len(ids)] holds
+    ids: np.ndarray         # (n,) int64: the tokens whose latents cache[:n] holds
     cache: LatentCache
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens a and b share (vectorised: a pool can hold hundreds of entries)."""
+    n = min(len(a), len(b))
+    same = a[:n] == b[:n]                                                 # (n,)
+    return n if same.all() else int(np.argmin(same))
 
 
 class PromptCache:
@@ -39,8 +47,9 @@ class PromptCache:
         conversation with the same system prompt) is copied from and kept, if the budget has
         room for another cache, else handed over and cut."""
         best, keep = None, 0
+        prompt = np.asarray(ids, dtype=np.int64)
         for entry in self.entries:
-            n = min(common_prefix(entry.ids, ids), len(ids) - 1)
+            n = min(common_prefix(entry.ids, prompt), len(ids) - 1)
             if n > keep:
                 best, keep = entry, n
         room = len(self.entries) + 1 <= self.slots
@@ -59,10 +68,10 @@ class PromptCache:
 
     def put(self, ids: Sequence[int], cache: LatentCache) -> None:
         """Keep `cache`, which holds the latents of ids[:cache.length], as most recently used."""
-        ids = list(ids[:cache.length])
-        cache.truncate(len(ids))
-        if ids and self.slots > 0:
-            self.entries.append(Entry(ids, cache))
+        kept = np.asarray(ids[:cache.length], dtype=np.int64)
+        cache.truncate(len(kept))
+        if len(kept) and self.slots > 0:
+            self.entries.append(Entry(kept, cache))
         del self.entries[:max(0, len(self.entries) - self.slots)]
 
     @property

@@ -23,7 +23,7 @@ from ds2cli.api import Defaults
 from ds2cli.cli import main
 from ds2cli.errors import GenerationError
 from ds2cli.generate import lstrip_reply, stream_generate
-from ds2cli.prompt_cache import PromptCache
+from ds2cli.prompt_cache import PromptCache, common_prefix
 from ds2cli.sampling import SamplingParams, make_sampler
 from ds2cli.serve import MAX_BODY_BYTES, Engine, Server, State
 
@@ -486,6 +486,12 @@ def test_prompt_cache_hands_over_full_matches_and_copies_partial_ones(model):
     assert pool.cached_tokens == len(a) + len(b)
 
 
+def test_common_prefix():
+    a = np.array([1, 2, 3, 4])
+    for b, n in (([1, 2, 3, 4], 4), ([1, 2, 9, 4], 2), ([9], 0), ([1, 2], 2), ([1, 2, 3, 4, 5], 4), ([], 0)):
+        assert common_prefix(a, np.array(b, dtype=np.int64)) == n
+
+
 def test_prompt_cache_budget_evicts_least_recently_used_and_zero_keeps_nothing(model):
     nbytes = model.new_cache(16).nbytes
     pool = PromptCache(lambda: model.new_cache(16), nbytes, 2 * nbytes + 1)
@@ -493,7 +499,7 @@ def test_prompt_cache_budget_evicts_least_recently_used_and_zero_keeps_nothing(m
         cache, _ = pool.take(prompt)
         model.forward(prompt, cache)
         pool.put(prompt, cache)
-    assert [e.ids for e in pool.entries] == [[6, 7, 8], [9, 10, 11]]
+    assert [e.ids.tolist() for e in pool.entries] == [[6, 7, 8], [9, 10, 11]]
     # with one slot, a partial match cannot be copied: the entry is handed over and cut
     one = PromptCache(lambda: model.new_cache(16), nbytes, nbytes)
     cache, _ = one.take([3, 4, 5, 6])
