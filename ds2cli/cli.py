@@ -55,7 +55,8 @@ def main():
 
 def model_option(f):
     return click.option("-m", "--model", "model_dir", envvar="DS2_MODEL", type=click.Path(path_type=Path),
-                        help="Checkpoint directory (Hugging Face layout). Default: the bundled ds2-tiny.")(f)
+                        help="Checkpoint directory (Hugging Face layout) or Hugging Face id (org/name[@rev]). "
+                        "Default: the bundled ds2-tiny.")(f)
 
 
 def sampling_options(f):
@@ -385,3 +386,10 @@ def quantize(src, dst, bits, force, as_json):
 from ds2cli.bench import bench  # noqa: E402
 
 main.add_command(bench)
+
+# The OpenAI-compatible server (HTTP, queueing, prompt cache) lives in serve.py; it loads as
+# generate does, with the same --quantize and --no-memory-check (added here: serve.py cannot
+# import this module at import time, since this module imports it).
+from ds2cli.serve import serve  # noqa: E402
+
+main.add_command(memory_options(serve))

@@ -13,6 +13,7 @@ from ds2cli.attention import mla, rms_norm
 from ds2cli.cache import LatentCache
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import ConfigError, Ds2Error
+from ds2cli.hub import resolve_model_dir
 from ds2cli.linear import as_weight
 from ds2cli.moe import moe, swiglu
 from ds2cli.tokenizer import Tokenizer
@@ -26,7 +27,7 @@ def bundled_model_dir() -> Path:
 
 
 def check_model_dir(path: str | Path) -> Path:
-    path = Path(path).expanduser()
+    path = resolve_model_dir(path)  # a Hugging Face id (not a local path) -> its cached snapshot
     if not path.exists():
         raise ConfigError(f"model directory {path} does not exist")
     if not path.is_dir():

@@ -26,7 +26,8 @@ class SamplingParams:
                   (self.top_k >= 0, "top-k must be >= 0"),
                   (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
                   (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
-                  (self.repetition_penalty > 0, "repetition penalty must be > 0")]
+                  (self.repetition_penalty > 0, "repetition penalty must be > 0"),
+                  (self.seed is None or self.seed >= 0, "seed must be >= 0")]  # numpy's generators refuse < 0
         for ok, message in checks:
             if not ok:
                 raise Ds2Error(message)

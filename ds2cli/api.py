@@ -1,0 +1,270 @@
+"""The OpenAI API as data: request bodies in (validated into a `Job`), response objects out.
+
+No HTTP here (serve.py does that) and no generation (generate.py): this module only checks what
+a client sent and says, in OpenAI's error format, what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from typing import Any
+
+from ds2cli.errors import Ds2Error
+from ds2cli.generate import Chunk
+from ds2cli.sampling import SamplingParams
+from ds2cli.tokenizer import Tokenizer
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOPS = 16
+
+
+class ApiError(Exception):
+    """An error a client gets as {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class Job:
+    """One validated request: the prompt as token ids and how to continue it."""
+    chat: bool                  # chat/completions (reply lstripped) or completions (raw)
+    ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    cached: int = 0             # set by the engine: prompt tokens found in the prompt cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """What `ds2 serve`'s options and the checkpoint's generation_config say, before the request."""
+    params: SamplingParams
+    max_tokens: int
+    ctx: int
+
+
+# ---- request fields ----
+def _number(body: dict, name: str, integer: bool = False) -> float | int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or (not integer and not math.isfinite(value)):
+        raise ApiError(400, f"{name} must be {'an integer' if integer else 'a finite number'}, "
+                            f"not {_show(value)}", param=name)
+    return value
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false, not {_show(value)}", param=name)
+    return bool(value)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _unsupported(body: dict) -> None:
+    """Refuse what ds2 cannot honour rather than silently ignore it; defaults pass."""
+    n = _number(body, "n", integer=True)
+    if n is not None and n != 1:
+        raise ApiError(400, f"n = {n}: ds2 generates one choice per request (n must be 1)", param="n")
+    best_of = _number(body, "best_of", integer=True)
+    if best_of is not None and best_of != 1:
+        raise ApiError(400, "best_of must be 1", param="best_of")
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+        if body.get(name) not in (None, False, [], {}, ""):
+            raise ApiError(400, f"{name} is not supported by ds2", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name) not in (None, 0):
+            raise ApiError(400, f"{name} is not supported: ds2 applies repetition_penalty (multiplicative,"
+                                f" as Hugging Face does; 1 = off) instead", param=name)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"at most {MAX_STOPS} stop strings, got {len(stops)}", param="stop")
+    return tuple(stops)
+
+
+def _params(body: dict, defaults: Defaults) -> SamplingParams:
+    overrides = {name: _number(body, name) for name in ("temperature", "top_p", "min_p", "repetition_penalty")}
+    overrides["top_k"] = _number(body, "top_k", integer=True)
+    overrides["seed"] = _number(body, "seed", integer=True)
+    merged = {**dataclasses.asdict(defaults.params), **{k: v for k, v in overrides.items() if v is not None}}
+    try:
+        return SamplingParams(**merged)
+    except Ds2Error as e:  # a value out of range; SamplingParams says which
+        raise ApiError(400, str(e)) from None
+
+
+def _max_tokens(body: dict, defaults: Defaults) -> int:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = _number(body, name, integer=True)
+        if value is not None:
+            if value < 1:
+                raise ApiError(400, f"{name} must be at least 1, not {value}", param=name)
+            return value
+    return defaults.max_tokens
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    return stream, _bool(options, "include_usage")
+
+
+# ---- prompts ----
+def _text(text: str, param: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param=param) from None
+    return text
+
+
+def _content(message: dict, i: int) -> str:
+    """A message's text: a string, or a list of {"type": "text", "text": ...} parts joined."""
+    content = message.get("content")
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return _text(content, f"messages[{i}].content")
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return _text("".join(p["text"] for p in content), f"messages[{i}].content")
+        raise ApiError(400, f"messages[{i}].content: ds2 reads only text parts", param=f"messages[{i}].content")
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   param=f"messages[{i}].content")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
+        if m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of system, developer, user, assistant, "
+                                f"not {_show(m.get('role'))}", param=f"messages[{i}].role")
+        out.append({"role": ROLES[m["role"]], "content": _content(m, i)})
+    return out
+
+
+def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """/v1/completions' prompt: a string, or token ids, alone or as a one-element list."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(_text(prompt, "prompt"))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        return list(prompt)
+    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)",
+                   param="prompt")
+
+
+def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> Job:
+    _unsupported(body)
+    if chat:
+        try:
+            ids = tokenizer.encode_chat(chat_messages(body), add_generation_prompt=True)
+        except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
+            raise ApiError(400, str(e), param="messages") from None
+    else:
+        ids = prompt_ids(body, tokenizer, vocab_size)
+    if not ids:
+        raise ApiError(400, "the prompt is empty and the tokenizer adds no bos token: nothing to condition on",
+                       param="prompt")
+    if len(ids) > defaults.ctx:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens, more than the context of {defaults.ctx} tokens",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    stream, include_usage = _stream(body)
+    return Job(chat, ids, _params(body, defaults), _max_tokens(body, defaults), _stop(body),
+               stream, include_usage)
+
+
+# ---- responses ----
+class Response:
+    """Builds the objects of one completion, streamed or whole, in OpenAI's shapes."""
+
+    def __init__(self, job: Job, model_id: str):
+        self.job, self.model_id = job, model_id
+        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if job.chat else "text_completion"
+
+    def _wrap(self, choices: list, obj: str, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id,
+                "choices": choices, **extra}
+
+    def _choice(self, text: str | None, finish: str | None, delta: bool, role: bool = False) -> dict:
+        if not self.job.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body: dict = {"role": "assistant"} if role or not delta else {}
+        if text is not None:
+            body["content"] = text
+        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": None, "finish_reason": finish}
+
+    def usage(self, last: Chunk) -> dict:
+        return {"prompt_tokens": len(self.job.ids), "completion_tokens": last.generated_tokens,
+                "total_tokens": len(self.job.ids) + last.generated_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.job.cached}}
+
+    def whole(self, text: str, last: Chunk) -> dict:
+        return self._wrap([self._choice(text, finish_reason(last), delta=False)], self.object,
+                          usage=self.usage(last))
+
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict:
+        extra = {"usage": None} if self.job.include_usage else {}
+        return self._wrap([self._choice(text, finish, delta=True, role=role)], self._chunk_object(), **extra)
+
+    def final_chunks(self, last: Chunk) -> list[dict]:
+        """The chunk that carries finish_reason, then (with include_usage) the one with usage."""
+        out = [self.chunk(None if self.job.chat else "", finish_reason(last))]
+        if self.job.include_usage:
+            out.append(self._wrap([], self._chunk_object(), usage=self.usage(last)))
+        return out
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.job.chat else "text_completion"
+
+
+def finish_reason(last: Chunk) -> str:
+    """ds2's eos | stop | length -> OpenAI's stop | length."""
+    return "length" if last.finish_reason == "length" else "stop"

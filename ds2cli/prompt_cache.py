@@ -1,0 +1,86 @@
+"""A pool of latent caches of recent conversations, so a request prefills only what is new.
+
+Chat clients resend the whole conversation every turn. Each pooled cache remembers the token
+ids whose latents it holds; a request starts from the entry sharing the longest token prefix
+with its prompt, keeps that prefix and prefills the rest (as ChatSession does for one
+conversation). The pool holds at most `budget_bytes` of caches, counted at full capacity
+(the one in use included), and evicts the least recently used first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ds2cli.cache import LatentCache
+
+
+@dataclasses.dataclass(eq=False)   # entries are told apart by identity (list.remove)
+class Entry:
+    ids: np.ndarray         # (n,) int64: the tokens whose latents cache[:n] holds
+    cache: LatentCache
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens a and b share (vectorised: a pool can hold hundreds of entries)."""
+    n = min(len(a), len(b))
+    same = a[:n] == b[:n]                                                 # (n,)
+    return n if same.all() else int(np.argmin(same))
+
+
+class PromptCache:
+    """`slots` caches of `new_cache()`'s size fit in the budget: the one a request is using plus
+    the pooled ones. With no room for even one, nothing is kept between requests."""
+
+    def __init__(self, new_cache: Callable[[], LatentCache], cache_bytes: int, budget_bytes: int):
+        self.new_cache = new_cache
+        self.slots = budget_bytes // cache_bytes
+        self.entries: list[Entry] = []      # least recently used first
+
+    def take(self, ids: Sequence[int]) -> tuple[LatentCache, int]:
+        """A cache for prompt `ids` holding its longest cached prefix, and that prefix's length.
+
+        At least one prompt token is left to run, since generation needs its logits. An entry
+        whose tokens all match is handed over; one that matches only in part (another
+        conversation with the same system prompt) is copied from and kept, if the budget has
+        room for another cache, else handed over and cut."""
+        best, keep = None, 0
+        prompt = np.asarray(ids, dtype=np.int64)
+        for entry in self.entries:
+            n = min(common_prefix(entry.ids, prompt), len(ids) - 1)
+            if n > keep:
+                best, keep = entry, n
+        room = len(self.entries) + 1 <= self.slots
+        if best is not None and (keep == len(best.ids) or not room):
+            self.entries.remove(best)
+            best.cache.truncate(keep)
+            return best.cache, keep
+        if room or not self.entries:
+            cache = self.new_cache()
+        else:  # full: the least recently used entry's memory becomes this request's cache
+            cache = self.entries.pop(0).cache
+            cache.reset()
+        if best is not None:
+            copy_prefix(best.cache, cache, keep)
+        return cache, keep
+
+    def put(self, ids: Sequence[int], cache: LatentCache) -> None:
+        """Keep `cache`, which holds the latents of ids[:cache.length], as most recently used."""
+        kept = np.asarray(ids[:cache.length], dtype=np.int64)
+        cache.truncate(len(kept))
+        if len(kept) and self.slots > 0:
+            self.entries.append(Entry(kept, cache))
+        del self.entries[:max(0, len(self.entries) - self.slots)]
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(len(e.ids) for e in self.entries)
+
+
+def copy_prefix(src: LatentCache, dst: LatentCache, n: int) -> None:
+    """dst holds src's first n positions (and nothing after)."""
+    dst.latent[:, :n] = src.latent[:, :n]                                 # (L, n, C)
+    dst.k_pe[:, :n] = src.k_pe[:, :n]                                     # (L, n, R)
+    dst.length = n

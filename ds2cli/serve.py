@@ -1,0 +1,540 @@
+"""`ds2 serve`: an OpenAI-compatible HTTP server on the standard library's ThreadingHTTPServer.
+
+One engine, batch 1: requests take turns in arrival order (`Engine`), each on its own handler
+thread, which streams its tokens as it generates them; beyond a bounded queue a request gets 503
+at once. Every request starts from the longest token prefix the prompt cache holds.
+
+Why http.server rather than an ASGI stack: a CPU engine serves one request at a time, so the
+server needs blocking threads, not an event loop; and this keeps ds2 free of new dependencies.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hmac
+import ipaddress
+import json
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import click
+import numpy as np
+
+from ds2cli import __version__, console
+from ds2cli.api import ApiError, Defaults, Job, Response, parse_job
+from ds2cli.config import JSON_ERRORS, json_error
+from ds2cli.errors import Ds2Error
+from ds2cli.generate import Chunk, lstrip_reply, stream_generate
+from ds2cli.model import Model
+from ds2cli.prompt_cache import PromptCache
+from ds2cli.sampling import SamplingParams, make_sampler
+
+MAX_BODY_BYTES = 4 * 1024 * 1024    # a request body beyond this gets 413 (a 160k-token prompt fits)
+DEFAULT_CTX = 4096                  # per-request context (cache capacity), as ds2 chat
+DEFAULT_QUEUE = 16                  # requests that may wait while one runs
+DEFAULT_PROMPT_CACHE_MB = 1024
+IDLE_TIMEOUT_S = 120                # a connection that sends nothing for this long is closed
+LINGER_S = 1.0                      # after a 413, how long to swallow the unread body before closing
+
+
+class ClientGone(Exception):
+    """The client hung up (or the server is aborting): stop generating, write nothing more."""
+
+
+class Engine:
+    """The model and its prompt cache, used by one request at a time, in arrival order."""
+
+    def __init__(self, model: Model, ctx: int, cache_budget_bytes: int, max_queue: int):
+        self.model, self.ctx, self.max_queue = model, ctx, max_queue
+        cache_bytes = model.new_cache(1).bytes_per_token * ctx
+        self.prompt_cache = PromptCache(lambda: model.new_cache(ctx), cache_bytes, cache_budget_bytes)
+        self.line: collections.deque = collections.deque()   # line[0] runs, the rest wait
+        self.cond = threading.Condition()
+        self.closing = False
+
+    @contextlib.contextmanager
+    def turn(self, gone):
+        """Wait for this request's turn (503 when the queue is full or the server is stopping)."""
+        ticket = object()
+        with self.cond:
+            if self.closing:
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            if len(self.line) > self.max_queue:
+                raise ApiError(503, f"the server is busy: {len(self.line) - 1} requests are already "
+                                    f"waiting (queue limit {self.max_queue}); retry later", code="queue_full")
+            self.line.append(ticket)
+            try:
+                while self.line[0] is not ticket:
+                    self.cond.wait(0.25)
+                    if self.closing:
+                        raise ApiError(503, "the server is shutting down", code="shutting_down")
+                    if gone():
+                        raise ClientGone()
+            except BaseException:
+                self.line.remove(ticket)
+                self.cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.line.popleft()
+                self.cond.notify_all()
+
+    def waiting(self) -> int:
+        return max(0, len(self.line) - 1)
+
+    def close(self) -> None:
+        """Refuse new requests and send the waiting ones away; the running one goes on."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+
+    def generate(self, job: Job):
+        """Chunks for `job` (call within turn()), starting from the longest cached prefix, which
+        it records in job.cached. Closed early (a client gone), the cache still returns to the
+        pool, holding the prompt."""
+        cache, job.cached = self.prompt_cache.take(job.ids)
+        keep = job.cached
+        chunks = stream_generate(self.model, job.ids[keep:], cache, make_sampler(job.params),
+                                 job.max_tokens, job.stop, context=job.ids[:keep])
+        generated = []
+        try:
+            with np.errstate(all="ignore"):  # non-finite logits are reported as GenerationError
+                for chunk in (lstrip_reply(chunks) if job.chat else chunks):
+                    generated = chunk.tokens if chunk.finish_reason else generated
+                    yield chunk
+        finally:
+            chunks.close()
+            self.prompt_cache.put(job.ids + generated, cache)
+
+
+class State:
+    """What every handler thread shares: the engine and the server's settings."""
+
+    def __init__(self, engine: Engine, model_id: str, defaults: Defaults, api_key: str | None,
+                 sink=None):
+        self.engine, self.model_id, self.defaults, self.api_key = engine, model_id, defaults, api_key
+        self.sink = sink                    # where log lines go (tests collect them); default stderr
+        self.created = int(time.time())
+        self.abort = threading.Event()      # a second signal: cut the running generation
+        self.active = 0                     # requests being handled, for a graceful stop
+        self.active_cond = threading.Condition()
+        self.log_lock = threading.Lock()
+
+    def log(self, line: str) -> None:
+        # request paths and error messages come from clients: no control characters reach a terminal
+        line = "".join(c if c.isprintable() else "?" for c in line)
+        with self.log_lock:
+            if self.sink is not None:
+                self.sink(line)
+                return
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True   # idle keep-alive connections must not hold up the exit
+
+    def __init__(self, address, state: State):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.state = state
+        super().__init__(address, Handler)
+
+    def handle_error(self, request, client_address):
+        # socketserver would print a traceback; a server log gets one line, and a client that
+        # resets an idle keep-alive connection (no request in flight) gets none
+        e = sys.exc_info()[1]
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return
+        self.state.log(f"{client_address[0]} connection error: {type(e).__name__}: {' '.join(str(e).split())}")
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = f"ds2/{__version__}"
+    timeout = IDLE_TIMEOUT_S
+    disable_nagle_algorithm = True      # one small write per token: send each at once
+
+    server: Server
+
+    # ---- routing ----
+    def do_GET(self):
+        self.dispatch("GET")
+
+    def do_POST(self):
+        self.dispatch("POST")
+
+    def do_PUT(self):
+        self.dispatch("PUT")
+
+    def do_DELETE(self):
+        self.dispatch("DELETE")
+
+    def do_PATCH(self):
+        self.dispatch("PATCH")
+
+    def do_HEAD(self):
+        self.dispatch("HEAD")
+
+    def do_OPTIONS(self):
+        self.dispatch("OPTIONS")
+
+    def route(self, method: str, path: str):
+        routes = {"/v1/models": ("GET", self.models), "/v1/chat/completions": ("POST", self.chat),
+                  "/v1/completions": ("POST", self.completions), "/health": ("GET", self.health)}
+        if path in ("/models", "/chat/completions", "/completions"):
+            path = "/v1" + path
+        if path.startswith("/v1/models/"):
+            routes[path] = ("GET", lambda: self.model_info(unquote(path[len("/v1/models/"):])))
+        if path not in routes:
+            raise ApiError(404, f"no such endpoint: {path}", code="not_found")
+        allowed, handler = routes[path]
+        if method != allowed and not (method == "HEAD" and allowed == "GET"):  # HEAD: GET's headers
+            self.extra_headers["Allow"] = allowed
+            raise ApiError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed")
+        return path, handler
+
+    def dispatch(self, method: str) -> None:
+        state = self.server.state
+        with state.active_cond:
+            state.active += 1
+        self.t0, self.status, self.note, self.tokens = time.perf_counter(), 0, "", 0
+        self.extra_headers: dict = {}
+        self.body_read = False
+        self.linger = False
+        path = urlsplit(self.path).path
+        try:
+            path, handler = self.route(method, path.rstrip("/") or "/")
+            if path != "/health":
+                self.check_key()
+            handler()
+        except ApiError as e:
+            self.fail(e)
+        except Ds2Error as e:  # the model failed mid-request (e.g. non-finite logits)
+            self.fail(ApiError(500, str(e)))
+        except (ClientGone, ConnectionError, TimeoutError):  # BrokenPipeError is a ConnectionError
+            self.status, self.close_connection = self.status or 499, True
+            self.note = f"client gone after {self.tokens} chunks" + (" (aborted)" if state.abort.is_set() else "")
+        except Exception as e:  # never a traceback to the client or the log: one line each
+            self.fail(ApiError(500, f"internal error: {type(e).__name__}: {' '.join(str(e).split())}"))
+        finally:
+            self.log_line(method, path)
+            if self.linger:
+                self.swallow_body()
+            with state.active_cond:
+                state.active -= 1
+                state.active_cond.notify_all()
+
+    def check_key(self) -> None:
+        key = self.server.state.api_key
+        if key is None:
+            return
+        given = self.headers.get("Authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            self.extra_headers["WWW-Authenticate"] = "Bearer"
+            raise ApiError(401, ("incorrect" if token else "missing") + " API key: send Authorization: Bearer KEY"
+                           " with the key ds2 serve was given", code="invalid_api_key")
+
+    # ---- endpoints ----
+    def health(self) -> None:
+        engine = self.server.state.engine
+        status = 503 if engine.closing else 200
+        self.send_json(status, {"status": "shutting down" if engine.closing else "ok",
+                                "model": self.server.state.model_id,
+                                "running": len(engine.line) > 0, "waiting": engine.waiting()})
+
+    def models(self) -> None:
+        self.send_json(200, {"object": "list", "data": [self.model_object()]})
+
+    def model_info(self, model_id: str) -> None:
+        if model_id != self.server.state.model_id:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server runs "
+                                f"{self.server.state.model_id!r}", param="model", code="model_not_found")
+        self.send_json(200, self.model_object())
+
+    def model_object(self) -> dict:
+        state = self.server.state
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "ds2"}
+
+    def chat(self) -> None:
+        self.complete(chat=True)
+
+    def completions(self) -> None:
+        self.complete(chat=False)
+
+    def complete(self, chat: bool) -> None:
+        state = self.server.state
+        model = state.engine.model
+        job = parse_job(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
+        self.note = f"prompt {len(job.ids)} tok"
+        response = Response(job, state.model_id)
+        with state.engine.turn(self.client_gone):
+            with contextlib.closing(state.engine.generate(job)) as chunks:
+                last = (self.stream if job.stream else self.collect)(response, chunks)
+        self.note = (f"prompt {len(job.ids)} tok, {job.cached} cached | gen {last.generated_tokens} tok, "
+                     f"{last.decode_tok_per_s:.1f} tok/s | {last.finish_reason}")
+
+    def collect(self, response: Response, chunks) -> Chunk:
+        pieces = []
+        for chunk in chunks:
+            pieces.append(chunk.text)
+            self.tokens += 1
+            self.check_alive()
+        self.send_json(200, response.whole("".join(pieces), chunk))
+        return chunk
+
+    def stream(self, response: Response, chunks) -> Chunk:
+        self.start_events()
+        if response.job.chat:
+            self.send_event(response.chunk("", role=True))
+        try:
+            for chunk in chunks:
+                if chunk.text:
+                    self.send_event(response.chunk(chunk.text))
+                self.tokens += 1
+                self.check_alive()
+        except Ds2Error as e:  # the status is sent: the error travels as an event, then the stream ends
+            error = ApiError(500, str(e))
+            self.send_event(error.body())
+            self.end_events()
+            raise error from None
+        for obj in response.final_chunks(chunk):
+            self.send_event(obj)
+        self.end_events()
+        return chunk
+
+    def check_alive(self) -> None:
+        if self.server.state.abort.is_set() or self.client_gone():
+            raise ClientGone()
+
+    def client_gone(self) -> bool:
+        """Whether the peer has closed its end: readable with nothing to read means EOF."""
+        sock = self.connection
+        try:
+            if hasattr(select, "poll"):     # select.select fails on descriptors past 1023
+                poller = select.poll()
+                poller.register(sock, select.POLLIN)
+                ready = bool(poller.poll(0))
+            else:
+                ready = bool(select.select([sock], [], [], 0)[0])
+            return ready and sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    # ---- bodies ----
+    def read_json(self) -> dict:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise ApiError(411, "send the body with a Content-Length header (chunked bodies are not read)")
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise ApiError(411, "a POST needs a Content-Length header")
+        if not (length.strip().isascii() and length.strip().isdigit()):  # int() would take "-1", "1_0"
+            self.close_connection = True
+            raise ApiError(400, f"bad Content-Length {length[:40]!r}")
+        n = int(length)
+        if n > MAX_BODY_BYTES:
+            self.linger = True
+            raise ApiError(413, f"the request body is {n} bytes, more than the limit of {MAX_BODY_BYTES} bytes",
+                           code="request_too_large")
+        raw = self.rfile.read(n)
+        self.body_read = True
+        if len(raw) < n:
+            raise ClientGone()
+        try:
+            body = json.loads(raw)
+        except JSON_ERRORS as e:
+            raise ApiError(400, f"the body is not valid JSON: {json_error(e)}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
+        return body
+
+    def body_pending(self) -> bool:
+        length = self.headers.get("Content-Length") if self.headers else None
+        return not self.body_read and (bool(self.headers.get("Transfer-Encoding")) or
+                                       (length is not None and length.strip() not in ("", "0")))
+
+    def swallow_body(self) -> None:
+        """After an early 413, read (and drop) what the client is still sending for a moment,
+        so that closing the socket does not reset the connection before it reads the answer."""
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            deadline = time.monotonic() + LINGER_S
+            while time.monotonic() < deadline and self.connection.recv(65536):
+                pass
+        except OSError:
+            pass
+
+    # ---- writing ----
+    def send_json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode()
+        if self.body_pending() or self.server.state.engine.closing:
+            self.close_connection = True   # an unread body would be parsed as the next request
+        self.status = status
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in self.extra_headers.items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def fail(self, e: ApiError) -> None:
+        self.note = f"error: {e.message}"
+        if e.status == 503 and e.code == "queue_full":
+            self.extra_headers["Retry-After"] = "1"
+        if self.status:  # a response has started; nothing more can be said
+            self.close_connection = True
+            return
+        try:
+            self.send_json(e.status, e.body())
+        except OSError:
+            self.close_connection = True
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (bad request line, unsupported method, ...) in OpenAI's format."""
+        self.t0 = time.perf_counter()
+        self.extra_headers, self.body_read, self.close_connection = {}, True, True
+        self.status, self.note = 0, ""
+        self.fail(ApiError(code, message or "bad request", type_="invalid_request_error"))
+        self.log_line(getattr(self, "command", None) or "-", getattr(self, "path", "-"))
+
+    def start_events(self) -> None:
+        self.status = 200
+        self.chunked = self.request_version == "HTTP/1.1"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        if self.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:   # HTTP/1.0: the end of the connection ends the stream
+            self.close_connection = True
+            self.send_header("Connection", "close")
+        self.end_headers()
+
+    def send_event(self, obj) -> None:
+        if not isinstance(obj, bytes):
+            obj = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        data = b"data: " + obj + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+
+    def end_events(self) -> None:
+        self.send_event(b"[DONE]")
+        if self.chunked:
+            self.wfile.write(b"0\r\n\r\n")
+
+    # ---- logging: one line per request, ours only ----
+    def log_line(self, method: str, path: str) -> None:
+        seconds = time.perf_counter() - self.t0
+        note = f" | {self.note}" if self.note else ""
+        self.server.state.log(f"{self.client_address[0]} \"{method} {path[:200]}\" {self.status}{note}"
+                              f" | {seconds:.2f}s")
+
+    def version_string(self) -> str:
+        return self.server_version
+
+    def log_message(self, format, *args):  # http.server's own lines (timeouts, requests): not wanted
+        pass
+
+
+# ---- the command ----
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_forever(server: Server, state: State) -> None:
+    """Serve until SIGINT/SIGTERM; then stop accepting, send waiting requests away, let the running
+    one finish (a second signal cuts it at the next token), and return."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        if stop.is_set():
+            state.abort.set()
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+    thread.start()
+    try:
+        while not stop.wait(0.2):
+            pass
+        state.log("ds2 serve: stopping (a second Ctrl-C cuts the running request)")
+        server.shutdown()
+        server.server_close()       # the listening socket: new connections are refused from now on
+        state.engine.close()
+        with state.active_cond:
+            while state.active > 0:
+                state.active_cond.wait(0.2)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@click.command()
+@click.option("-m", "--model", "model_dir", envvar="DS2_MODEL", type=click.Path(path_type=Path),
+              help="Checkpoint directory or Hugging Face id. Default: the bundled ds2-tiny.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on (0 = any free port).")
+@click.option("--ctx", type=click.IntRange(min=1), help=f"Context per request, in tokens. Default: "
+              f"min(max_position_embeddings, {DEFAULT_CTX}).")
+@click.option("--api-key", envvar="DS2_API_KEY", help="Require Authorization: Bearer KEY (or set DS2_API_KEY).")
+@click.option("--prompt-cache-mb", default=DEFAULT_PROMPT_CACHE_MB, show_default=True, type=click.IntRange(min=0),
+              help="Memory for latent caches of recent conversations (0 = no reuse).")
+@click.option("--queue", "max_queue", default=DEFAULT_QUEUE, show_default=True, type=click.IntRange(min=0),
+              help="Requests that may wait while one runs; beyond, 503.")
+@click.option("--temperature", type=float,
+              help="Default temperature (0 = greedy). Default: generation_config.json, else 0.7.")
+@click.option("--top-k", type=int, help="Default top-k (0 = off).")
+@click.option("--top-p", type=float, help="Default nucleus threshold (1 = off).")
+@click.option("--min-p", type=float, help="Default min-p (0 = off).")
+@click.option("--repetition-penalty", type=float, help="Default repetition penalty (1 = off).")
+@click.option("--seed", type=int, help="Default seed for requests that give none.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1),
+              help="Default max_tokens. Default: generation_config.json, else 256.")
+def serve(model_dir, host, port, ctx, api_key, prompt_cache_mb, max_queue, max_new_tokens, quantize,
+          no_memory_check, **sampling):
+    """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
+
+    Listens on 127.0.0.1:8000 unless told otherwise; Ctrl-C (or SIGTERM) stops it gracefully."""
+    from ds2cli.cli import check_ctx, load_model, max_new_tokens_for  # cli.py registers this command
+
+    model, load_s = load_model(model_dir, quantize, ctx or DEFAULT_CTX, not no_memory_check)
+    check_ctx(model, ctx)
+    ctx = ctx or min(model.config.max_position_embeddings, DEFAULT_CTX)
+    params = SamplingParams.from_generation_config(model.generation_config, **sampling)
+    defaults = Defaults(params, max_new_tokens_for(model, max_new_tokens), ctx)
+    engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue)
+    model_id = str(model_dir) if model_dir is not None else "ds2-tiny"
+    state = State(engine, model_id, defaults, api_key or None)
+    try:
+        server = Server((host, port), state)
+    except OSError as e:
+        raise Ds2Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    host_shown, port_shown = server.server_address[:2]
+    if state.api_key is None and not is_loopback(host_shown):
+        console.warn(f"listening on {host_shown} without --api-key: anyone who can reach this machine "
+                     f"can use the model")
+    url_host = f"[{host_shown}]" if ":" in host_shown else host_shown
+    slots = engine.prompt_cache.slots
+    state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on http://{url_host}:{port_shown} | ctx {ctx} | "
+              f"prompt cache {prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)} | queue {max_queue}")
+    serve_forever(server, state)
+    state.log("ds2 serve: stopped")

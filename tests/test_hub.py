@@ -1,0 +1,120 @@
+"""Hugging Face ids for -m: resolved from a fake local cache; downloads are monkeypatched, never real."""
+
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ds2cli.cli import main
+from ds2cli.errors import ConfigError
+from ds2cli.hub import hub_cache_dir, parse_hub_id, resolve_model_dir
+from ds2cli.model import bundled_model_dir
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def fake_cache(root: Path, repo: str = "deepseek-ai/DeepSeek-V2-Lite-Chat", refs=None) -> Path:
+    """huggingface_hub's layout: refs/<name> holds a commit, snapshots/<commit>/ holds the files."""
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    for ref, commit in (refs or {"main": COMMIT}).items():
+        (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+        (repo_dir / "refs" / ref).write_text(commit)
+        shutil.copytree(bundled_model_dir(), repo_dir / "snapshots" / commit, dirs_exist_ok=True)
+    return repo_dir
+
+
+@pytest.fixture
+def hf_env(tmp_path, monkeypatch):
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)             # relative ids must not find a directory by accident
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)   # "not installed" unless a test says so
+    return monkeypatch
+
+
+def test_parse_hub_id():
+    assert parse_hub_id("deepseek-ai/DeepSeek-V2-Lite-Chat") == ("deepseek-ai/DeepSeek-V2-Lite-Chat", "main")
+    assert parse_hub_id("org/name@v1.0") == ("org/name", "v1.0")
+    for not_an_id in ("/abs/path", "./rel/dir", "~/models/x", "one", "a/b/c", "org/../x", "org/name@../../etc",
+                      "org/na--me"):
+        assert parse_hub_id(not_an_id) is None, not_an_id
+
+
+def test_cache_dir_follows_huggingface_hub_variables(hf_env, tmp_path):
+    hf_env.setenv("HOME", str(tmp_path / "home"))
+    assert hub_cache_dir() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
+    hf_env.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hub_cache_dir() == tmp_path / "xdg" / "huggingface" / "hub"
+    hf_env.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert hub_cache_dir() == tmp_path / "hf" / "hub"
+    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert hub_cache_dir() == tmp_path / "cache"
+
+
+def test_resolves_refs_revisions_and_commits_from_the_cache(hf_env, tmp_path):
+    hf_env.setenv("HF_HOME", str(tmp_path / "hf"))
+    repo = fake_cache(tmp_path / "hf" / "hub", refs={"main": COMMIT, "v2": OTHER})
+    assert resolve_model_dir("deepseek-ai/DeepSeek-V2-Lite-Chat") == repo / "snapshots" / COMMIT
+    assert resolve_model_dir("deepseek-ai/DeepSeek-V2-Lite-Chat@v2") == repo / "snapshots" / OTHER
+    assert resolve_model_dir(f"deepseek-ai/DeepSeek-V2-Lite-Chat@{OTHER}") == repo / "snapshots" / OTHER
+
+
+def test_a_local_directory_of_the_same_name_wins(hf_env, tmp_path):
+    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    fake_cache(tmp_path / "cache")
+    local = Path("deepseek-ai/DeepSeek-V2-Lite-Chat")
+    local.mkdir(parents=True)
+    assert resolve_model_dir("deepseek-ai/DeepSeek-V2-Lite-Chat") == local
+
+
+def test_not_cached_without_huggingface_hub_says_how_to_get_it(hf_env, tmp_path):
+    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    r = CliRunner().invoke(main, ["generate", "-m", "org/missing", "hi"])
+    assert r.exit_code == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: org/missing is neither a local directory")
+    assert 'pip install "ds2cli[hub]"' in r.stderr and "huggingface-cli download org/missing" in r.stderr
+
+
+def test_a_snapshot_without_config_counts_as_not_cached(hf_env, tmp_path):
+    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    repo = fake_cache(tmp_path / "cache", repo="org/partial")
+    (repo / "snapshots" / COMMIT / "config.json").unlink()
+    with pytest.raises(ConfigError, match="neither a local directory nor in the Hugging Face cache"):
+        resolve_model_dir("org/partial")
+
+
+def test_not_cached_downloads_through_huggingface_hub(hf_env, tmp_path):
+    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def snapshot_download(repo_id, revision, cache_dir, allow_patterns):
+        calls.append((repo_id, revision, Path(cache_dir), allow_patterns))
+        return str(fake_cache(Path(cache_dir), repo_id) / "snapshots" / COMMIT)
+
+    hf_env.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
+    r = CliRunner().invoke(main, ["generate", "--chat", "-m", "org/tiny@main", "What is 2 + 3?",
+                                  "--temperature", "0"])
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == "2 + 3 = 5.\n"
+    assert calls[0][:3] == ("org/tiny", "main", tmp_path / "cache") and "*.safetensors" in calls[0][3]
+    # now cached: no second download
+    r = CliRunner().invoke(main, ["inspect", "--json", "-m", "org/tiny"])
+    assert r.exit_code == 0 and len(calls) == 1
+
+
+def test_a_failed_download_is_one_error_line(hf_env, tmp_path):
+    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+
+    def snapshot_download(**kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nCheck your connection.")
+
+    hf_env.setitem(sys.modules, "huggingface_hub",
+                   types.SimpleNamespace(snapshot_download=lambda repo, **kw: snapshot_download(**kw)))
+    r = CliRunner().invoke(main, ["chat", "-m", "org/offline"], input="hi\n")
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1
+    assert r.stderr == ("error: org/offline is not a local directory, and downloading org/offline@main from Hugging"
+                        " Face failed: We couldn't connect to 'https://huggingface.co' Check your connection.\n")

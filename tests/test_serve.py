@@ -1,0 +1,522 @@
+"""ds2 serve on ds2-tiny: the official openai client for the API, raw HTTP for the error cases,
+a subprocess for signals. Servers run on ephemeral ports in threads; nothing leaves localhost."""
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import ds2cli
+from ds2cli import serve as serve_module
+from ds2cli.api import Defaults
+from ds2cli.cli import main
+from ds2cli.errors import GenerationError
+from ds2cli.generate import lstrip_reply, stream_generate
+from ds2cli.prompt_cache import PromptCache, common_prefix
+from ds2cli.sampling import SamplingParams, make_sampler
+from ds2cli.serve import MAX_BODY_BYTES, Engine, Server, State
+
+openai = pytest.importorskip("openai")   # the test extra: pip install ".[test]"
+
+KEY = "sk-test-key"
+ROMEO = "ROMEO:\n"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ds2cli.load()
+
+
+@contextmanager
+def running(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024):
+    """A server in a thread; yields (port, state, log lines)."""
+    lines = []
+    defaults = Defaults(SamplingParams.from_generation_config(model.generation_config), 256, ctx)
+    state = State(Engine(model, ctx, budget, max_queue), "ds2-tiny", defaults, api_key, sink=lines.append)
+    server = Server(("127.0.0.1", 0), state)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], state, lines
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not any("Traceback" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with running(model) as s:
+        yield s
+
+
+def client(port, key=KEY):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def cli_json(*args):
+    r = CliRunner().invoke(main, ["generate", "--temperature", "0", "--json", *args])
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def fresh_greedy(model, ids, max_new, chat):
+    """What a fresh cache gives for these ids: the reference for cached prefixes."""
+    chunks = stream_generate(model, ids, model.new_cache(len(ids) + max_new),
+                             make_sampler(SamplingParams(temperature=0)), max_new)
+    chunks = list(lstrip_reply(chunks) if chat else chunks)
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+def request(port, method, path, body=None, headers=None, raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers={"Authorization": f"Bearer {KEY}", **(headers or {})})
+    r = conn.getresponse()
+    payload = r.read()
+    conn.close()
+    return r.status, json.loads(payload) if payload else None, r
+
+
+# ---- the API, through the openai client ----
+@pytest.mark.parametrize("question", ["What is 451 - 123?", "Count from 3 to 9."])
+def test_chat_greedy_equals_generate_chat(server, question):
+    port, _, _ = server
+    expected = cli_json("--chat", question, "-n", "40")
+    r = client(port).chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": question}],
+                                             temperature=0, max_tokens=40)
+    assert r.choices[0].message.content == expected["text"]
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == expected["generated_tokens"]
+    assert r.usage.prompt_tokens == expected["prompt_tokens"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason == "stop" and expected["finish_reason"] == "eos"
+    assert r.model == "ds2-tiny" and r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+
+def test_completion_greedy_equals_generate_and_stops_at_length(server):
+    port, _, _ = server
+    expected = cli_json(ROMEO, "-n", "40")
+    r = client(port).completions.create(model="ds2-tiny", prompt=ROMEO, temperature=0, max_tokens=40)
+    assert r.choices[0].text == expected["text"]
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+    assert r.usage.prompt_tokens == expected["prompt_tokens"]
+    # the same prompt as token ids
+    ids = ds2cli.load().tokenizer.encode(ROMEO)
+    r2 = client(port).completions.create(model="ds2-tiny", prompt=ids, temperature=0, max_tokens=40)
+    assert r2.choices[0].text == expected["text"]
+
+
+def test_chat_stream_equals_whole_answer_with_usage(server):
+    port, _, _ = server
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 17 + 25?"}]
+    whole = client(port).chat.completions.create(model="x", messages=messages, temperature=0)
+    chunks = list(client(port).chat.completions.create(model="x", messages=messages, temperature=0, stream=True,
+                                                       stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content == "17 + 25 = 42."
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == "stop" and set(finals[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # the stream asked the same prompt again: all but its last token came from the prompt cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
+
+
+def test_completion_stream_and_stop_strings(server):
+    port, _, _ = server
+    expected = cli_json(ROMEO, "-n", "60", "--stop", "ULYSSES")
+    chunks = list(client(port).completions.create(model="x", prompt=ROMEO, temperature=0, max_tokens=60,
+                                                  stop=["ULYSSES"], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected["text"]
+    assert chunks[-1].choices[0].finish_reason == "stop" and expected["finish_reason"] == "stop"
+    assert all(c.usage is None for c in chunks)     # no include_usage: no usage chunk
+
+
+def test_follow_up_turn_reuses_the_cached_prefix_and_matches_a_fresh_prefill(server, model):
+    port, _, _ = server
+    c = client(port)
+    messages = [{"role": "user", "content": "What is 30 + 12?"}]
+    first = c.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=30)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": [{"type": "text", "text": "Count from 4 "},
+                                              {"type": "text", "text": "to 8."}]}]
+    second = c.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=30)
+    flat = messages[:2] + [{"role": "user", "content": "Count from 4 to 8."}]
+    ids = model.tokenizer.encode_chat(flat)
+    text, last = fresh_greedy(model, ids, 30, chat=True)
+    assert second.choices[0].message.content == text == "4, 5, 6, 7, 8."
+    assert second.usage.completion_tokens == last.generated_tokens
+    # everything before the second user turn was cached: the first prompt and the first reply
+    # (the reply's closing eos was sampled, never fed, so it is recomputed)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert cached < second.usage.prompt_tokens
+
+
+def test_two_concurrent_clients_get_their_own_answers(server):
+    port, _, lines = server
+    questions = {"What is 2 + 3?": "2 + 3 = 5.", "What is 10 + 11?": "10 + 11 = 21."}
+    answers = {}
+
+    def ask(q):
+        r = client(port).chat.completions.create(model="x", messages=[{"role": "user", "content": q}], temperature=0)
+        answers[q] = r.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert answers == questions
+
+
+def test_models_and_health(server):
+    port, _, _ = server
+    models = client(port).models.list()
+    assert [m.id for m in models.data] == ["ds2-tiny"]
+    assert client(port).models.retrieve("ds2-tiny").id == "ds2-tiny"
+    status, body, _ = request(port, "GET", "/health", headers={"Authorization": ""})
+    assert status == 200 and body["status"] == "ok" and body["model"] == "ds2-tiny"
+    status, body, r = request(port, "HEAD", "/v1/models")
+    assert status == 200 and body is None and int(r.getheader("Content-Length")) > 0
+
+
+def test_server_default_sampling_with_a_seed_is_reproducible(server):
+    port, _, _ = server
+    ask = lambda seed: client(port).completions.create(model="x", prompt=ROMEO, max_tokens=20, seed=seed,  # noqa: E731
+                                                       temperature=1.0).choices[0].text
+    assert ask(7) == ask(7)
+    assert len({ask(s) for s in range(4)}) > 1
+
+
+# ---- bad input, over raw HTTP ----
+ERROR_CASES = [
+    ("POST", "/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("POST", "/v1/chat/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("POST", "/v1/chat/completions", b"[" * 100000 + b"]" * 100000, 400, "nested too deeply"),
+    ("POST", "/v1/chat/completions", {"messages": "hi"}, 400, "messages must be a non-empty list"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "only text parts"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400,
+     "temperature must be a finite number"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400,
+     "temperature must be >= 0"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
+     "max_tokens must be at least 1"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400,
+     "n must be 1"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400,
+     "stream must be true or false"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [1]}, 400,
+     "stop must be a string or a list of strings"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
+     400, "repetition_penalty"),
+    ("POST", "/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt must be a string"),
+    ("POST", "/v1/completions", {"prompt": [5, 99999]}, 400, "prompt token ids must be in [0, 4096)"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs is not supported"),
+    ("POST", "/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed must be >= 0"),
+    ("POST", "/v1/completions", {"prompt": "hi", "top_p": 1e999}, 400, "top_p must be a finite number"),
+    ("POST", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt is not valid Unicode"),
+    ("POST", "/v1/completions", b'{"prompt": "\xff"}', 400, "not valid JSON"),
+    ("GET", "/v1/nothing", None, 404, "no such endpoint"),
+    ("GET", "/v1/models/gpt-4", None, 404, "does not exist"),
+    ("GET", "/v1/chat/completions", None, 405, "takes POST, not GET"),
+    ("DELETE", "/v1/models", None, 405, "takes GET, not DELETE"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,message", ERROR_CASES)
+def test_bad_input_gets_openai_style_errors(server, method, path, body, status, message):
+    port, _, lines = server
+    raw = body if isinstance(body, bytes) else None
+    got, payload, _ = request(port, method, path, body=None if raw else body, raw=raw)
+    assert got == status
+    assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}
+    assert message in payload["error"]["message"]
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert logged(lines, f'"{method} {path}" {status} | error: {payload["error"]["message"]}')
+
+
+def test_a_negative_seed_is_one_error_line_in_generate_too():
+    r = CliRunner().invoke(main, ["generate", "hi", "--seed", "-1"])
+    assert r.exit_code == 1 and r.stderr == "error: seed must be >= 0\n"
+
+
+def test_a_prompt_longer_than_the_context_is_refused_with_the_counts(model):
+    with running(model, ctx=16) as (port, _, _):
+        status, payload, _ = request(port, "POST", "/v1/completions", {"prompt": "one two three " * 10})
+    n = len(model.tokenizer.encode("one two three " * 10))
+    assert status == 400 and payload["error"]["code"] == "context_length_exceeded"
+    assert payload["error"]["message"] == f"the prompt is {n} tokens, more than the context of 16 tokens"
+
+
+def test_api_key_is_required_when_set(server):
+    port, _, _ = server
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + KEY}):
+        status, payload, r = request(port, "GET", "/v1/models", headers=headers)
+        assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+        assert r.getheader("WWW-Authenticate") == "Bearer"
+    with pytest.raises(openai.AuthenticationError):
+        client(port, key="wrong").models.list()
+
+
+def test_oversized_body_gets_413_without_being_read(server):
+    port, _, lines = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1) + b"{" * 1000)
+        response = s.makefile("rb").read()       # the server answers and closes without the rest
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"Connection: close" in head
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    assert str(MAX_BODY_BYTES) in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize("headers,status", [({"Transfer-Encoding": "chunked"}, 411), ({}, 411),
+                                            ({"Content-Length": "-5"}, 400), ({"Content-Length": "abc"}, 400),
+                                            ({"Content-Length": "1_0"}, 400)])
+def test_bodies_without_a_usable_length(server, headers, status):
+    port, _, _ = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\n" + extra + b"Connection: close\r\n\r\n")
+        head, _, body = s.makefile("rb").read().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d" % status) and "error" in json.loads(body)
+
+
+def test_http_layer_errors_are_json_too(server):
+    port, _, lines = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = s.makefile("rb").read().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 501") and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+def test_keep_alive_serves_requests_after_an_error(server):
+    port, _, _ = server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    conn.request("POST", "/v1/completions", body=b'{"prompt": 5}', headers=auth)
+    assert conn.getresponse().read() and conn.sock is not None
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "What", "max_tokens": 3}), headers=auth)
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
+    conn.close()
+
+
+def test_internal_errors_are_one_line_without_traceback(server, monkeypatch):
+    port, _, lines = server
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom\nsecond line")
+        yield
+
+    monkeypatch.setattr(serve_module, "stream_generate", broken)
+    status, payload, _ = request(port, "POST", "/v1/completions", {"prompt": "hi"})
+    assert status == 500 and payload["error"]["type"] == "server_error"
+    assert payload["error"]["message"] == "internal error: RuntimeError: boom second line"
+    assert logged(lines, "500 | error: internal error: RuntimeError: boom second line")
+
+    def nan_midway(*args, **kwargs):
+        yield ds2cli.generate.Chunk("x", 5)
+        raise GenerationError("the model produced non-finite logits")
+
+    monkeypatch.setattr(serve_module, "stream_generate", nan_midway)
+    events = sse(port, {"prompt": "hi", "stream": True})
+    assert events[0]["choices"][0]["text"] == "x"
+    assert events[1]["error"]["message"] == "the model produced non-finite logits" and events[2] == "[DONE]"
+
+
+def logged(lines, text, timeout=10):
+    """Whether a log line containing `text` appears (it is written just after the response)."""
+    deadline = time.monotonic() + timeout
+    while not any(text in line for line in lines):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def sse(port, body, path="/v1/completions"):
+    status, _, r = None, None, None
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", path, body=json.dumps(body), headers={"Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
+    events = [line[6:] for line in r.read().decode().split("\n\n") if line.startswith("data: ")]
+    conn.close()
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+# ---- queueing, disconnects ----
+def test_requests_queue_in_order_and_beyond_the_queue_get_503(model):
+    with running(model, max_queue=1) as (port, state, lines):
+        results = []
+        with state.engine.turn(lambda: False):      # the test holds the engine, as a long request would
+            waiter = threading.Thread(target=lambda: results.append(
+                request(port, "POST", "/v1/completions", {"prompt": "What", "max_tokens": 2, "temperature": 0})))
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while state.engine.waiting() < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            status, payload, r = request(port, "POST", "/v1/completions", {"prompt": "What", "max_tokens": 2})
+            assert status == 503 and payload["error"]["code"] == "queue_full" and r.getheader("Retry-After")
+            assert results == []                        # the queued one waits for its turn
+        waiter.join(10)
+        assert results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] == 2
+
+
+def test_a_client_that_hangs_up_mid_stream_stops_its_generation(model):
+    with running(model) as (port, state, lines):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        body = json.dumps({"prompt": ROMEO, "max_tokens": 1000, "temperature": 0, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        f = s.makefile("rb")
+        while b"data: " not in f.readline():
+            pass
+        s.shutdown(socket.SHUT_RDWR)
+        s.close()
+        assert logged(lines, "client gone"), lines
+        gone = [line for line in lines if "client gone" in line]
+        chunks = int(re.search(r"client gone after (\d+) chunks", gone[0]).group(1))
+        assert chunks < 20                              # far from the 1000 asked for
+        # a reset of an idle keep-alive connection is no request: nothing is logged for it
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+        idle.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        idle.close()                                    # linger 0: the close sends a reset
+        # the server goes on serving, and kept the prompt's cache
+        status, payload, _ = request(port, "POST", "/v1/completions", {"prompt": ROMEO, "max_tokens": 5})
+        usage = payload["usage"]
+        assert status == 200 and usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+        assert not logged(lines, "connection error", timeout=0.5) and len(lines) == 2
+
+
+@contextmanager
+def serve_process(*args):
+    """`ds2 serve` in a subprocess; yields (process, port, a streaming response of 200 or 1000 tokens)."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "ds2cli", "serve", "--port", "0", "--temperature", "0", *args],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", proc.stderr.readline()).group(1))
+        yield proc, port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def start_stream(port, max_tokens):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = {"prompt": ROMEO, "max_tokens": max_tokens, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body))
+    r = conn.getresponse()
+    assert r.status == 200 and r.read(6) == b"data: "
+    return r
+
+
+def test_sigterm_stops_accepting_finishes_the_running_request_and_exits_0():
+    with serve_process() as (proc, port):
+        r = start_stream(port, 200)
+        proc.send_signal(signal.SIGTERM)
+        rest = r.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
+        assert proc.wait(20) == 0
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+        log = proc.stderr.read()
+    assert "stopping" in log and "stopped" in log and "Traceback" not in log
+    assert re.search(r'"POST /v1/completions" 200 \| prompt \d+ tok, 0 cached \| gen 200 tok', log)
+
+
+def test_a_second_sigint_cuts_the_running_request_and_still_exits_0():
+    with serve_process("--quantize", "8") as (proc, port):     # serve loads as generate does
+        r = start_stream(port, 1000)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+        log = proc.stderr.read()
+        with pytest.raises(http.client.IncompleteRead):    # cut: no final chunk, no [DONE]
+            r.read()
+    assert "(aborted)" in log and "stopped" in log and "Traceback" not in log
+
+
+# ---- the prompt cache on its own ----
+def test_prompt_cache_hands_over_full_matches_and_copies_partial_ones(model):
+    nbytes = model.new_cache(64).nbytes
+    pool = PromptCache(lambda: model.new_cache(64), nbytes, 3 * nbytes)
+    assert pool.slots == 3
+    a = model.tokenizer.encode("System prompt. Question one")
+    b = model.tokenizer.encode("System prompt. Question two")
+    cache, keep = pool.take(a)
+    assert keep == 0
+    model.forward(a, cache)
+    pool.put(a, cache)
+    # a partial match is copied from (the entry stays for its own conversation) ...
+    cache_b, keep = pool.take(b)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert keep == shared and cache_b is not cache and len(pool.entries) == 1
+    logits = model.forward(b[keep:], cache_b)
+    reference = model.new_cache(64)             # the same computation, on the entry's own cache
+    model.forward(a, reference)
+    reference.truncate(keep)
+    np.testing.assert_array_equal(logits, model.forward(b[keep:], reference))
+    np.testing.assert_allclose(logits, model.forward(b, model.new_cache(64)), atol=1e-4)  # split prefill
+    pool.put(b, cache_b)
+    # ... a full match is handed over
+    cache_a, keep = pool.take(a + [5])
+    assert cache_a is cache and keep == len(a) and len(pool.entries) == 1
+    pool.put(a + [5], cache_a)
+    assert pool.cached_tokens == len(a) + len(b)
+
+
+def test_common_prefix():
+    a = np.array([1, 2, 3, 4])
+    for b, n in (([1, 2, 3, 4], 4), ([1, 2, 9, 4], 2), ([9], 0), ([1, 2], 2), ([1, 2, 3, 4, 5], 4), ([], 0)):
+        assert common_prefix(a, np.array(b, dtype=np.int64)) == n
+
+
+def test_prompt_cache_budget_evicts_least_recently_used_and_zero_keeps_nothing(model):
+    nbytes = model.new_cache(16).nbytes
+    pool = PromptCache(lambda: model.new_cache(16), nbytes, 2 * nbytes + 1)
+    for prompt in ([3, 4, 5], [6, 7, 8], [9, 10, 11]):
+        cache, _ = pool.take(prompt)
+        model.forward(prompt, cache)
+        pool.put(prompt, cache)
+    assert [e.ids.tolist() for e in pool.entries] == [[6, 7, 8], [9, 10, 11]]
+    # with one slot, a partial match cannot be copied: the entry is handed over and cut
+    one = PromptCache(lambda: model.new_cache(16), nbytes, nbytes)
+    cache, _ = one.take([3, 4, 5, 6])
+    model.forward([3, 4, 5, 6], cache)
+    one.put([3, 4, 5, 6], cache)
+    again, keep = one.take([3, 4, 9])
+    assert again is cache and keep == 2 and again.length == 2 and one.entries == []
+    none = PromptCache(lambda: model.new_cache(16), nbytes, nbytes - 1)
+    cache, _ = none.take([3, 4])
+    none.put([3, 4], cache)
+    assert none.slots == 0 and none.entries == [] and none.take([3, 4])[1] == 0
+
+
+def test_serve_refuses_a_port_in_use_with_one_error_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = CliRunner().invoke(main, ["serve", "--port", str(taken.getsockname()[1])])
+    assert r.exit_code == 1 and r.stdout == ""
+    assert re.fullmatch(r"error: cannot listen on 127\.0\.0\.1:\d+: .+\n", r.stderr)
