@@ -31,6 +31,7 @@ and runs the usual GEMM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -188,16 +189,27 @@ class Workers:
         self.n = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                             else (os.cpu_count() or 1), 8))
         self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
-        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.free: dict[str, list[np.ndarray]] = {}
 
-    def buffer(self, n: int, slot: str = "block") -> np.ndarray:
-        """This thread's reused float32 scratch of at least n values. Reusing it matters: a fresh
-        64 MB array costs 16k page faults each time it is first written."""
-        buf = getattr(self.local, slot, None)
-        if buf is None or buf.size < n:
+    @contextlib.contextmanager
+    def buffer(self, n: int, slot: str = "block"):
+        """A float32 scratch of n values, lent for the `with` block and kept for the next caller.
+        Reuse matters: a fresh 64 MB array costs 16k page faults each time it is first written.
+        Buffers are lent, not tied to threads, so a server's many request threads share the few
+        that the kernels use at once."""
+        with self.lock:
+            spare = self.free.setdefault(slot, [])
+            buf = next((b for b in spare if b.size >= n), None)
+            if buf is not None:
+                spare.remove(buf)
+        if buf is None:
             buf = np.empty(n, np.float32)
-            setattr(self.local, slot, buf)
-        return buf[:n]
+        try:
+            yield buf[:n]
+        finally:
+            with self.lock:
+                self.free[slot].append(buf)
 
     def run(self, fn, spans: list[tuple[int, int]]) -> None:
         """fn(start, stop) over each span, the first on this thread, the rest on the pool."""
@@ -272,7 +284,8 @@ class QuantMatrix:
         out, inp = self.shape
         g = self.f.group_size
         if out * inp <= SMALL_MATRIX:
-            return dequantize(self.qweight, self.scales, self.f, workers().buffer(out * inp).reshape(out, inp)) @ x
+            with workers().buffer(out * inp) as buf:
+                return dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)) @ x
         y = np.empty(out, np.float32)
         block = max(g, L2_BLOCK_BYTES // (4 * inp) // g * g)
         pool = workers()
@@ -281,7 +294,13 @@ class QuantMatrix:
             # this span's groups of rows: a and b are multiples of g (split_rows)
             xs = self.scales[a // g:-(-b // g)].astype(np.float32)          # (groups, in)
             xs *= x
-            buf = pool.buffer(block * inp)
+            with pool.buffer(block * inp) as buf:
+                blocks(a, b, xs, buf)
+            if self.f.bits == 4:
+                # (q - 8) * s . x = q . xs - 8 * sum(xs): one number per group of rows
+                y[a:b] += np.repeat(xs.sum(axis=1) * np.float32(-8), g)[:b - a]
+
+        def blocks(a: int, b: int, xs: np.ndarray, buf: np.ndarray) -> None:
             for r0 in range(a, b, block):
                 r1 = min(b, r0 + block)
                 w = unpack(self.qweight[r0:r1], self.f, buf[:(r1 - r0) * inp].reshape(r1 - r0, inp))
@@ -292,9 +311,6 @@ class QuantMatrix:
                               out=y[r0:r0 + full].reshape(-1, g, 1))        # (groups, g, 1)
                 if full < r1 - r0:
                     y[r0 + full:r1] = w[full:] @ xs[g0 + full // g]
-            if self.f.bits == 4:
-                # (q - 8) * s . x = q . xs - 8 * sum(xs): one number per group of rows
-                y[a:b] += np.repeat(xs.sum(axis=1) * np.float32(-8), g)[:b - a]
 
         pool.run(span, split_rows(out, pool.n, g))
         return y
@@ -304,19 +320,20 @@ class QuantMatrix:
         out, inp = self.shape
         g = self.f.group_size
         if out * inp <= SMALL_MATRIX:
-            return x @ dequantize(self.qweight, self.scales, self.f,
-                                  workers().buffer(out * inp, slot="chunk").reshape(out, inp)).T
+            with workers().buffer(out * inp, slot="chunk") as buf:
+                return x @ dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)).T
         chunk = max(g, PREFILL_CHUNK_BYTES // (4 * inp) // g * g)
         yt = np.empty((out, len(x)), np.float32)                            # (out, T)
         pool = workers()
-        for c0 in range(0, out, chunk):
-            c1 = min(out, c0 + chunk)
-            w = pool.buffer(min(out, chunk) * inp, slot="chunk")[:(c1 - c0) * inp].reshape(c1 - c0, inp)
+        with pool.buffer(min(out, chunk) * inp, slot="chunk") as buf:
+            for c0 in range(0, out, chunk):
+                c1 = min(out, c0 + chunk)
+                w = buf[:(c1 - c0) * inp].reshape(c1 - c0, inp)
 
-            def span(a: int, b: int, c0=c0, w=w) -> None:
-                dequantize(self.qweight[c0 + a:c0 + b], self.scales[(c0 + a) // g:-(-(c0 + b) // g)],
-                           self.f, out=w[a:b])
+                def span(a: int, b: int, c0=c0, w=w) -> None:
+                    dequantize(self.qweight[c0 + a:c0 + b], self.scales[(c0 + a) // g:-(-(c0 + b) // g)],
+                               self.f, out=w[a:b])
 
-            pool.run(span, split_rows(c1 - c0, pool.n, g))
-            np.matmul(w, x.T, out=yt[c0:c1])                                # (chunk, T)
+                pool.run(span, split_rows(c1 - c0, pool.n, g))
+                np.matmul(w, x.T, out=yt[c0:c1])                            # (chunk, T)
         return yt.T                                                         # (T, out)
