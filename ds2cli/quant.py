@@ -200,9 +200,8 @@ class Workers:
         that the kernels use at once."""
         with self.lock:
             spare = self.free.setdefault(slot, [])
-            buf = next((b for b in spare if b.size >= n), None)
-            if buf is not None:
-                spare.remove(buf)
+            k = next((k for k, b in enumerate(spare) if b.size >= n), None)
+            buf = spare.pop(k) if k is not None else None
         if buf is None:
             buf = np.empty(n, np.float32)
         try:
