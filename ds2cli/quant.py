@@ -152,29 +152,40 @@ def dequantize(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarr
             dequantize(qweight[e], scales[e], f, out[e])
         return out
     rows, g = qweight.shape[0], f.group_size
+    inp = qweight.shape[1] * (2 if f.bits == 4 else 1)
+    w = np.empty((rows, inp), np.float32) if out is None else out
+    # block by block, so the scaling pass finds each block still in cache
+    block = max(g, L2_BLOCK_BYTES // (4 * inp) // g * g)
+    for r0 in range(0, rows, block):
+        r1 = min(rows, r0 + block)
+        dequantize_block(qweight[r0:r1], scales[r0 // g:-(-r1 // g)], f, w[r0:r1])
+    return w
+
+
+def dequantize_block(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarray) -> None:
+    rows, g = qweight.shape[0], f.group_size
     w = unpack(qweight, f, out)                                             # (rows, in)
-    if f.bits == 4:
-        w -= np.float32(8)
     s = scales.astype(np.float32)                                           # (G, in)
     full = rows // g * g
     grouped = w[:full].reshape(full // g, g, w.shape[1])                    # (G, g, in), a view
     grouped *= s[:full // g, None, :]
     if full < rows:
         w[full:] *= s[full // g]
-    return w
 
 
 def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
-    """The raw integers as float32 (..., rows, in), written into `out` when given."""
+    """The signed integers as float32 (..., rows, in): q for q8, q - 8 for q4 (subtracted on the
+    bytes, where it is cheap: 0..15 minus 8 wraps in uint8 to exactly q - 8 read as int8)."""
     *lead, rows, stored = qweight.shape
     inp = stored * 2 if f.bits == 4 else stored
     if out is None:
         out = np.empty((*lead, rows, inp), np.float32)
     if f.bits == 8:
         np.copyto(out, qweight, casting="unsafe")
-    else:
-        np.copyto(out[..., :stored], qweight & np.uint8(15), casting="unsafe")
-        np.copyto(out[..., stored:], qweight >> np.uint8(4), casting="unsafe")
+        return out
+    for half, nibble in ((out[..., :stored], qweight & np.uint8(15)), (out[..., stored:], qweight >> np.uint8(4))):
+        nibble -= np.uint8(8)
+        np.copyto(half, nibble.view(np.int8), casting="unsafe")
     return out
 
 
@@ -295,10 +306,7 @@ class QuantMatrix:
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
         groups = self.scales[ids // self.f.group_size].astype(np.float32)   # (T, in)
-        w = unpack(self.qweight[ids], self.f)                               # (T, in)
-        if self.f.bits == 4:
-            w -= np.float32(8)
-        return w * groups
+        return unpack(self.qweight[ids], self.f) * groups                   # (T, in)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         if len(x) == 1:
@@ -322,9 +330,6 @@ class QuantMatrix:
             xs *= x
             with pool.buffer(block * inp) as buf:
                 blocks(a, b, xs, buf)
-            if self.f.bits == 4:
-                # (q - 8) * s . x = q . xs - 8 * sum(xs): one number per group of rows
-                y[a:b] += np.repeat(xs.sum(axis=1) * np.float32(-8), g)[:b - a]
 
         def blocks(a: int, b: int, xs: np.ndarray, buf: np.ndarray) -> None:
             for r0 in range(a, b, block):
