@@ -10,6 +10,7 @@ Three jobs, one screen each:
 
 from __future__ import annotations
 
+import codecs
 import json
 import traceback
 from pathlib import Path
@@ -48,9 +49,21 @@ TEMPLATE_FRAME_FILENAME = "<template>"
 # What a lossy UTF-8 decode writes for bytes that do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
 
-# A real character is at most 4 bytes, so at most 3 tokens can wait for its end; more than this
-# means the model produced bytes that will never complete, and holding them back is pointless.
-MAX_PENDING_TOKENS = 8
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, char -> byte: printable bytes stand for themselves, the
+    others are shifted to 256 + n (the table `tokenizers.decoders.ByteLevel` inverts)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
 
 
 class Tokenizer:
@@ -67,6 +80,10 @@ class Tokenizer:
         # Whether encode() starts with bos: the config asks for it, or tokenizer.json adds it itself.
         self._add_bos = self._bos_id is not None and (add_bos_token or self._post_processor_adds_bos())
         self._template = _compile_template(chat_template or FALLBACK_CHAT_TEMPLATE)
+        # Byte-level BPE (GPT-2 style, as DeepSeek's): each token is a run of raw bytes.
+        self.byte_level = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
+        self._alphabet = byte_level_alphabet() if self.byte_level else {}
+        self._bytes: dict[int, bytes] = {}
 
     @classmethod
     def load(cls, model_dir, vocab_size: int | None = None) -> "Tokenizer":
@@ -114,6 +131,18 @@ class Tokenizer:
         """Ids -> text, special tokens included (callers strip eos themselves)."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A byte-level token's raw bytes, as the ByteLevel decoder maps them: a token spelled in
+        the byte alphabet is those bytes; any other (an added token such as bos) is its UTF-8."""
+        cached = self._bytes.get(token_id)
+        if cached is None:
+            token = self._backend.id_to_token(token_id) or ""    # decode skips unknown ids
+            alphabet = self._alphabet
+            cached = (bytes(alphabet[c] for c in token) if all(c in alphabet for c in token)
+                      else token.encode("utf-8"))
+            self._bytes[token_id] = cached
+        return cached
+
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (may be '\\ufffd' where a character spans tokens)."""
         return self.decode([token_id])
@@ -125,6 +154,7 @@ class Tokenizer:
     # ---- chat ----
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Messages -> the prompt string, exactly as Hugging Face's apply_chat_template renders it."""
+        _check_messages(messages)
         variables: dict[str, Any] = {"messages": messages,
                                      "add_generation_prompt": add_generation_prompt}
         # Like HF's special_tokens_map: an unset token is simply undefined (renders as "").
@@ -138,42 +168,56 @@ class Tokenizer:
         """Render, then encode without special tokens: the template writes bos itself."""
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
+    def set_chat_template(self, source: str) -> None:
+        """Replace the checkpoint's chat template (compiled now, so a syntax error shows at once)."""
+        self._template = _compile_template(source)
+        self.chat_template = source
+
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
 
 class StreamDecoder:
-    """Ids in, printable text out, never half a character.
+    """Ids in, printable text out, never half a character; what it emits always equals `decode`
+    of every id so far once that decode is whole.
 
-    Decoding each token alone is wrong twice over: a character split across tokens decodes as
-    '\\ufffd', and some decoders change spacing at a sequence's start. So (like TGI / HF's
-    TextStreamer) we decode a short window that starts one step back, emit only the text beyond
-    what that context already produced, and wait while the window ends in '\\ufffd'.
+    Decoding each token alone is wrong: a character split across tokens decodes as '\\ufffd'.
+    For byte-level BPE (every DeepSeek tokenizer) each token is a run of bytes, so the bytes go
+    through an incremental UTF-8 decoder that holds back at most the 3 bytes of an unfinished
+    character (the real limit of UTF-8) and replaces invalid bytes exactly as the tokenizer's
+    lossy decode does. Other decoders fall back to decoding a window that starts one step back
+    (like TGI / HF's TextStreamer, since some decoders change spacing at a sequence's start),
+    emitting the text beyond what that context produced, and waiting while it ends in '\\ufffd'.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
-        self._window: list[int] = []    # ids from the previous emit's start: context + pending
-        self._read = 0                  # window[:_read] is context already printed
+        self._token_bytes = tokenizer.token_bytes if tokenizer.byte_level else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._window: list[int] = []    # fallback: ids from the previous emit's start
+        self._read = 0                  # fallback: window[:_read] is context already printed
 
     def push(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly "")."""
+        if self._token_bytes is not None:
+            return self._utf8.decode(self._token_bytes(int(token_id)))
         self._window.append(int(token_id))
         prefix, text = self._decode_window()
-        waiting = len(text) <= len(prefix) or text.endswith(REPLACEMENT_CHAR)
-        if waiting and len(self._window) - self._read < MAX_PENDING_TOKENS:
-            return ""
+        if len(text) <= len(prefix) or text.endswith(REPLACEMENT_CHAR):
+            return ""                   # nothing new, or a character still unfinished
         self._advance()
         return text[len(prefix):]
 
     def flush(self) -> str:
         """Whatever is still held back at the end of generation (incomplete bytes as '\\ufffd')."""
+        if self._token_bytes is not None:
+            return self._utf8.decode(b"", final=True)
         prefix, text = self._decode_window()
         self._advance()
         return text[len(prefix):]
 
     def _advance(self) -> None:
-        # The just-emitted ids become the next window's context, so the window stays O(1) long.
+        # The just-emitted ids become the next window's context, so the window stays short.
         self._window = self._window[self._read:]
         self._read = len(self._window)
 
@@ -252,6 +296,16 @@ def _select_template(raw: Any) -> str | None:
                              f"(it has {sorted(map(str, named))})")
     raise TokenizerError(f"{TOKENIZER_CONFIG_FILE}: chat_template must be a string or a list "
                          f"of {{name, template}}, not {type(raw).__name__}")
+
+
+def _check_messages(messages: Any) -> None:
+    """A chat is a list of {"role": str, ...} dicts; a bare string is a common mistake."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
+        raise TokenizerError(f"chat messages must be a list of {{\"role\", \"content\"}} dicts, "
+                             f"not {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TokenizerError(f"chat message {i} must be a dict with a string \"role\", got {_one_line(repr(m))[:80]}")
 
 
 def _compile_template(source: str) -> jinja2.Template:

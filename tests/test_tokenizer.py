@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds2cli.errors import TokenizerError
-from ds2cli.tokenizer import FALLBACK_CHAT_TEMPLATE, MAX_PENDING_TOKENS, Tokenizer
+from ds2cli.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
+from ds2cli.tokenizer import byte_level_alphabet
 
 DATA = Path(__file__).parent / "data" / "tokenizers"
 V2_DIR, V25_DIR, TINY_DIR = DATA / "deepseek-v2", DATA / "deepseek-v2.5", DATA / "ds2-tiny"
@@ -146,15 +147,15 @@ def test_decode_skips_nothing(v2):
 def test_rocket_streams_without_replacement_characters(v2):
     pieces, rest = stream(v2, v2.encode(ROCKET_TEXT))
     assert all("\ufffd" not in p for p in pieces)
-    assert pieces[10:12] == ["", " 🚀"]                     # held back until the emoji is whole
+    assert pieces[10:12] == [" ", "🚀"]           # the space at once, the emoji once it is whole
     assert "".join(pieces) + rest == BOS + ROCKET_TEXT
     assert rest == ""
 
 
 def test_flush_returns_incomplete_bytes_at_the_end(v2):
     pieces, rest = stream(v2, ROCKET_IDS[:10])
-    assert "".join(pieces) == "你好，世界！DeepSeek-V2"
-    assert rest == " \ufffd"
+    assert "".join(pieces) == "你好，世界！DeepSeek-V2 "
+    assert rest == "\ufffd"
 
 
 @pytest.mark.parametrize("name", ["v2", "tiny"])
@@ -168,24 +169,93 @@ def test_stream_concatenation_equals_decode(name, text, request):
     assert all("\ufffd" not in p for p in pieces)
 
 
-def test_stream_work_is_linear_in_tokens(tiny, monkeypatch):
-    # ds2-tiny splits CJK and emoji into single bytes: the hardest case for holding back.
+def test_stream_work_is_constant_per_token(tiny, monkeypatch):
+    # ds2-tiny splits CJK and emoji into single bytes: the hardest case for holding back. The
+    # byte-level path never re-decodes a window: one incremental UTF-8 step per token.
     ids = tiny.encode("你好 🚀 café\n" * 200)
-    decoded = []
-    real_decode = tiny.decode
-    monkeypatch.setattr(tiny, "decode", lambda window: decoded.append(len(window)) or real_decode(window))
+    expected = tiny.decode(ids)
+    monkeypatch.setattr(tiny, "decode", lambda window: pytest.fail("the byte-level stream re-decoded"))
     pieces, rest = stream(tiny, ids)
-    assert "".join(pieces) + rest == real_decode(ids)
-    assert max(decoded) <= 2 * 4                              # windows stay a few tokens long
-    assert sum(decoded) < 8 * len(ids)
+    assert "".join(pieces) + rest == expected
 
 
-def test_stream_gives_up_holding_bytes_that_never_complete(v2):
+def test_stream_does_not_hold_bytes_that_never_complete(v2):
     # Byte-level BPE spells byte 0xF0 (the lead byte of a 4-byte character) as "ð".
-    lead_byte = tokenizers.Tokenizer.from_file(str(V2_DIR / "tokenizer.json")).token_to_id("ð")
-    pieces, rest = stream(v2, [lead_byte] * (3 * MAX_PENDING_TOKENS))
-    assert pieces.count("") < len(pieces)                     # it did not wait for the end
-    assert "".join(pieces) + rest == "\ufffd" * (3 * MAX_PENDING_TOKENS)
+    lead_byte = v2_byte_tokens()[0xF0]
+    pieces, rest = stream(v2, [lead_byte] * 24)
+    assert pieces[0] == "" and pieces[1:] == ["\ufffd"] * 23  # each is invalid once the next comes
+    assert rest == "\ufffd"
+
+
+def v2_byte_tokens() -> dict[int, int]:
+    """byte -> id of DeepSeek-V2's single-byte tokens (all but the 13 bytes UTF-8 never uses)."""
+    backend = tokenizers.Tokenizer.from_file(str(V2_DIR / "tokenizer.json"))
+    ids = {b: backend.token_to_id(c) for c, b in byte_level_alphabet().items()}
+    return {b: i for b, i in ids.items() if i is not None}
+
+
+V2_HIGH_BYTES = sorted(b for b in v2_byte_tokens() if b >= 0x80)
+
+
+def assert_streams_like_decode(tokenizer, ids):
+    """After every id, the streamed text equals decode() of the ids so far whenever that decode
+    does not end in an unfinished character, and is always a prefix of the final decode."""
+    decoder, streamed = tokenizer.stream_decoder(), ""
+    final = tokenizer.decode(ids)
+    for k, token in enumerate(ids, 1):
+        streamed += decoder.push(token)
+        assert final.startswith(streamed)
+        so_far = tokenizer.decode(ids[:k])
+        if not so_far.endswith("\ufffd"):
+            assert streamed == so_far
+    assert streamed + decoder.flush() == final
+
+
+def test_eight_incomplete_byte_tokens_then_a_real_character(v2):
+    """A run of lead bytes that never complete, then a whole emoji: the emoji must come out."""
+    byte = v2_byte_tokens_cached()
+    for n in range(1, 13):
+        ids = [byte[0xF0]] * n + [byte[b] for b in "🚀".encode()] + [byte[0xE4]] * 3 + [byte[b] for b in "你".encode()]
+        assert v2.decode(ids) == "\ufffd" * n + "🚀" + "\ufffd" * 3 + "你"
+        assert_streams_like_decode(v2, ids)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.one_of(st.sampled_from(V2_HIGH_BYTES).map(lambda b: ("byte", b)),  # incomplete
+                          st.sampled_from(V2_HIGH_BYTES).map(lambda b: ("byte", b)),
+                          st.integers(0, 0x7F).map(lambda b: ("byte", b)),
+                          st.sampled_from(TEXT_PIECES).map(lambda t: ("text", t)),
+                          st.integers(0, 100_001).map(lambda i: ("id", i))),
+                min_size=1, max_size=40))
+def test_random_byte_token_sequences_stream_like_decode(v2, parts):
+    byte = v2_byte_tokens_cached()
+    ids = []
+    for kind, value in parts:
+        if kind == "byte":
+            ids.append(byte[value])
+        elif kind == "text":
+            ids += v2.encode(value, add_special_tokens=False)
+        else:
+            ids.append(value)
+    assert_streams_like_decode(v2, ids)
+
+
+def test_two_thousand_random_byte_sequences_stream_like_decode(v2):
+    """The issue's measurement: 2000 random sequences of mostly non-ASCII single-byte tokens."""
+    byte, rng = v2_byte_tokens_cached(), np.random.default_rng(0)
+    for _ in range(2000):
+        values = rng.choice(V2_HIGH_BYTES, size=rng.integers(1, 16))
+        values[rng.random(len(values)) < 0.1] = 0x41
+        assert_streams_like_decode(v2, [byte[int(b)] for b in values])
+
+
+_BYTE_TOKENS: dict[int, int] = {}
+
+
+def v2_byte_tokens_cached() -> dict[int, int]:
+    if not _BYTE_TOKENS:
+        _BYTE_TOKENS.update(v2_byte_tokens())
+    return _BYTE_TOKENS
 
 
 # ---- chat templates ----
@@ -288,3 +358,19 @@ def test_vocab_size_check():
                     vocab_size=100001)
     raises_one_line("4096 token ids but the model's vocab_size is 4095", Tokenizer.load, TINY_DIR,
                     vocab_size=4095)
+
+
+@pytest.mark.parametrize("messages", ["hello", b"hello", {"role": "user", "content": "hi"}, ["hello"],
+                                      [{"content": "hi"}], None])
+def test_encode_chat_refuses_what_is_not_a_list_of_messages(v2, messages):
+    raises_one_line("chat message", v2.encode_chat, messages)
+    raises_one_line("chat message", v2.render_chat, messages)
+
+
+def test_set_chat_template_replaces_the_checkpoint_template(tmp_path):
+    tok = Tokenizer.load(TINY_DIR)
+    before = tok.render_chat([{"role": "user", "content": "hi"}])
+    tok.set_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi" != before
+    raises_one_line("chat template line 1", tok.set_chat_template, "{% for %}")
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi"   # the old one stays
