@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds2cli.errors import ContextFullError
+from ds2cli.errors import ContextFullError, Ds2Error
 
 
 class LatentCache:
@@ -45,7 +45,7 @@ class LatentCache:
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on (the next forward overwrites them)."""
         if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+            raise Ds2Error(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
 
     def reset(self) -> None:

@@ -12,7 +12,7 @@ from ds2cli import checkpoint, memory, qcheckpoint, rope
 from ds2cli.attention import mla, rms_norm
 from ds2cli.cache import LatentCache
 from ds2cli.config import DeepseekV2Config, read_json_object
-from ds2cli.errors import ConfigError, Ds2Error
+from ds2cli.errors import ConfigError, ContextFullError, Ds2Error
 from ds2cli.hub import resolve_model_dir
 from ds2cli.linear import as_weight
 from ds2cli.moe import moe, swiglu
@@ -187,6 +187,10 @@ class Model:
     def new_cache(self, capacity: int | None = None) -> LatentCache:
         cfg = self.config
         capacity = cfg.max_position_embeddings if capacity is None else capacity
+        if capacity > cfg.max_position_embeddings:
+            raise ContextFullError(f"a cache of {capacity} tokens is larger than the model's "
+                                   f"max_position_embeddings ({cfg.max_position_embeddings}); "
+                                   f"refusing positions the model was never trained on")
         return LatentCache(cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def forward(self, token_ids, cache: LatentCache, all_logits: bool = False, trace: list | None = None) -> np.ndarray:
@@ -194,9 +198,12 @@ class Model:
         (V,), or for every new position (T, V) with all_logits. With `trace`, each MoE layer
         appends the expert ids its gate chose (T, k): what the forward pass read."""
         cfg = self.config
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        ids = np.asarray(token_ids).reshape(-1)
         if len(ids) == 0:
             raise Ds2Error("forward needs at least one token")
+        if ids.dtype.kind not in "iu":                       # 5.0 or "5" is a caller's bug, not token 5
+            raise Ds2Error(f"token ids must be integers, got {ids.dtype} values")
+        ids = ids.astype(np.int64)
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise Ds2Error(f"token id out of range [0, {cfg.vocab_size}): {int(ids.max() if ids.max() >= cfg.vocab_size else ids.min())}")
         cache.check_room(len(ids))

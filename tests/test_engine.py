@@ -160,6 +160,26 @@ def test_forward_rejects_bad_token_ids():
         model.forward([5000], model.new_cache(4))
     with pytest.raises(Ds2Error, match="at least one token"):
         model.forward([], model.new_cache(4))
+    for ids in ([5.0], np.array([5.0, 6.0]), ["5"], [True]):
+        cache = model.new_cache(4)
+        with pytest.raises(Ds2Error, match="token ids must be integers"):
+            model.forward(ids, cache)
+        assert cache.length == 0
+    assert model.forward(np.array([5], dtype=np.uint16), model.new_cache(4)).shape == (model.config.vocab_size,)
+
+
+def test_new_cache_beyond_max_position_embeddings_and_bad_truncate_are_ds2_errors():
+    model = ds2cli.load()
+    limit = model.config.max_position_embeddings
+    assert model.new_cache(limit).capacity == limit
+    with pytest.raises(ContextFullError, match=f"max_position_embeddings \\({limit}\\)"):
+        model.new_cache(limit + 1)
+    cache = model.new_cache(8)
+    model.forward([0, 74, 75], cache)
+    for bad in (4, -1):
+        with pytest.raises(Ds2Error, match=f"cannot truncate a cache of length 3 to {bad}"):
+            cache.truncate(bad)
+    assert cache.length == 3
 
 
 def test_softmax_scale_of_bundled_model():
