@@ -17,7 +17,7 @@ from ds2cli import __version__, console, memory
 from ds2cli.chat import ChatSession, read_messages
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
-from ds2cli.describe import describe, render
+from ds2cli.describe import describe, plural, render
 from ds2cli.model import Model, bundled_model_dir, check_model_dir, load
 from ds2cli.sampling import SamplingParams, make_sampler
 
@@ -350,8 +350,8 @@ def inspect(directory, model_dir, as_json, check):
     for warning in report.get("warnings", []):
         console.warn(warning)
     if report["problems"]:
-        n = len(report["problems"])
-        raise Ds2Error(f"the checkpoint has {n} problem{'s' * (n > 1)} (listed above); first: {report['problems'][0]}")
+        problems = report["problems"]
+        raise Ds2Error(f"the checkpoint has {plural(len(problems), 'problem')} (listed above); first: {problems[0]}")
 
 
 @main.command()

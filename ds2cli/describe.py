@@ -2,6 +2,8 @@
 
 `describe` reads config.json, the safetensors headers, tokenizer_config.json, tokenizer.json and
 generation_config.json, never tensor data (unless `check`), so it is instant on a 30 GB checkpoint.
+It loads the tokenizer exactly as `generate` would and renders the chat template once, so a
+checkpoint that `generate` refuses for its tokenizer does not pass inspect.
 Parameter counts come from the stored headers, not from the config, so they describe what is
 actually on disk; disagreements with the config are listed in `problems`, not raised.
 
@@ -32,6 +34,7 @@ from ds2cli.checkpoint import TensorInfo
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import Ds2Error
 from ds2cli.model import check_model_dir, read_generation_config
+from ds2cli.tokenizer import Tokenizer
 
 FLOAT32_BYTES = 4  # ds2 computes, and keeps its caches, in float32
 PARAM_CATEGORIES = ("embeddings", "attention", "dense_mlp", "routed_experts", "shared_experts",
@@ -43,8 +46,8 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
 
     Raises ConfigError for a missing or invalid config.json and CheckpointError for unreadable
     safetensors headers; every other defect (tensors that disagree with the config, a broken
-    tokenizer or generation config) is a string in `problems`. With `check`, every tensor's
-    values are scanned, one tensor at a time, and NaN/Inf counts become `warnings`."""
+    tokenizer or generation config, NaN/Inf weights found by `check`) is a string in `problems`.
+    With `check`, every tensor's values are scanned, one tensor at a time."""
     model_dir = check_model_dir(model_dir)
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
     stored = checkpoint.read_headers(model_dir)
@@ -56,6 +59,7 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         found = checkpoint.problems(cfg, stored)
     generation, gen_problems = _generation_config(model_dir)
     tok, tok_problems = tokenizer_section(model_dir, cfg, generation)
+    tok["generation_config"] = (model_dir / "generation_config.json").is_file()
     # a low-bit checkpoint stores prepared tensors: count the parameters its config describes
     params = params_section(cfg, expected_tensors(cfg) if qc is not None else tensors)
     storage = storage_section(model_dir, stored)
@@ -85,8 +89,8 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         "quantization": None if qc is None else {**qc.to_json(), "file_bytes": storage["total_bytes"]},
         "tokenizer": tok,
         "checked": check,
-        "warnings": nonfinite_warnings(stored) if check else [],
-        "problems": found + gen_problems + tok_problems,
+        "warnings": [],
+        "problems": found + gen_problems + tok_problems + (nonfinite_problems(stored) if check else []),
     }
 
 
@@ -354,10 +358,16 @@ def vocabulary(tokenizer_json: dict) -> dict[str, int]:
 
 def tokenizer_section(model_dir: Path, cfg: DeepseekV2Config,
                       generation: dict) -> tuple[dict, list[str]]:
-    """bos/eos, vocabulary size and chat template, and the problems of files that exist but
-    cannot be read. Absent files are reported as absent: they are not problems."""
+    """bos/eos, vocabulary size and chat template, and every reason `generate` would refuse the
+    tokenizer: tokenizer.json missing or invalid, ids beyond vocab_size, bos/eos not in the
+    vocabulary, a chat template that does not compile or render. An absent
+    tokenizer_config.json is not a problem (every field has a default)."""
     tok_json, p1 = _read_json(model_dir / "tokenizer.json")
     tok_cfg, p2 = _read_json(model_dir / "tokenizer_config.json")
+    if not (model_dir / "tokenizer.json").is_file():
+        p1 = [f"{model_dir / 'tokenizer.json'} not found: generate and chat need a Hugging Face tokenizer.json"]
+    elif not (p1 or p2):
+        p1 = tokenizer_problems(model_dir, cfg)
     vocab = vocabulary(tok_json) if tok_json else {}
     tc = tok_cfg or {}
     bos, eos = token_content(tc.get("bos_token")), token_content(tc.get("eos_token"))
@@ -374,22 +384,36 @@ def tokenizer_section(model_dir: Path, cfg: DeepseekV2Config,
     return section, p1 + p2
 
 
+SAMPLE_CHAT = [{"role": "user", "content": "Hello"}]
+
+
+def tokenizer_problems(model_dir: Path, cfg: DeepseekV2Config) -> list[str]:
+    """Load the tokenizer as `generate` does, then render a one-message chat as `--chat` does."""
+    try:
+        tokenizer = Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
+        tokenizer.render_chat(SAMPLE_CHAT, add_generation_prompt=True)
+    except Ds2Error as e:
+        return [str(e)]
+    return []
+
+
 # ---- --check: scan values ----
 
-def nonfinite_warnings(tensors: dict[str, TensorInfo]) -> list[str]:
-    """One warning per floating-point tensor holding NaN or Inf, read one tensor at a time.
-    fp8 weights are scanned as stored (their scales are scanned as tensors of their own), so a
-    missing or mis-shaped scale stays a problem in the report, not a failure of the scan."""
+def nonfinite_problems(tensors: dict[str, TensorInfo]) -> list[str]:
+    """One problem per floating-point tensor holding NaN or Inf (generate would stop on the
+    non-finite logits they cause), read one tensor at a time. fp8 weights are scanned as stored
+    (their scales are scanned as tensors of their own), so a missing or mis-shaped scale stays a
+    problem of its own in the report, not a failure of the scan."""
     names = [n for n, t in tensors.items()
              if t.dtype.startswith(("F", "BF")) and t.dtype not in checkpoint.FP8_DTYPES]
     fp8 = ((n, checkpoint.read_fp8(t).astype(np.float32)) for n, t in tensors.items()
            if t.dtype in checkpoint.FP8_DTYPES)
-    warnings = []
+    problems = []
     for name, a in itertools.chain(checkpoint.iter_float32(tensors, names), fp8):
         nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
         if nan or inf:
-            warnings.append(f"tensor {name} has {nan} NaN and {inf} Inf values")
-    return warnings
+            problems.append(f"tensor {name} has {nan} NaN and {inf} Inf values")
+    return problems
 
 
 # ---- rendering: formatting only ----
@@ -417,6 +441,11 @@ def _scaled(n: int | float, units: tuple[str, ...], sep: str) -> str:
     return f"{value:.3g}{sep}{unit}"
 
 
+def plural(n: int, noun: str) -> str:
+    """plural(1, "file") -> "1 file"; plural(0, "file") -> "0 files"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _show(value) -> str:
     if value is None:
         return "-"
@@ -432,7 +461,7 @@ def _show(value) -> str:
 def _kv_table(title: str, rows: list[tuple[str, object]]) -> Table:
     table = Table(title=title, title_justify="left", show_header=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")           # a long value wraps; it is never cut
     for key, value in rows:
         table.add_row(key, value if isinstance(value, str) else _show(value))
     return table
@@ -440,7 +469,7 @@ def _kv_table(title: str, rows: list[tuple[str, object]]) -> Table:
 
 def _model_table(r: dict) -> Table:
     m = r["model"]
-    rows = [("type", m["type"]), ("family", m["family"]), ("path", r["path"]), ("layers", m["layers"]),
+    rows = [("type", m["type"]), ("family", m["family"]), ("layers", m["layers"]),
             ("hidden size", m["hidden_size"]), ("attention heads", m["heads"]),
             ("vocabulary", m["vocab_size"]), ("context length", m["context_length"]),
             ("rope theta", m["rope_theta"]), ("tied embeddings", m["tie_word_embeddings"])]
@@ -475,6 +504,7 @@ def _v3_table(r: dict) -> Table | None:
 
 
 def _params_table(r: dict) -> Table:
+    """The stored categories, which add up to the total; then, apart, what one token uses."""
     p = r["params"]
     table = Table(title="Parameters", title_justify="left")
     table.add_column("category", style="bold")
@@ -486,11 +516,14 @@ def _params_table(r: dict) -> Table:
             if key == "lm_head" and p["tie_word_embeddings"]:
                 label += " (tied: the embedding matrix)"
             table.add_row(label, human_count(p[key]), f"{p[key]:,}")
-    table.add_row("routed experts active", human_count(p["routed_experts_active"]),
-                  f"{p['routed_experts_active']:,}")
+    table.add_section()
     table.add_row("total", human_count(p["total"]), f"{p['total']:,}", style="bold")
+    table.add_section()
     table.add_row("active per token", human_count(p["active_per_token"]),
                   f"{p['active_per_token']:,}", style="bold")
+    if p["routed_experts"]:
+        table.add_row("  of which routed experts", human_count(p["routed_experts_active"]),
+                      f"{p['routed_experts_active']:,}")
     return table
 
 
@@ -506,8 +539,7 @@ def _storage_table(r: dict, max_files: int = 8) -> Table:
         table.add_row(f"... and {len(s['files']) - max_files} more files", "", "")
     for dtype, d in s["dtypes"].items():
         table.add_row(dtype, human_count(d["params"]), human_bytes(d["bytes"]))
-    n = len(s["files"])
-    table.add_row(f"total ({n} file{'s' * (n > 1)}, {s['n_tensors']} tensors)", "",
+    table.add_row(f"total ({plural(len(s['files']), 'file')}, {plural(s['n_tensors'], 'tensor')})", "",
                   human_bytes(s["total_bytes"]), style="bold")
     return table
 
@@ -542,7 +574,8 @@ def _tokenizer_table(r: dict) -> Table:
         ("eos", f"{t['eos_token']} ({_show(t['eos_token_id'])})" if t["eos_token"] else "-"),
         ("add bos token", t["add_bos_token"]),
         ("chat template", t["chat_template"]),
-        ("eos ids (generation_config)", t["generation_eos_token_ids"]),
+        ("generation_config.json", "present" if t.get("generation_config") else "absent"),
+        ("eos ids (generation_config)", t["generation_eos_token_ids"] if t.get("generation_config") else "-"),
         ("eos ids (config)", t["config_eos_token_ids"])])
 
 
@@ -558,11 +591,12 @@ def render(report: dict, console: Console) -> None:
             ("bits", q["bits"]), ("group size", q["group_size"]), ("scales", q["scale_dtype"]),
             *((role.replace("_", " "), fmt) for role, fmt in q["formats"].items()),
             ("bytes on disk", human_bytes(q["file_bytes"]))]))
+    # the path on a line of its own, never cut to fit a table's column
+    console.print(f"checkpoint {report['path']}", soft_wrap=True, markup=False, highlight=False)
     for table in tables:
         if table is not None:
             console.print(table)
     if report["problems"]:
-        n = len(report["problems"])
-        console.print(f"{n} problem{'s' * (n > 1)}:", style="bold red", highlight=False)
+        console.print(f"{plural(len(report['problems']), 'problem')}:", style="bold red", highlight=False)
     for problem in report["problems"]:
         console.print(f"  {problem}", style="red", markup=False, highlight=False)

@@ -494,18 +494,18 @@ def test_chat_stops_on_nonfinite_logits(checkpoint_copy):
 
 
 @pytest.mark.parametrize("value, count", [(np.nan, "128 NaN"), (-np.inf, "128 Inf")])
-def test_inspect_check_warns_about_nonfinite_weights(checkpoint_copy, value, count):
-    pytest.importorskip("ds2cli.describe")
+def test_inspect_check_lists_nonfinite_weights_as_problems(checkpoint_copy, value, count):
     model_dir = checkpoint_copy(SINGLE)
     edit_tensors(model_dir / "model.safetensors", fill(value))
     result = cli("inspect", "--check", "--json", model_dir)
-    assert result.exit_code == 0, result.stderr
+    assert result.exit_code == 1
     report = json.loads(result.stdout)
-    assert report["checked"] and len(report["warnings"]) == 1
+    assert report["checked"] and report["warnings"] == [] and len(report["problems"]) == 1
+    assert NORM in report["problems"][0] and count in report["problems"][0]
     lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("warning: ") and NORM in lines[0] and count in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: the checkpoint has 1 problem ") and count in lines[0]
     clean = cli("inspect", "--check", "--json", checkpoint_copy(TINY))
-    assert clean.exit_code == 0 and clean.stderr == "" and json.loads(clean.stdout)["warnings"] == []
+    assert clean.exit_code == 0 and clean.stderr == "" and json.loads(clean.stdout)["problems"] == []
 
 
 # ---- the tokenizer ----

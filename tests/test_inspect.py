@@ -228,7 +228,7 @@ def test_missing_and_misshaped_tensors_are_problems(tmp_path):
     assert r["total_params"] == sum(numel(e) for e in raw_headers(model_dir).values())
 
 
-def test_check_warns_on_nan_and_inf(tmp_path):
+def test_check_lists_nan_and_inf_as_problems(tmp_path):
     model_dir = copy_checkpoint(REFERENCE / "plain_rope_tied_fp16", tmp_path)
     bad = "model.layers.2.mlp.experts.5.down_proj.weight"
 
@@ -237,10 +237,10 @@ def test_check_warns_on_nan_and_inf(tmp_path):
         t[bad].flat[7] = np.nan
         t[bad].flat[9] = np.inf
     rewrite_single_file(model_dir, edit)
-    assert describe(model_dir)["warnings"] == []
+    assert describe(model_dir)["problems"] == []
     r = describe(model_dir, check=True)
-    assert r["warnings"] == [f"tensor {bad} has 1 NaN and 1 Inf values"]
-    assert r["problems"] == [] and r["checked"] is True
+    assert r["problems"] == [f"tensor {bad} has 1 NaN and 1 Inf values"]
+    assert r["warnings"] == [] and r["checked"] is True
 
 
 def test_check_on_clean_model_warns_nothing():
@@ -256,7 +256,7 @@ def test_describe_reads_no_tensor_data(monkeypatch):
     assert describe(TINY)["total_params"] > 0
 
 
-def test_missing_tokenizer_is_reported_absent(tmp_path):
+def test_missing_tokenizer_is_reported_absent_and_is_a_problem(tmp_path):
     model_dir = copy_checkpoint(REFERENCE / "plain_rope_tied_fp16", tmp_path)
     (model_dir / "tokenizer.json").unlink()
     (model_dir / "tokenizer_config.json").unlink()
@@ -265,8 +265,57 @@ def test_missing_tokenizer_is_reported_absent(tmp_path):
     t = r["tokenizer"]
     assert not t["tokenizer_json"] and not t["tokenizer_config"]
     assert t["vocab_size"] is None and t["bos_token_id"] is None
-    assert t["generation_eos_token_ids"] == [] and r["problems"] == []
-    render(r, Console(file=io.StringIO(), width=120))
+    assert t["generation_eos_token_ids"] == [] and t["generation_config"] is False
+    assert r["problems"] == [f"{model_dir / 'tokenizer.json'} not found: generate and chat need "
+                             f"a Hugging Face tokenizer.json"]
+    out = io.StringIO()
+    render(r, Console(file=out, width=120))
+    assert "absent (no tokenizer.json, tokenizer_config.json)" in out.getvalue()
+
+
+def test_absent_generation_config_reads_as_absent(tmp_path):
+    model_dir = copy_checkpoint(TINY, tmp_path)
+    (model_dir / "generation_config.json").unlink()
+    r = describe(model_dir)
+    assert r["tokenizer"]["generation_config"] is False and r["problems"] == []
+    out = io.StringIO()
+    render(r, Console(file=out, width=100))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in out.getvalue().splitlines() if line.count("│") == 3}
+    assert rows["generation_config.json"] == "absent"
+    assert rows["eos ids (generation_config)"] == "-"
+
+
+def edit_json(path: Path, edit) -> None:
+    d = json.loads(path.read_text(encoding="utf-8"))
+    edit(d)
+    path.write_text(json.dumps(d, ensure_ascii=False), encoding="utf-8")
+
+
+EXTRA_TOKEN = {"id": 4096, "content": "<extra>", "single_word": False, "lstrip": False,
+               "rstrip": False, "normalized": False, "special": True}
+
+
+@pytest.mark.parametrize("breaks, message", [
+    (lambda d: (d / "tokenizer.json").write_text("{}"), "is not a valid tokenizer.json"),
+    (lambda d: edit_json(d / "tokenizer.json", lambda t: t["added_tokens"].append(EXTRA_TOKEN)),
+     "the tokenizer has 4097 token ids but the model's vocab_size is 4096"),
+    (lambda d: edit_json(d / "tokenizer_config.json", lambda c: c.update(bos_token="<nope>")),
+     "bos_token '<nope>' is not in tokenizer.json"),
+    (lambda d: edit_json(d / "tokenizer_config.json", lambda c: c.update(eos_token="<nope>")),
+     "eos_token '<nope>' is not in tokenizer.json"),
+    (lambda d: edit_json(d / "tokenizer_config.json",
+                         lambda c: c.update(chat_template="{{ messages[0].content.missing.deeper }}")),
+     "chat template line 1"),
+    (lambda d: edit_json(d / "tokenizer_config.json", lambda c: c.update(chat_template="{% for %}")),
+     "chat template line 1"),
+], ids=["tokenizer_json_invalid", "ids_beyond_vocab", "bos_not_in_vocab", "eos_not_in_vocab",
+        "template_does_not_render", "template_syntax"])
+def test_tokenizer_that_generate_refuses_is_a_problem(tmp_path, breaks, message):
+    model_dir = copy_checkpoint(TINY, tmp_path)
+    breaks(model_dir)
+    problems = describe(model_dir)["problems"]
+    assert len(problems) == 1 and message in problems[0], problems
 
 
 def test_added_token_objects_and_broken_tokenizer(tmp_path):
@@ -282,6 +331,51 @@ def test_added_token_objects_and_broken_tokenizer(tmp_path):
     r = describe(model_dir)
     assert r["tokenizer"]["vocab_size"] is None
     assert len(r["problems"]) == 1 and "tokenizer.json" in r["problems"][0]
+
+
+def cell_widths(text: str) -> list[int]:
+    from rich.cells import cell_len
+    return [cell_len(line) for line in text.splitlines()]
+
+
+def test_tables_fit_80_columns_and_the_path_is_never_cut(tmp_path):
+    deep = tmp_path / ("checkpoints-" + "x" * 60) / "deepseek-ai" / "DeepSeek-V2-Lite-Chat"
+    shutil.copytree(TINY, deep)
+    r = describe(deep)
+    out = io.StringIO()
+    render(r, Console(file=out, width=80))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"checkpoint {deep}"                   # whole, on its own line
+    assert "…" not in out.getvalue()
+    assert max(cell_widths("\n".join(lines[1:]))) <= 80
+
+
+def test_parameter_table_categories_add_up_to_the_total(reports):
+    r = reports["ds2-tiny"]
+    out = io.StringIO()
+    render(r, Console(file=out, width=80))
+    text = out.getvalue()
+    table = text[text.index("Parameters"):text.index("Storage")]
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if line.count("│") == 4]
+    counts = {label: int(count.replace(",", "")) for label, _, count in rows}
+    labels = list(counts)
+    categories = labels[:labels.index("total")]
+    assert sum(counts[c] for c in categories) == counts["total"] == r["total_params"]
+    assert labels[labels.index("total") + 1:] == ["active per token", "of which routed experts"]
+    assert counts["active per token"] == r["active_params_per_token"]
+
+
+def test_plurals(tmp_path):
+    model_dir = copy_checkpoint(REFERENCE / "plain_rope_tied_fp16", tmp_path)
+    r = describe(model_dir)
+    r = {**r, "storage": {**r["storage"], "n_tensors": 1}, "problems": ["missing tensor x"]}
+    out = io.StringIO()
+    render(r, Console(file=out, width=100))
+    assert "total (1 file, 1 tensor)" in out.getvalue() and "1 problem:" in out.getvalue()
+    r = {**r, "storage": {**r["storage"], "files": []}, "problems": ["a", "b"]}
+    out = io.StringIO()
+    render(r, Console(file=out, width=100))
+    assert "total (0 files, 1 tensor)" in out.getvalue() and "2 problems:" in out.getvalue()
 
 
 def test_unusable_input_raises(tmp_path):
