@@ -3,30 +3,49 @@ No math here. stdout carries only generated text (or JSON); everything else goes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import click
 import numpy as np
+from click.core import ParameterSource
 from rich.console import Console
 
 from ds2cli import __version__, console, memory
 from ds2cli.chat import ChatSession, read_messages
+from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.describe import describe, plural, render
 from ds2cli.model import Model, bundled_model_dir, check_model_dir, load
+from ds2cli.repl import PROMPT, LineEditor, MessageReader, history_path
 from ds2cli.sampling import SamplingParams, make_sampler
 
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_CHAT_CTX = 4096  # chat keeps one cache for the whole conversation; cap its default size
+PIPE_CLOSED_EXIT = 0     # every command, when the reader of stdout goes away (`| head`)
 
 
 class Ds2Group(click.Group):
     """Turns every ds2 error into one red line on stderr and exit code 1."""
+
+    def main(self, *args, **kwargs):
+        console.utf8_streams()
+        return super().main(*args, **kwargs)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Each command's first sentence in full (click would cut it at the terminal's width)."""
+        commands = [(name, self.get_command(ctx, name)) for name in self.list_commands(ctx)]
+        rows = [(name, cmd.get_short_help_str(limit=1000)) for name, cmd in commands
+                if cmd is not None and not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -40,6 +59,9 @@ class Ds2Group(click.Group):
         except KeyboardInterrupt:  # Ctrl-C outside a generation loop (e.g. while loading)
             console.info("")
             ctx.exit(130)
+        except BrokenPipeError:    # `ds2 ... | head`: the reader left, which is not an error
+            quiet_broken_pipe()
+            ctx.exit(PIPE_CLOSED_EXIT)
         except MemoryError as e:  # numpy says how much it could not allocate, e.g. for a huge --ctx
             console.error(f"out of memory: {e}")
             ctx.exit(1)
@@ -55,26 +77,91 @@ def main():
 
 def model_option(f):
     return click.option("-m", "--model", "model_dir", envvar="DS2_MODEL", type=click.Path(path_type=Path),
-                        help="Checkpoint directory (Hugging Face layout) or Hugging Face id (org/name[@rev]). "
-                        "Default: the bundled ds2-tiny.")(f)
+                        help="Checkpoint directory (Hugging Face layout) or Hugging Face id (org/name[@rev]); "
+                             "the environment variable DS2_MODEL sets it too. Default: the bundled ds2-tiny.")(f)
 
 
-def sampling_options(f):
+def chat_template_option(extra: str = ""):
+    return click.option("--chat-template", "chat_template", type=click.Path(path_type=Path, dir_okay=False),
+                        help=f"A Jinja chat template file to use instead of the checkpoint's{extra}.")
+
+
+def threads_option(f):
+    return click.option("--threads", type=click.IntRange(min=1),
+                        help="BLAS threads for the matrix products. Default: what the BLAS library "
+                             "picks (usually one per core).")(f)
+
+
+def sampling_options(ctx_help: str):
+    """The options generate and chat share. Values are range-checked by click, before any load."""
+    gen = "Default: generation_config.json's, else"
     options = [
-        click.option("--temperature", type=float, help="0 = greedy. Default: generation_config.json, else 0.7."),
-        click.option("--top-k", type=int, help="Keep the k most likely tokens (0 = off)."),
-        click.option("--top-p", type=float, help="Nucleus sampling threshold (1 = off)."),
-        click.option("--min-p", type=float, help="Drop tokens below min-p x the top probability."),
-        click.option("--repetition-penalty", type=float, help="Penalise tokens already seen (1 = off)."),
-        click.option("--seed", type=int, help="Random seed: the same seed gives the same output."),
-        click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), help="Most tokens to generate."),
-        click.option("--stop", multiple=True, help="Stop at this string (repeatable; not printed)."),
-        click.option("--ctx", type=click.IntRange(min=1), help="Cache capacity in tokens."),
+        click.option("--temperature", "--temp", type=click.FloatRange(min=0),
+                     help=f"Sampling temperature; 0 = greedy. {gen} 0.7."),
+        click.option("--top-k", type=click.IntRange(min=0), help=f"Keep the k most likely tokens. {gen} 0 (off)."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
+                     help=f"Nucleus sampling: keep the most likely tokens up to this total probability. {gen} 1 (off)."),
+        click.option("--min-p", type=click.FloatRange(0, 1),
+                     help="Drop tokens below min-p x the top probability. Default: 0 (off)."),
+        click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True),
+                     help=f"Penalise tokens already seen. {gen} 1 (off)."),
+        click.option("--seed", type=int, help="Random seed: the same seed gives the same output. Default: random."),
+        click.option("-n", "--max-new-tokens", type=click.IntRange(min=1),
+                     help=f"Most tokens to generate. Default: generation_config.json's max_new_tokens, "
+                          f"else {DEFAULT_MAX_NEW_TOKENS}."),
+        click.option("--stop", multiple=True,
+                     help="Stop at this string (repeatable; not printed). Understands the escapes "
+                          "\\n \\t \\r \\\\ \\\" \\' and \\xNN, as llama-cli does."),
+        click.option("--ctx", type=click.IntRange(min=1), help=ctx_help),
         click.option("--stats", is_flag=True, help="Print timings and cache use on stderr."),
     ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return threads_option(f)
+    return decorate
+
+
+def model_from_env() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source("model_dir") == ParameterSource.ENVIRONMENT
+
+
+@contextlib.contextmanager
+def naming_ds2_model():
+    """An error about the model directory says so when its path came from DS2_MODEL."""
+    try:
+        yield
+    except Ds2Error as e:
+        if not model_from_env():
+            raise
+        raise type(e)(f"{e} (the model directory was set by DS2_MODEL)") from None
+
+
+def model_config(model_dir: Path | None) -> tuple[Path, DeepseekV2Config]:
+    """The model directory and its config.json, read before any weight (it costs nothing), so
+    that options can be checked against the model before a long load."""
+    with naming_ds2_model():
+        path = check_model_dir(model_dir or bundled_model_dir())
+        return path, DeepseekV2Config.from_file(path / "config.json")
+
+
+def check_ctx(config: DeepseekV2Config, ctx: int | None) -> None:
+    limit = config.max_position_embeddings
+    if ctx is not None and ctx > limit:
+        raise click.BadParameter(f"{ctx} is larger than the model's max_position_embeddings ({limit}); "
+                                 f"refusing rather than running positions the model was never trained on",
+                                 param_hint="'--ctx'")
+
+
+def blas_threads(n: int | None):
+    """Limit the BLAS pool for the command's lifetime (threadpoolctl works after numpy's import,
+    where OMP_NUM_THREADS / OPENBLAS_NUM_THREADS would be read too late)."""
+    if n is None:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(limits=n, user_api="blas")
 
 
 def memory_options(f):
@@ -91,18 +178,64 @@ def memory_options(f):
 
 
 def load_model(model_dir: Path | None, quantize: str | None = None, context: int | None = None,
-               memory_check: bool = True) -> tuple[Model, float]:
+               memory_check: bool = True, chat_template: Path | None = None) -> tuple[Model, float]:
     """Load with a progress bar; `quantize` as --quantize gives it ("8", "4", "auto" or None)."""
     t0 = time.perf_counter()
     progress = console.LoadProgress()
     bits = quantize if quantize in (None, "auto") else int(quantize)
     try:
-        model = load(model_dir, progress=progress, quantize=bits, context=context, memory_check=memory_check)
+        with naming_ds2_model():
+            model = load(model_dir, progress=progress, quantize=bits, context=context, memory_check=memory_check)
     finally:
         progress.close()
     if quantize == "auto":
         console.info(f"--quantize auto: loaded as {memory.label(model.quantization)}")
+    if chat_template is not None:
+        model.tokenizer.set_chat_template(read_text_file(chat_template, "chat template"))
     return model, time.perf_counter() - t0
+
+
+def read_text_file(path: Path, what: str) -> str:
+    try:
+        return strip_bom(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise Ds2Error(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise Ds2Error(f"{what} {path} is not valid UTF-8 (byte {e.start})") from None
+
+
+def strip_bom(text: str) -> str:
+    """A UTF-8 byte-order mark (Windows editors write one) is not part of the prompt."""
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+ENCODING_HINT = "pass --encoding to read it (e.g. --encoding latin-1), or use --prompt-file"
+
+
+def argument_text(value: str | None, what: str, encoding: str = "utf-8", hint: str = ENCODING_HINT) -> str | None:
+    """A command-line argument as text. Python hands over bytes that are not valid UTF-8 as lone
+    surrogates; they are re-read in `encoding` (--encoding), the way prompt files and stdin are."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        pass
+    try:
+        return os.fsencode(value).decode(encoding)
+    except (UnicodeError, LookupError) as e:
+        byte = f" (byte {e.start})" if isinstance(e, UnicodeDecodeError) else ""
+        raise Ds2Error(f"the {what} is not valid {encoding}{byte}; {hint}") from None
+
+
+ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|[nrt0\\\\\"'])")
+ESCAPED = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
+
+
+def unescape(text: str) -> str:
+    """`--stop '\\n\\n'` means two newlines: the escapes llama-cli understands."""
+    return ESCAPE.sub(lambda m: chr(int(m[1][1:], 16)) if m[1][0] == "x" else ESCAPED[m[1]], text)
 
 
 def sampler_for(model: Model, opts: dict):
@@ -120,36 +253,32 @@ def max_new_tokens_for(model: Model, requested: int | None) -> int:
     return configured if isinstance(configured, int) and configured > 0 else DEFAULT_MAX_NEW_TOKENS
 
 
-def check_ctx(model: Model, ctx: int | None) -> None:
-    limit = model.config.max_position_embeddings
-    if ctx is not None and ctx > limit:
-        raise Ds2Error(f"--ctx {ctx} is larger than the model's max_position_embeddings ({limit}); "
-                       f"refusing rather than running positions the model was never trained on")
-
-
 def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str) -> str:
+    """The prompt argument, or the file (`-` is stdin), or stdin; without a byte-order mark."""
     if prompt_file is not None and prompt not in (None, "-"):
         raise click.UsageError("give the prompt as an argument or with --prompt-file, not both")
-    if prompt_file is not None:
+    try:
+        "".encode(encoding)
+    except LookupError:
+        raise click.BadParameter(f"unknown encoding {encoding!r}", param_hint="--encoding") from None
+    if prompt_file is not None and str(prompt_file) != "-":
         try:
-            return prompt_file.read_bytes().decode(encoding)
+            return strip_bom(prompt_file.read_bytes().decode(encoding))
         except OSError as e:
             raise Ds2Error(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
         except UnicodeDecodeError as e:
             raise Ds2Error(f"prompt file {prompt_file} is not valid {encoding} (byte {e.start}); "
                            f"pass --encoding to read it") from None
-        except LookupError:
-            raise click.BadParameter(f"unknown encoding {encoding!r}", param_hint="--encoding") from None
-    if prompt in (None, "-"):
+    if prompt_file is not None or prompt in (None, "-"):
         stdin = sys.stdin.buffer
-        if prompt is None and stdin.isatty():
-            raise click.UsageError("no prompt: pass one as an argument, with --prompt-file, or on stdin")
+        if prompt is None and prompt_file is None and stdin.isatty():
+            raise click.UsageError("no prompt: pass one as an argument, with -p, --prompt-file, or on stdin")
         try:
-            return stdin.read().decode(encoding)
+            return strip_bom(stdin.read().decode(encoding))
         except UnicodeDecodeError as e:
             raise Ds2Error(f"the prompt on stdin is not valid {encoding} (byte {e.start}); "
                            f"pass --encoding to read it") from None
-    return prompt
+    return strip_bom(argument_text(prompt, "prompt argument", encoding))
 
 
 def write_out(text: str) -> None:
@@ -167,55 +296,109 @@ def quiet_broken_pipe() -> None:
         pass
 
 
+GENERATE_CTX_HELP = ("Cache capacity in tokens. Default: prompt + max-new-tokens, at most the model's "
+                     "max_position_embeddings; a larger value is refused.")
+
+
 @main.command()
 @click.argument("prompt", required=False)
+@click.option("-p", "--prompt", "prompt_option", metavar="TEXT", help="The prompt (instead of the PROMPT argument).")
 @model_option
-@click.option("--prompt-file", type=click.Path(path_type=Path, dir_okay=False), help="Read the prompt from a file.")
-@click.option("--encoding", default="utf-8", show_default=True, help="Encoding of the prompt file or stdin.")
+@click.option("--prompt-file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+              help="Read the prompt from a file (- for stdin).")
+@click.option("--encoding", default="utf-8", show_default=True,
+              help="Encoding of the prompt file or stdin (and of arguments that are not UTF-8).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as one user turn of the chat template.")
 @click.option("--system", help="A system message (implies --chat).")
-@sampling_options
+@chat_template_option(" (implies --chat)")
+@click.option("--from-bos", is_flag=True,
+              help="Accept an empty prompt: generate from the bos token alone (raw completion only).")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at eos tokens (only -n, --ctx or --stop end).")
+@click.option("--verbose-prompt", is_flag=True, help="Print the prompt as the model sees it, and its token ids, on stderr.")
+@sampling_options(GENERATE_CTX_HELP)
 @memory_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
-def generate(prompt, model_dir, prompt_file, encoding, chat, system, as_json, quantize, no_memory_check, **opts):
-    """Generate a completion of PROMPT (or of stdin when PROMPT is omitted or "-")."""
-    text = read_prompt(prompt, prompt_file, encoding)
-    model, load_s = load_model(model_dir, quantize, opts["ctx"], not no_memory_check)
+def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, system, chat_template, from_bos,
+             ignore_eos, verbose_prompt, as_json, quantize, no_memory_check, **opts):
+    """Generate a completion of PROMPT (or of stdin when PROMPT is omitted or "-").
+
+    An empty prompt is refused unless --from-bos asks to start from the bos token alone.
+    Ctrl-C stops generating (exit 130; with --json, the object says finish_reason "interrupted")."""
+    if prompt is not None and prompt_option is not None:
+        raise click.UsageError("give the prompt as an argument or with -p/--prompt, not both")
+    system = argument_text(system, "--system argument", encoding)
+    chat = chat or system is not None or chat_template is not None
+    if from_bos and chat:
+        raise click.UsageError("--from-bos is for raw completion: a chat prompt is never empty")
+    model_dir, config = model_config(model_dir)
+    check_ctx(config, opts["ctx"])
+    text = read_prompt(prompt if prompt_option is None else prompt_option, prompt_file, encoding)
+    if not text and not from_bos:
+        raise Ds2Error("the prompt is empty: give some text, or pass --from-bos to generate "
+                       "from the bos token alone")
+    with blas_threads(opts["threads"]):
+        model, load_s = load_model(model_dir, quantize, opts["ctx"], not no_memory_check, chat_template)
+        run_generate(model, load_s, text, chat, system, ignore_eos, verbose_prompt, as_json, opts)
+
+
+def run_generate(model: Model, load_s: float, text: str, chat: bool, system: str | None,
+                 ignore_eos: bool, verbose_prompt: bool, as_json: bool, opts: dict) -> None:
     tok = model.tokenizer
-    if chat or system:
+    if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         ids = tok.encode_chat(messages, add_generation_prompt=True)
     else:
         ids = tok.encode(text)
     if not ids:
         raise Ds2Error("the prompt is empty and the tokenizer adds no bos token: nothing to condition on")
-    check_ctx(model, opts["ctx"])
+    if verbose_prompt:
+        show_prompt(tok, ids)
     max_new = max_new_tokens_for(model, opts["max_new_tokens"])
     limit = opts["ctx"] or model.config.max_position_embeddings
     if len(ids) > limit:
         raise ContextFullError(f"the prompt is {len(ids)} tokens, more than the context of {limit} tokens")
     cache = model.new_cache(opts["ctx"] or min(len(ids) + max_new, limit))
-    chunks = stream_generate(model, ids, cache, sampler_for(model, opts), max_new, opts["stop"])
-    if chat or system:
+    room = cache.capacity - len(ids) + 1          # the last sampled token is never fed back
+    if max_new > room:
+        console.warn(f"the context of {cache.capacity} tokens leaves room for {room} of the {max_new} "
+                     f"new tokens asked for (-n): generation stops there")
+    sampled = []                                  # one entry per token sampled, for an interrupted --json
+
+    def sampler(logits, history, sample=sampler_for(model, opts)):
+        token = sample(logits, history)
+        sampled.append(token)
+        return token
+    stops = [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]]
+    chunks = stream_generate(model, ids, cache, sampler, max_new, stops, eos_ids=() if ignore_eos else None)
+    if chat:
         chunks = lstrip_reply(chunks)
+    pieces: list[str] = []
     try:
-        last = run_generation(chunks, as_json)
+        last = run_generation(chunks, as_json, pieces)
     except KeyboardInterrupt:
         chunks.close()
-        write_out("\n")
+        if as_json:
+            interrupted = Chunk("".join(pieces), None, "interrupted", len(ids), len(sampled))
+            write_out(json.dumps(generation_json(interrupted, load_s), ensure_ascii=False) + "\n")
+        else:
+            write_out("\n")
         sys.exit(130)
-    except BrokenPipeError:
-        quiet_broken_pipe()
-        sys.exit(0)
     if as_json:
         write_out(json.dumps(generation_json(last, load_s), ensure_ascii=False) + "\n")
     if opts["stats"]:
         console.info(console.stats_line(load_s, last, cache))
 
 
-def run_generation(chunks, as_json: bool) -> Chunk:
-    """Stream (or collect, for --json) the chunks; return the last one with the full text in it."""
-    pieces = []
+def show_prompt(tok, ids: list[int]) -> None:
+    """--verbose-prompt: the text the model is conditioned on (special tokens included), then its ids."""
+    console.info(f"prompt ({plural(len(ids), 'token')}):")
+    console.info(tok.decode(ids))
+    console.info("token ids: " + " ".join(map(str, ids)))
+
+
+def run_generation(chunks, as_json: bool, pieces: list[str]) -> Chunk:
+    """Stream (or collect, for --json) the chunks into `pieces`; return the last one with the
+    full text in it."""
     for chunk in chunks:
         pieces.append(chunk.text)
         if not as_json:
@@ -235,62 +418,143 @@ def generation_json(last: Chunk, load_s: float) -> dict:
 
 CHAT_HELP = """commands:
   /clear         start a new conversation (the system message stays)
-  /system TEXT   set the system message
-  /save PATH     save the conversation as JSON messages
+  /system [TEXT] set the system message (without TEXT: show it)
+  /save PATH     save the conversation as JSON (ds2 chat --load PATH resumes it)
   /help          this help
-  /exit, /quit   leave (Ctrl-D too)"""
+  /exit, /quit   leave (Ctrl-D too; Ctrl-C clears the line or stops a reply)
+input:
+  a line holding only \""" starts a multi-line message; the next such line sends it
+  a bracketed paste (most terminals) arrives as one message, newlines kept
+  on a terminal: line editing, and Up/Down for the history kept in
+  $XDG_DATA_HOME/ds2/chat_history (default ~/.local/share/ds2/chat_history)"""
+
+CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation. Default: "
+                 f"min(max_position_embeddings, {DEFAULT_CHAT_CTX}); a larger value is refused.")
 
 
-@main.command()
+@main.command(epilog="\b\n" + CHAT_HELP)
 @model_option
 @click.option("--system", help="A system message.")
 @click.option("--load", "load_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Resume a conversation saved with /save.")
-@sampling_options
+@chat_template_option()
+@sampling_options(CHAT_CTX_HELP)
 @memory_options
-def chat(model_dir, system, load_path, quantize, no_memory_check, **opts):
-    """Chat with the model in a REPL. Reads lines from stdin when it is not a terminal."""
-    model, load_s = load_model(model_dir, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check)
-    check_ctx(model, opts["ctx"])
-    capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
-    session = ChatSession(model, capacity, warn=console.warn)
-    if load_path is not None:
-        session.load(read_messages(load_path))
-    if system:
-        session.set_system(system)
-    sampler = sampler_for(model, opts)
-    max_new = max_new_tokens_for(model, opts["max_new_tokens"])
-    interactive = sys.stdin.isatty()
-    if interactive:
-        console.info("ds2 chat: /help for commands, Ctrl-D to leave")
-    for line in read_lines(interactive):
-        if line.startswith("/"):
-            if not run_command(session, line):
-                break
-            continue
-        if not line.strip():
-            continue
+def chat(model_dir, system, load_path, chat_template, quantize, no_memory_check, **opts):
+    """Chat with the model in a REPL.
+
+    On a terminal: line editing and history, multi-line messages between two lines of \""",
+    Ctrl-C stops a reply or clears the line, Ctrl-D or /exit leaves. Otherwise it reads one
+    message per line from stdin, writes only the replies to stdout, and exits 1 if every turn
+    failed."""
+    system = argument_text(system, "--system argument")
+    model_dir, config = model_config(model_dir)
+    check_ctx(config, opts["ctx"])
+    messages = read_messages(load_path) if load_path is not None else None
+    with blas_threads(opts["threads"]):
+        model, load_s = load_model(model_dir, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
+                                   chat_template)
+        capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
+        session = ChatSession(model, capacity, warn=console.warn)
+        repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
+                    [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]], opts["stats"])
+        if messages is not None:
+            repl.resume(messages, load_path)
+        if system:
+            session.set_system(system)
+        if opts["stats"]:
+            console.info(f"[load {load_s:.2f}s]")
+        failed_everything = repl.run()
+    if failed_everything:
+        sys.exit(1)
+
+
+class Repl:
+    """The chat loop: messages in, replies out, /commands, and the bookkeeping for leaving."""
+
+    def __init__(self, session: ChatSession, sampler, max_new: int, stop: list[str], stats: bool):
+        self.session, self.sampler, self.max_new, self.stop, self.stats = session, sampler, max_new, stop, stats
+        self.interactive = sys.stdin.isatty()
+        self.unsaved = False          # the conversation has turns no /save or --load holds
+        self.turns = self.failed = 0
+
+    def resume(self, messages: list[dict], path: Path) -> None:
+        self.session.load(messages)
+        console.info(f"(resumed {plural(len(messages), 'message')} from {path})")
+        last_user = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), None)
+        if last_user is not None:
+            for m in messages[last_user:]:
+                console.info((PROMPT if m["role"] == "user" else "") + m["content"])
+
+    def run(self) -> bool:
+        """Read and answer until /exit or end of input; True when every turn (of a piped chat) failed."""
+        if hasattr(sys.stdin, "reconfigure"):
+            sys.stdin.reconfigure(errors="surrogateescape")   # bad bytes are reported, not raised
+        editor = LineEditor(self.interactive, history_path())
+        if self.interactive:
+            console.info("ds2 chat: /help for commands, \"\"\" for a multi-line message, Ctrl-D to leave")
         try:
-            last = chat_turn(session, line, sampler, max_new, opts["stop"])
-        except ContextFullError as e:
+            for text in MessageReader(editor, on_interrupt=lambda: console.info("")):
+                try:
+                    if not self.handle(text):
+                        break
+                except KeyboardInterrupt:   # Ctrl-C between a reply and the prompt: keep going
+                    console.info("")
+        finally:
+            editor.close()
+        if self.interactive and self.unsaved:
+            console.info("(leaving with unsaved turns: /save PATH keeps a conversation)")
+        return not self.interactive and self.turns > 0 and self.failed == self.turns
+
+    def handle(self, text: str) -> bool:
+        """One message or /command; False to leave."""
+        if text.startswith("/"):
+            return self.command(text)
+        if not text.strip():
+            return True
+        self.turns += 1
+        try:
+            text = argument_text(text, "message", hint="it was not sent")
+            last = chat_turn(self.session, text, self.sampler, self.max_new, self.stop)
+        except Ds2Error as e:
             console.error(str(e))
-            continue
-        if last is not None and opts["stats"]:
-            console.info(console.stats_line(load_s, last, session.cache))
+            self.failed += 1
+            return True
+        self.unsaved = True
+        if last is not None and self.stats:
+            console.info(console.stats_line(None, last, self.session.cache))
+        return True
 
-
-def read_lines(interactive: bool):
-    """Prompted lines on a terminal (Ctrl-C or Ctrl-D at the prompt ends), plain lines otherwise."""
-    while True:
-        try:
-            line = input(">>> ") if interactive else sys.stdin.readline()
-        except (EOFError, KeyboardInterrupt):
-            if interactive:
-                console.info("")
-            return
-        if not interactive and not line:
-            return
-        yield line.rstrip("\n")
+    def command(self, line: str) -> bool:
+        """Handle a /command; return False to leave the REPL."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit") and not arg:
+            return False
+        if name == "/clear" and not arg:
+            self.session.clear()
+            self.unsaved = False
+            console.info("(new conversation)")
+        elif name == "/system" and arg:
+            self.session.set_system(arg)
+            console.info("(system message set)")
+        elif name == "/system":
+            current = next((m["content"] for m in self.session.messages if m["role"] == "system"), None)
+            console.info(f"(system message: {current})" if current is not None else "(no system message)")
+        elif name == "/save" and arg:
+            try:
+                self.session.save(Path(arg).expanduser())
+                self.unsaved = False
+                console.info(f"(saved {plural(len(self.session.messages), 'message')} to {arg})")
+            except Ds2Error as e:
+                console.error(str(e))
+        elif name == "/save":
+            console.info("usage: /save PATH   (writes the conversation as JSON; ds2 chat --load PATH resumes it)")
+        elif name == "/help" and not arg:
+            console.info(CHAT_HELP)
+        else:
+            console.error(f"unknown or incomplete command {line!r}; /help lists the commands")
+        return True
 
 
 def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop) -> Chunk | None:
@@ -309,29 +573,11 @@ def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop) -> C
     return last
 
 
-def run_command(session: ChatSession, line: str) -> bool:
-    """Handle a /command; return False to leave the REPL."""
-    name, _, arg = line.partition(" ")
-    arg = arg.strip()
-    if name in ("/exit", "/quit"):
-        return False
-    if name == "/clear":
-        session.clear()
-        console.info("(new conversation)")
-    elif name == "/system" and arg:
-        session.set_system(arg)
-        console.info("(system message set)")
-    elif name == "/save" and arg:
-        try:
-            session.save(Path(arg).expanduser())
-            console.info(f"(saved {len(session.messages)} messages to {arg})")
-        except Ds2Error as e:
-            console.error(str(e))
-    elif name == "/help":
-        console.info(CHAT_HELP)
-    else:
-        console.error(f"unknown or incomplete command {line!r}; /help lists the commands")
-    return True
+class StdoutConsole(Console):
+    """rich exits 1 by itself on a closed pipe; ds2 ends every command the same way instead."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
 
 
 @main.command()
@@ -341,12 +587,12 @@ def run_command(session: ChatSession, line: str) -> bool:
 @click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data).")
 def inspect(directory, model_dir, as_json, check):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics."""
-    path = check_model_dir(directory or model_dir or bundled_model_dir())
-    report = describe(path, check=check)
+    with naming_ds2_model() if directory is None else contextlib.nullcontext():
+        report = describe(check_model_dir(directory or model_dir or bundled_model_dir()), check=check)
     if as_json:
         write_out(json.dumps(report, ensure_ascii=False) + "\n")
     else:
-        render(report, Console())
+        render(report, StdoutConsole())
     for warning in report.get("warnings", []):
         console.warn(warning)
     if report["problems"]:

@@ -3,6 +3,8 @@ to generated text."""
 
 from __future__ import annotations
 
+import codecs
+import sys
 import time
 
 import click
@@ -26,8 +28,26 @@ def info(message: str) -> None:
     click.echo(message, err=True)
 
 
-def stats_line(load_s: float, last: Chunk, cache: LatentCache) -> str:
-    return (f"[load {load_s:.2f}s | prefill {last.prompt_tokens} tok, {last.prefill_tok_per_s:.1f} tok/s"
+def utf8_streams() -> None:
+    """Where stdout/stderr's encoding cannot write every character (PYTHONIOENCODING=ascii, a C
+    locale), write UTF-8 anyway rather than fail with a UnicodeEncodeError on the first é."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        try:
+            universal = codecs.lookup(encoding).name in ("utf-8", "utf-16", "utf-32")
+        except LookupError:
+            universal = False
+        if not universal and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(encoding="utf-8")
+            except (ValueError, OSError):   # a stream that cannot be switched is left as it is
+                pass
+
+
+def stats_line(load_s: float | None, last: Chunk, cache: LatentCache) -> str:
+    """The --stats line; chat shows the load time once at start, so it passes None."""
+    load = "" if load_s is None else f"load {load_s:.2f}s | "
+    return (f"[{load}prefill {last.prompt_tokens} tok, {last.prefill_tok_per_s:.1f} tok/s"
             f" | decode {last.generated_tokens} tok, {last.decode_tok_per_s:.1f} tok/s"
             f" | cache {cache.length}/{cache.capacity} tok, {cache.length * cache.bytes_per_token} bytes]")
 

@@ -5,13 +5,14 @@ import re
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 import ds2cli
 from ds2cli.cli import main
 from ds2cli.generate import stream_generate
 
-STATS = re.compile(r"^\[load \d+\.\d\ds \| prefill (\d+) tok, [\d.]+ tok/s \| decode (\d+) tok, [\d.]+ tok/s"
+STATS = re.compile(r"^\[(?:load \d+\.\d\ds \| )?prefill (\d+) tok, [\d.]+ tok/s \| decode (\d+) tok, [\d.]+ tok/s"
                    r" \| cache (\d+)/(\d+) tok, (\d+) bytes\]$")
 
 
@@ -28,8 +29,10 @@ def test_chat_scripted_greedy_answers_and_prefills_only_new_tokens():
         "4, 5, 6, 7, 8.",
         "I am ds2-tiny, a small DeepSeek-V2 model. I can add and subtract numbers, count, and babble like Shakespeare.",
     ]
-    stats = [STATS.match(line) for line in r.stderr.splitlines()]
-    assert all(stats) and len(stats) == 3
+    lines = r.stderr.splitlines()
+    assert re.fullmatch(r"\[load \d+\.\d\ds\]", lines[0])            # the load time, once
+    stats = [STATS.match(line) for line in lines[1:]]
+    assert all(stats) and len(stats) == 3 and not any("load" in line for line in lines[1:])
     prefilled = [int(m.group(1)) for m in stats]
     cached = [int(m.group(3)) for m in stats]
     # each later turn prefills only its own tokens: the eos the last reply ended with (sampled,
@@ -133,9 +136,153 @@ def test_model_from_environment_variable(tmp_path):
     r = CliRunner(env={"DS2_MODEL": str(tmp_path / "nowhere")}).invoke(main, ["generate", "hi"])
     assert r.exit_code == 1
     assert r.stderr.startswith("error: model directory") and r.stderr.count("\n") == 1
+    assert r.stderr.rstrip().endswith("(the model directory was set by DS2_MODEL)")
+    r = CliRunner().invoke(main, ["generate", "hi", "-m", str(tmp_path / "nowhere")])
+    assert r.exit_code == 1 and "DS2_MODEL" not in r.stderr
+    r = CliRunner(env={"DS2_MODEL": str(tmp_path)}).invoke(main, ["inspect"])
+    assert r.exit_code == 1 and r.stderr.rstrip().endswith("(the model directory was set by DS2_MODEL)")
+    r = CliRunner(env={"DS2_MODEL": str(tmp_path)}).invoke(main, ["inspect", str(tmp_path)])
+    assert r.exit_code == 1 and "DS2_MODEL" not in r.stderr
 
 
 def test_real_subprocess_python_m_and_pipe():
     p = subprocess.run([sys.executable, "-m", "ds2cli", "generate", "--chat", "What is 40 + 2?",
                         "--temperature", "0"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout == "40 + 2 = 42.\n" and p.stderr == ""
+
+
+# ---- help, aliases and conveniences ----
+
+def test_top_level_help_shows_whole_command_summaries():
+    r = CliRunner().invoke(main, ["--help"], terminal_width=80)
+    commands = r.stdout[r.stdout.index("Commands:"):]
+    assert "..." not in commands
+    summary = " ".join(commands.split())
+    assert "inspect Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics." in summary
+    assert 'generate Generate a completion of PROMPT (or of stdin when PROMPT is omitted or "-").' in summary
+
+
+def test_help_texts_show_defaults_and_ds2_model():
+    generate_help = " ".join(run("generate", "--help").stdout.split())
+    for text in ("DS2_MODEL", "else 256", "generation_config.json's, else 0.7", "--from-bos",
+                 "prompt + max-new-tokens, at most the model's max_position_embeddings", "\\n \\t",
+                 "--temperature, --temp", "-p, --prompt"):
+        assert text in generate_help, text
+    chat_help = " ".join(run("chat", "--help").stdout.split())
+    for text in ("DS2_MODEL", "min(max_position_embeddings, 4096)", 'a line holding only """',
+                 "/system [TEXT]", "chat_history"):
+        assert text in chat_help, text
+
+
+def test_prompt_option_and_temp_alias():
+    r = run("generate", "--chat", "-p", "What is 2 + 2?", "--temp", "0")
+    assert r.exit_code == 0 and r.stdout == "2 + 2 = 4.\n"
+    r = run("generate", "--chat", "--prompt", "What is 2 + 2?", "--temp", "0")
+    assert r.stdout == "2 + 2 = 4.\n"
+    r = run("generate", "hi", "-p", "hello")
+    assert r.exit_code == 2 and "not both" in r.stderr
+
+
+def test_ignore_eos_generates_to_the_limit():
+    r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--json")
+    assert json.loads(r.stdout)["finish_reason"] == "eos"
+    r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--json", "--ignore-eos", "-n", "30")
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "length" and out["generated_tokens"] == 30
+    assert out["text"].startswith("2 + 2 = 4.<｜end▁of▁sentence｜>")   # eos is just a token now
+
+
+def verbose_prompt(stderr: str) -> tuple[str, list[int]]:
+    """(prompt text, ids) from --verbose-prompt's lines on stderr."""
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.fullmatch(r"prompt \(\d+ tokens?\):", line))
+    end = next(i for i, line in enumerate(lines) if line.startswith("token ids: "))
+    return "\n".join(lines[start + 1:end]), [int(t) for t in lines[end].split(": ")[1].split()]
+
+
+def test_verbose_prompt_prints_the_rendered_prompt_and_ids():
+    r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--verbose-prompt")
+    assert r.exit_code == 0 and r.stdout == "2 + 2 = 4.\n"
+    text, ids = verbose_prompt(r.stderr)
+    tok = ds2cli.load().tokenizer
+    assert ids == tok.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
+    assert text == tok.decode(ids) == "<｜begin▁of▁sentence｜>User: What is 2 + 2?\n\nAssistant:"
+    assert f"prompt ({len(ids)} tokens):" in r.stderr
+
+
+def test_chat_template_file_replaces_the_checkpoints(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}User: {{ m['content'] }} please\n\n"
+                        "{% endfor %}Assistant:", encoding="utf-8")
+    r = run("generate", "What is 2 + 2?", "--temp", "0", "-n", "3", "--verbose-prompt",
+            "--chat-template", str(template))          # implies --chat
+    assert r.exit_code == 0, r.stderr
+    assert verbose_prompt(r.stderr)[0] == "<｜begin▁of▁sentence｜>User: What is 2 + 2? please\n\nAssistant:"
+    r = run("chat", "--temp", "0", "--chat-template", str(template), input="What is 2 + 2?\n")
+    assert r.exit_code == 0 and r.stdout.strip()
+    template.write_text("{% for %}")
+    r = run("generate", "hi", "--chat-template", str(template))
+    assert r.exit_code == 1 and r.stderr.startswith("error: chat template line 1")
+    r = run("generate", "hi", "--chat-template", str(tmp_path / "none.jinja"))
+    assert r.exit_code == 1 and "cannot read chat template" in r.stderr
+
+
+def test_threads_limits_blas_while_generating(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import ds2cli.cli as cli_module
+    seen, real = [], cli_module.stream_generate
+
+    def recording(*args, **kwargs):
+        seen.append([p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(cli_module, "stream_generate", recording)
+    before = [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+    r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--threads", "1")
+    assert r.exit_code == 0 and r.stdout == "2 + 2 = 4.\n"
+    assert seen == [[1] * len(before)] and before
+    assert [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"] == before
+
+
+def test_stop_understands_escapes():
+    from ds2cli.cli import unescape
+    assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb\\n") == "a\tb\\n"
+    assert unescape(r"\x41\q\"") == 'A\\q"' and unescape("\\") == "\\"
+    free = json.loads(run("generate", "ROMEO:\n", "--temp", "0", "-n", "40", "--json").stdout)["text"]
+    cut = free.index("\n\n", 1)
+    r = run("generate", "ROMEO:\n", "--temp", "0", "-n", "40", "--json", "--stop", r"\n\n")
+    out = json.loads(r.stdout)
+    assert out["text"] == free[:cut] and out["finish_reason"] == "stop"
+
+
+def test_empty_prompt_needs_from_bos():
+    r = run("generate", "")
+    assert r.exit_code == 1 and "--from-bos" in r.stderr and r.stderr.count("\n") == 1
+    r = run("generate", input="")
+    assert r.exit_code == 1 and "the prompt is empty" in r.stderr
+    r = run("generate", "", "--from-bos", "-n", "4", "--temp", "0", "--json")
+    out = json.loads(r.stdout)
+    assert r.exit_code == 0 and out["prompt_tokens"] == 1 and out["generated_tokens"] == 4
+    r = run("generate", "", "--from-bos", "--chat")
+    assert r.exit_code == 2 and "--from-bos is for raw completion" in r.stderr
+
+
+def test_byte_order_mark_is_dropped_and_prompt_file_dash_reads_stdin(tmp_path):
+    plain = verbose_prompt(run("generate", "ROMEO:", "-n", "1", "--verbose-prompt").stderr)[1]
+    bom = "\ufeffROMEO:".encode("utf-8")
+    (tmp_path / "p.txt").write_bytes(bom)
+    for args, stdin in ([["--prompt-file", str(tmp_path / "p.txt")], None], [["--prompt-file", "-"], bom], [[], bom]):
+        r = run("generate", *args, "-n", "1", "--verbose-prompt", input=stdin)
+        assert r.exit_code == 0, r.stderr
+        assert verbose_prompt(r.stderr)[1] == plain
+
+
+def test_context_clipping_max_new_tokens_is_said_once():
+    ids = ds2cli.load().tokenizer.encode("ROMEO:")
+    r = run("generate", "ROMEO:", "--temp", "0", "--ctx", "12", "-n", "50", "--json", "--ignore-eos")
+    out = json.loads(r.stdout)
+    room = 12 - len(ids) + 1
+    assert out["finish_reason"] == "length" and out["generated_tokens"] == room
+    assert r.stderr == (f"warning: the context of 12 tokens leaves room for {room} of the 50 new tokens "
+                        f"asked for (-n): generation stops there\n")
+    r = run("generate", "ROMEO:", "--temp", "0", "--ctx", "12", "-n", str(room), "--json", "--ignore-eos")
+    assert r.stderr == "" and json.loads(r.stdout)["generated_tokens"] == room

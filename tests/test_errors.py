@@ -580,10 +580,37 @@ def test_prompt_longer_than_the_context():
     assert_one_error_line(result, "more than the context of 8 tokens")
 
 
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if any weight is loaded: options must be refused before that."""
+    import ds2cli.cli as cli_module
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+    monkeypatch.setattr(cli_module, "load", load)
+
+
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
-def test_ctx_beyond_max_position_embeddings_is_refused(command):
-    assert_one_error_line(cli(*command, "--ctx", "4096", input="hi\n"),
-                          ("--ctx 4096", "max_position_embeddings (1024)"))
+@pytest.mark.parametrize("args, option, text", [
+    (["--ctx", "4096"], "--ctx", "4096 is larger than the model's max_position_embeddings (1024)"),
+    (["--top-p", "2"], "--top-p", "2.0 is not in the range 0<x<=1"),
+    (["--top-p", "0"], "--top-p", "0.0 is not in the range 0<x<=1"),
+    (["--temperature", "-1"], "--temperature", "-1.0 is not in the range x>=0"),
+    (["--temp", "-1"], "--temperature", "-1.0 is not in the range x>=0"),
+    (["--min-p", "5"], "--min-p", "5.0 is not in the range 0<=x<=1"),
+    (["--top-k", "-3"], "--top-k", "-3 is not in the range x>=0"),
+    (["--repetition-penalty", "0"], "--repetition-penalty", "0.0 is not in the range x>0"),
+    (["--threads", "0"], "--threads", "0 is not in the range x>=1"),
+])
+def test_options_are_refused_before_any_weight_loads(no_loading, command, args, option, text):
+    assert_usage_error(cli(*command, *args, input="hi\n"), (f"'{option}'", text))
+
+
+def test_ctx_is_checked_against_the_model_named_by_ds2_model(no_loading, checkpoint_copy):
+    model_dir = checkpoint_copy(SINGLE)
+    limit = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    result = CliRunner(env={"DS2_MODEL": str(model_dir)}).invoke(main, ["generate", "hi", "--ctx", str(limit + 1)])
+    assert_usage_error(result, f"max_position_embeddings ({limit})")
 
 
 def test_prompt_file_not_utf8(tmp_path):
@@ -619,12 +646,10 @@ def test_bad_options_are_usage_errors(args, text):
     assert_usage_error(cli("generate", "hi", *args), text)
 
 
-@pytest.mark.parametrize("args, text", [
-    (["--temperature", "-1"], "temperature must be >= 0"),
-    (["--top-p", "1.5"], "top-p must be in (0, 1]"),
-])
-def test_bad_sampling_values_are_errors(args, text):
-    assert_one_error_line(cli("generate", "hi", *args), text)
+def test_bad_sampling_values_from_generation_config_are_errors(checkpoint_copy):
+    model_dir = checkpoint_copy(TINY)
+    edit_json(model_dir / "generation_config.json", setter(top_p=1.5))
+    assert_one_error_line(cli("generate", "-m", model_dir, "hi"), "top-p must be in (0, 1]")
 
 
 def test_chat_load_of_a_broken_conversation(tmp_path):
@@ -659,7 +684,7 @@ def test_error_contract_in_a_real_process(checkpoint_copy, breaks, message):
 def test_closed_pipe_exits_quietly(checkpoint_copy):
     """`ds2 generate ... | head -c 10`: the reader leaves; ds2 stops without a traceback."""
     model_dir = without_eos(checkpoint_copy(TINY))
-    proc = ds2_process("generate", "-m", model_dir, "ROMEO:", "-n", "2000", "--temperature", "0.8", "--seed", "0")
+    proc = ds2_process("generate", "-m", model_dir, "ROMEO:", "-n", "1000", "--temperature", "0.8", "--seed", "0")
     first = proc.stdout.read(10)
     proc.stdout.close()
     t0 = time.perf_counter()
@@ -683,12 +708,12 @@ def test_closed_pipe_in_other_commands(args, stdin):
     assert len(proc.stdout.read(5)) == 5
     proc.stdout.close()
     assert proc.stderr.read() == b""
-    assert proc.wait(timeout=60) in (0, 1)
+    assert proc.wait(timeout=60) == 0            # the same exit code as generate
 
 
 def test_sigint_during_generation_exits_130(checkpoint_copy):
     model_dir = without_eos(checkpoint_copy(TINY))
-    proc = ds2_process("generate", "-m", model_dir, "ROMEO:", "-n", "2000", "--temperature", "0.8", "--seed", "0")
+    proc = ds2_process("generate", "-m", model_dir, "ROMEO:", "-n", "1000", "--temperature", "0.8", "--seed", "0")
     first = proc.stdout.read(1)  # generation has started
     proc.send_signal(signal.SIGINT)
     rest, stderr = proc.communicate(timeout=60)
@@ -818,3 +843,59 @@ def test_chat_save_errors_do_not_end_the_chat(tmp_path):
     lines = result.stderr.splitlines()
     assert lines[0].startswith("error: cannot save the conversation") and "saved 0 messages" in lines[1]
     assert read_messages(tmp_path / "ok.json") == []
+
+
+# ---- no traceback, whatever the bytes or the terminal ----
+
+def ds2_run(*args, env=None, input=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "ds2cli", *args], capture_output=True, input=input,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def test_prompt_and_system_arguments_that_are_not_utf8():
+    """`ds2 generate $'caf\\xe9'`: one error line naming --encoding; with it, the bytes are read."""
+    for args in ([b"caf\xe9"], [b"--chat", b"--system", b"caf\xe9", b"hi"]):
+        p = ds2_run("generate", *args, "-n", "2")
+        lines = p.stderr.decode().splitlines()
+        assert p.returncode == 1 and p.stdout == b"" and len(lines) == 1, p.stderr
+        assert lines[0].startswith("error: the ") and "not valid utf-8 (byte 3)" in lines[0] and "--encoding" in lines[0]
+    p = ds2_run("generate", b"caf\xe9", "-n", "2", "--encoding", "latin-1", "--verbose-prompt")
+    assert p.returncode == 0 and "<｜begin▁of▁sentence｜>café\n" in p.stderr.decode()
+
+
+def test_chat_line_that_is_not_utf8_is_reported_and_skipped():
+    r = cli("chat", "--temperature", "0", input=b"caf\xe9?\nWhat is 2 + 3?\n")
+    assert r.exit_code == 0 and r.stdout == "2 + 3 = 5.\n"
+    assert r.stderr.startswith("error: the message is not valid utf-8 (byte 3); it was not sent")
+
+
+def test_output_is_utf8_where_the_terminal_encoding_is_ascii(checkpoint_copy, tmp_path):
+    """PYTHONIOENCODING=ascii: UTF-8 is written anyway, never a UnicodeEncodeError."""
+    model_dir = checkpoint_copy(TINY).rename(tmp_path / "modèle-你好")
+    p = ds2_run("inspect", str(model_dir), env={"PYTHONIOENCODING": "ascii"})
+    assert p.returncode == 0 and f"checkpoint {model_dir}".encode() in p.stdout and p.stderr == b""
+    p = ds2_run("generate", "--chat", "café ☕ What is 2 + 2?", "--temperature", "0", "--verbose-prompt",
+                env={"PYTHONIOENCODING": "ascii"})
+    assert p.returncode == 0 and "café ☕" in p.stderr.decode("utf-8") and b"Traceback" not in p.stderr
+    p = ds2_run("generate", "--prompt-file", str(tmp_path / "naïve.txt"), env={"PYTHONIOENCODING": "ascii"})
+    assert p.returncode == 1 and p.stderr.decode("utf-8").startswith("error: cannot read prompt file") \
+        and "naïve.txt" in p.stderr.decode("utf-8")
+
+
+def test_json_interrupted_by_ctrl_c_is_one_valid_object(checkpoint_copy):
+    model_dir = without_eos(checkpoint_copy(TINY))
+    proc = ds2_process("generate", "-m", model_dir, "ROMEO:", "-n", "1000", "--temperature", "0.8",
+                       "--seed", "0", "--json", "--verbose-prompt")
+    for line in proc.stderr:                        # generation starts after the prompt's ids
+        if line.startswith(b"token ids: "):
+            break
+    else:
+        raise AssertionError(f"ds2 ended before generating: {proc.communicate(timeout=60)}")
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and b"Traceback" not in err
+    report = json.loads(out)                    # exactly one object: json.loads refuses trailing data
+    assert report["finish_reason"] == "interrupted"
+    assert 0 < report["generated_tokens"] < 1000 and report["prompt_tokens"] == 6
+    assert report["text"] and isinstance(report["timings"]["load_s"], float)
