@@ -42,10 +42,12 @@ def test_unclosed_block_at_end_of_input_is_still_sent(tmp_path):
 
 
 def test_crlf_input(tmp_path):
+    """A file with Windows line ends piped in (a real process: CliRunner's stdin would translate them)."""
     saved = tmp_path / "c.json"
-    r = chat(input=f"What is 2 + 3?\r\n/save {saved}\r\n/exit\r\nWhat is 4 + 4?\r\n")
-    assert r.exit_code == 0, r.stderr
-    assert r.stdout == "2 + 3 = 5.\n"                           # /exit\r left before the last line
+    p = subprocess.run([sys.executable, "-m", "ds2cli", "chat", "--temperature", "0"], capture_output=True,
+                       input=f"What is 2 + 3?\r\n/save {saved}\r\n/exit\r\nWhat is 4 + 4?\r\n".encode(), timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == b"2 + 3 = 5.\n"                          # /exit\r left before the last line
     assert "\r" not in saved.read_text() and read_messages(saved)[0]["content"] == "What is 2 + 3?"
     assert clean_line("a\r\n") == "a" and clean_line("a\rb\n") == "a\nb"
 
