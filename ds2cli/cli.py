@@ -489,7 +489,9 @@ class Repl:
     def run(self) -> bool:
         """Read and answer until /exit or end of input; True when every turn (of a piped chat) failed."""
         if hasattr(sys.stdin, "reconfigure"):
-            sys.stdin.reconfigure(errors="surrogateescape")   # bad bytes are reported, not raised
+            # messages are UTF-8 as prompts are (whatever PYTHONIOENCODING or the locale say);
+            # bytes that are not are reported per message, not raised
+            sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
         editor = LineEditor(self.interactive, history_path())
         if self.interactive:
             console.info("ds2 chat: /help for commands, \"\"\" for a multi-line message, Ctrl-D to leave")

@@ -877,6 +877,8 @@ def test_output_is_utf8_where_the_terminal_encoding_is_ascii(checkpoint_copy, tm
     p = ds2_run("generate", "--chat", "café ☕ What is 2 + 2?", "--temperature", "0", "--verbose-prompt",
                 env={"PYTHONIOENCODING": "ascii"})
     assert p.returncode == 0 and "café ☕" in p.stderr.decode("utf-8") and b"Traceback" not in p.stderr
+    p = ds2_run("chat", "--temperature", "0", input="café? What is 2 + 3?\n".encode(), env={"PYTHONIOENCODING": "ascii"})
+    assert p.returncode == 0 and p.stdout.strip() and p.stderr == b""          # read as UTF-8 too
     p = ds2_run("generate", "--prompt-file", str(tmp_path / "naïve.txt"), env={"PYTHONIOENCODING": "ascii"})
     assert p.returncode == 1 and p.stderr.decode("utf-8").startswith("error: cannot read prompt file") \
         and "naïve.txt" in p.stderr.decode("utf-8")
