@@ -119,7 +119,7 @@ class Terminal:
         os.close(slave)
         self.seen = ""
 
-    def expect(self, pattern: str, timeout: float = 20) -> str:
+    def expect(self, pattern: str, timeout: float = 30) -> str:
         """Read until `pattern` (a regex) appears in what the terminal shows after the last match."""
         deadline = time.monotonic() + timeout
         while not re.search(pattern, self.seen):
@@ -166,12 +166,13 @@ def terminal(tmp_path):
         t.close()
 
 
+STARTUP = 120             # a loaded machine can take long to start Python and load ds2-tiny
 PROMPT = r">>> $"      # the prompt, waiting (readline may write escapes before it)
 
 
 def test_line_editing_history_ctrl_c_and_ctrl_d(terminal, tmp_path):
     t = terminal()
-    t.expect(PROMPT)
+    t.expect(PROMPT, timeout=STARTUP)
     t.send("What is 2 3?" + LEFT * 2 + "+ " + "\r")            # edit in the middle of the line
     assert "2 + 3 = 5." in t.expect(PROMPT)
     t.send("typed, then regretted" + CTRL_C)                  # clears the line, does not leave
@@ -205,7 +206,7 @@ def endless(model_dir):
 def test_ctrl_c_during_a_reply_then_at_the_prompt_keeps_the_conversation(terminal, tmp_path, checkpoint_copy):
     saved = tmp_path / "c.json"
     t = terminal("-m", endless(checkpoint_copy("ds2-tiny")), "-n", "1000", "--temperature", "1", "--seed", "0")
-    t.expect(PROMPT)
+    t.expect(PROMPT, timeout=STARTUP)
     t.send("Tell me a long story.\r")
     t.expect(r"story\.\r\n(\x1b\[\?2004l)?")                  # readline handed the line over
     t.expect(r"[A-Za-z]{2}")                                  # and the reply has started
@@ -226,7 +227,7 @@ def test_ctrl_c_during_a_reply_then_at_the_prompt_keeps_the_conversation(termina
 def test_bracketed_paste_is_one_message(terminal, tmp_path):
     saved = tmp_path / "c.json"
     t = terminal()
-    t.expect(PROMPT)
+    t.expect(PROMPT, timeout=STARTUP)
     t.send(PASTE_START + "What is 2 + 3?\rWhat is 4 + 4?" + PASTE_END + "\r")
     t.expect(PROMPT)
     t.send(f"/save {saved}\r")
@@ -241,7 +242,7 @@ def test_prompts_go_to_stderr_when_stdout_is_a_file(terminal, tmp_path):
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:
         t = terminal(stdout=f)
-        t.expect(r">>> ")
+        t.expect(r">>> ", timeout=STARTUP)
         t.send("What is 2 + 3?\r")
         t.expect(r">>> ")
         t.send("/help\r")
