@@ -514,10 +514,11 @@ def serve(model_dir, host, port, ctx, api_key, prompt_cache_mb, max_queue, max_n
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
     Listens on 127.0.0.1:8000 unless told otherwise; Ctrl-C (or SIGTERM) stops it gracefully."""
-    from ds2cli.cli import check_ctx, load_model, max_new_tokens_for  # cli.py registers this command
+    from ds2cli.cli import check_ctx, load_model, max_new_tokens_for, model_config  # cli.py registers this command
 
-    model, load_s = load_model(model_dir, quantize, ctx or DEFAULT_CTX, not no_memory_check)
-    check_ctx(model, ctx)
+    path, config = model_config(model_dir)          # config.json only: --ctx is checked before any load
+    check_ctx(config, ctx)
+    model, load_s = load_model(path, quantize, ctx or DEFAULT_CTX, not no_memory_check)
     ctx = ctx or min(model.config.max_position_embeddings, DEFAULT_CTX)
     params = SamplingParams.from_generation_config(model.generation_config, **sampling)
     defaults = Defaults(params, max_new_tokens_for(model, max_new_tokens), ctx)
