@@ -181,7 +181,7 @@ def test_line_editing_history_ctrl_c_and_ctrl_d(terminal, tmp_path):
     t.expect(PROMPT)
     t.send(UP + "\r")                                         # the previous message again
     assert "2 + 3 = 5." in t.expect(PROMPT)
-    time.sleep(0.3)                                           # see the note on Ctrl-C below
+    time.sleep(0.3)                                           # as before a Ctrl-C at a fresh prompt
     t.send(CTRL_D)
     assert "unsaved" in t.expect(r"unsaved turns.*\n")
     assert t.wait() == 0
@@ -222,7 +222,7 @@ def test_ctrl_c_during_a_reply_then_at_the_prompt_keeps_the_conversation(termina
     t.send(f"/save {saved}\r")
     t.expect(r"saved 2 messages")
     t.expect(PROMPT)
-    time.sleep(0.3)                                           # see the note on Ctrl-C below
+    time.sleep(0.3)                                           # as before a Ctrl-C at a fresh prompt
     t.send(CTRL_D)
     assert t.wait() == 0
     assert "unsaved" not in t.seen
@@ -253,7 +253,7 @@ def test_prompts_go_to_stderr_when_stdout_is_a_file(terminal, tmp_path):
         t.send("/help\r")
         t.expect(r"/exit, /quit")
         t.expect(r">>> ")
-        time.sleep(0.3)                                           # see the note on Ctrl-C below
-    t.send(CTRL_D)
+        time.sleep(0.3)                                       # as before a Ctrl-C at a fresh prompt
+        t.send(CTRL_D)
         assert t.wait() == 0
     assert out.read_text() == "2 + 3 = 5.\n"                  # replies only
