@@ -88,8 +88,8 @@ def chat_template_option(extra: str = ""):
 
 def threads_option(f):
     return click.option("--threads", type=click.IntRange(min=1),
-                        help="BLAS threads for the matrix products. Default: what the BLAS library "
-                             "picks (usually one per core).")(f)
+                        help="Threads for the matrix products (BLAS and the low-bit kernels). Default: "
+                             "what the BLAS library picks (usually one per core).")(f)
 
 
 def sampling_options(ctx_help: str):
@@ -161,7 +161,11 @@ def blas_threads(n: int | None):
     if n is None:
         return contextlib.nullcontext()
     from threadpoolctl import threadpool_limits
-    return threadpool_limits(limits=n, user_api="blas")
+    from ds2cli.quant import kernel_threads
+    stack = contextlib.ExitStack()
+    stack.enter_context(threadpool_limits(limits=n, user_api="blas"))
+    stack.enter_context(kernel_threads(n))   # the low-bit kernels' own threads
+    return stack
 
 
 def memory_options(f):

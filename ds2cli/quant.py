@@ -244,6 +244,18 @@ _blas = None
 
 
 @contextlib.contextmanager
+def kernel_threads(n: int):
+    """Use at most n cores in the low-bit kernels for the block (the CLI's --threads)."""
+    pool = workers()
+    before = pool.n
+    pool.n = max(1, min(n, before))
+    try:
+        yield
+    finally:
+        pool.n = before
+
+
+@contextlib.contextmanager
 def blas_threads(n: int):
     """Set the BLAS library's thread count for the block, and restore it after."""
     global _blas
