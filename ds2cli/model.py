@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from ds2cli import checkpoint, memory, qcheckpoint, rope
+from ds2cli import checkpoint, memory, qcheckpoint, quant, rope
 from ds2cli.attention import mla, rms_norm
 from ds2cli.cache import LatentCache
 from ds2cli.config import DeepseekV2Config, read_json_object
@@ -207,6 +207,11 @@ class Model:
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise Ds2Error(f"token id out of range [0, {cfg.vocab_size}): {int(ids.max() if ids.max() >= cfg.vocab_size else ids.min())}")
         cache.check_room(len(ids))
+        with quant.hold_blas(self.quantization is not None):
+            return self._forward(ids, cache, all_logits, trace)
+
+    def _forward(self, ids: np.ndarray, cache: LatentCache, all_logits: bool, trace: list | None) -> np.ndarray:
+        cfg = self.config
         start = cache.length
         cos, sin = rope.cos_sin(np.arange(start, start + len(ids)), self.inv_freq, self.rope_scale)
         x = self.embed_tokens.rows(ids)                                      # (T, D)
