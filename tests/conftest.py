@@ -3,6 +3,7 @@
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ds2cli.model import bundled_model_dir
@@ -18,3 +19,14 @@ def checkpoint_copy(tmp_path):
         src = bundled_model_dir() if case == "ds2-tiny" else REFERENCE / case
         return Path(shutil.copytree(src, tmp_path / case, ignore=shutil.ignore_patterns("ref.npz")))
     return copy
+
+
+def run_split(model, ids, chunks):
+    """Feed `ids` in the given chunk lengths; a chunk of 1 is a decode step."""
+    cache = model.new_cache(len(ids))
+    out, start = [], 0
+    for n in chunks:
+        out.append(model.forward(ids[start:start + n], cache, all_logits=True))
+        start += n
+    assert cache.length == len(ids)
+    return np.concatenate(out)

@@ -10,6 +10,7 @@ import ds2cli
 from ds2cli import attention, rope
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.model import bundled_model_dir
+from conftest import run_split
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 CASES = sorted(p.name for p in REFERENCE.iterdir() if (p / "ref.npz").is_file())
@@ -25,17 +26,6 @@ def case_model_dir(case: str) -> Path:
 def case(request):
     z = np.load(REFERENCE / request.param / "ref.npz")
     return request.param, ds2cli.load(case_model_dir(request.param)), z["ids"], z["logits"]
-
-
-def run_split(model, ids, chunks):
-    """Feed `ids` in the given chunk lengths; a chunk of 1 is a decode step."""
-    cache = model.new_cache(len(ids))
-    out, start = [], 0
-    for n in chunks:
-        out.append(model.forward(ids[start:start + n], cache, all_logits=True))
-        start += n
-    assert cache.length == len(ids)
-    return np.concatenate(out)
 
 
 def splits(T):

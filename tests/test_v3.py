@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import run_split
 
 import ds2cli
 from ds2cli import checkpoint, moe, qcheckpoint, rope
@@ -96,16 +97,6 @@ def one_error_line(result, contains: str) -> str:
 def case(request):
     z = np.load(REFERENCE / request.param / "ref.npz")
     return request.param, ds2cli.load(REFERENCE / request.param), z["ids"], z["logits"]
-
-
-def run_split(model, ids, chunks):
-    cache = model.new_cache(len(ids))
-    out, start = [], 0
-    for n in chunks:
-        out.append(model.forward(ids[start:start + n], cache, all_logits=True))
-        start += n
-    assert cache.length == len(ids)
-    return np.concatenate(out)
 
 
 def splits(T):
