@@ -30,3 +30,13 @@ def run_split(model, ids, chunks):
         start += n
     assert cache.length == len(ids)
     return np.concatenate(out)
+
+
+def splits(T):
+    """Ways to feed T reference tokens: each must reproduce every row."""
+    third = T // 3
+    return {"all_at_once": [T],
+            "one_at_a_time": [1] * T,
+            "third_then_decode": [third] + [1] * (T - third),
+            "two_chunks_then_decode": [third, third] + [1] * (T - 2 * third),
+            "uneven_chunks": [5, 1, 17, 2, 40, 1] + [1] * (T - 66)}

@@ -10,7 +10,7 @@ import ds2cli
 from ds2cli import attention, rope
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.model import bundled_model_dir
-from conftest import run_split
+from conftest import run_split, splits
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 CASES = sorted(p.name for p in REFERENCE.iterdir() if (p / "ref.npz").is_file())
@@ -26,16 +26,6 @@ def case_model_dir(case: str) -> Path:
 def case(request):
     z = np.load(REFERENCE / request.param / "ref.npz")
     return request.param, ds2cli.load(case_model_dir(request.param)), z["ids"], z["logits"]
-
-
-def splits(T):
-    third = T // 3
-    return {
-        "all_at_once": [T],
-        "one_at_a_time": [1] * T,
-        "third_then_decode": [third] + [1] * (T - third),
-        "two_chunks_then_decode": [third, third] + [1] * (T - 2 * third),
-    }
 
 
 @pytest.mark.parametrize("split", ["all_at_once", "one_at_a_time", "third_then_decode",

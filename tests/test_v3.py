@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import run_split
+from conftest import run_split, splits
 
 import ds2cli
 from ds2cli import checkpoint, moe, qcheckpoint, rope
@@ -97,15 +97,6 @@ def one_error_line(result, contains: str) -> str:
 def case(request):
     z = np.load(REFERENCE / request.param / "ref.npz")
     return request.param, ds2cli.load(REFERENCE / request.param), z["ids"], z["logits"]
-
-
-def splits(T):
-    third = T // 3
-    return {"all_at_once": [T],
-            "one_at_a_time": [1] * T,
-            "third_then_decode": [third] + [1] * (T - third),
-            "two_chunks_then_decode": [third, third] + [1] * (T - 2 * third),
-            "uneven_chunks": [5, 1, 17, 2, 40, 1] + [1] * (T - 66)}
 
 
 @pytest.mark.parametrize("split", ["all_at_once", "one_at_a_time", "third_then_decode",
