@@ -40,3 +40,12 @@ def splits(T):
             "third_then_decode": [third] + [1] * (T - third),
             "two_chunks_then_decode": [third, third] + [1] * (T - 2 * third),
             "uneven_chunks": [5, 1, 17, 2, 40, 1] + [1] * (T - 66)}
+
+
+def assert_reference_rows(case, split: str, tol: float) -> None:
+    """Every row of a reference case's logits, fed in the named split, within tol."""
+    name, model, ids, ref = case
+    got = run_split(model, ids, splits(len(ids))[split])
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    diff = np.abs(got - ref).max(axis=-1)
+    assert diff.max() <= tol, f"{name}/{split}: worst row {diff.argmax()} differs by {diff.max():.2e}"

@@ -10,7 +10,7 @@ import ds2cli
 from ds2cli import attention, rope
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.model import bundled_model_dir
-from conftest import run_split, splits
+from conftest import assert_reference_rows
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 CASES = sorted(p.name for p in REFERENCE.iterdir() if (p / "ref.npz").is_file())
@@ -31,11 +31,7 @@ def case(request):
 @pytest.mark.parametrize("split", ["all_at_once", "one_at_a_time", "third_then_decode",
                                    "two_chunks_then_decode"])
 def test_reference_logits_every_row(case, split):
-    name, model, ids, ref = case
-    got = run_split(model, ids, splits(len(ids))[split])
-    assert got.dtype == np.float32 and got.shape == ref.shape
-    diff = np.abs(got - ref).max(axis=-1)
-    assert diff.max() <= TOL, f"{name}/{split}: worst row {diff.argmax()} differs by {diff.max():.2e}"
+    assert_reference_rows(case, split, TOL)
 
 
 def test_last_position_logits_equal_all_logits_row(case):

@@ -353,7 +353,6 @@ def logged(lines, text, timeout=10):
 
 
 def sse(port, body, path="/v1/completions"):
-    status, _, r = None, None, None
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("POST", path, body=json.dumps(body), headers={"Authorization": f"Bearer {KEY}"})
     r = conn.getresponse()

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import run_split, splits
+from conftest import assert_reference_rows
 
 import ds2cli
 from ds2cli import checkpoint, moe, qcheckpoint, rope
@@ -102,11 +102,7 @@ def case(request):
 @pytest.mark.parametrize("split", ["all_at_once", "one_at_a_time", "third_then_decode",
                                    "two_chunks_then_decode", "uneven_chunks"])
 def test_reference_logits_every_row(case, split):
-    name, model, ids, ref = case
-    got = run_split(model, ids, splits(len(ids))[split])
-    assert got.dtype == np.float32 and got.shape == ref.shape
-    diff = np.abs(got - ref).max(axis=-1)
-    assert diff.max() <= TOL, f"{name}/{split}: worst row {diff.argmax()} differs by {diff.max():.2e}"
+    assert_reference_rows(case, split, TOL)
 
 
 def test_last_position_logits_equal_the_reference_row(case):
