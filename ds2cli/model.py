@@ -114,18 +114,13 @@ def mlp_slots(cfg: DeepseekV2Config, i: int) -> tuple[dict, dict]:
     return w, slots
 
 
-# The weights of a prepared layer that are multiplied by (wrapped as linear.Dense, or stored
-# low-bit); everything else (norms, the router gate, w_uk and w_uv) stays a float32 array.
-PROJECTIONS = {"attn": ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"),
-               "mlp": ("gate_up", "down_proj", "experts_gate_up", "experts_down",
-                       "shared_gate_up", "shared_down")}
-
-
 def wrap_projections(layer: dict) -> dict:
-    for part, keys in PROJECTIONS.items():
-        for key in keys:
-            if key in layer[part]:
-                layer[part][key] = as_weight(layer[part][key])
+    """The matrices a prepared layer multiplies by (qcheckpoint.ROLES names them) become weight
+    objects (linear.Dense); norms, the router gate, w_uk and w_uv stay float32 arrays."""
+    for part in ("attn", "mlp"):
+        for key, w in layer[part].items():
+            if (part, key) in qcheckpoint.ROLE_OF:
+                layer[part][key] = as_weight(w)
     return layer
 
 
