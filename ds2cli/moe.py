@@ -12,6 +12,7 @@ import numpy as np
 
 from ds2cli.attention import softmax
 from ds2cli.config import DeepseekV2Config
+from ds2cli.quant import workers
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -98,15 +99,20 @@ def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None
     k = idx.shape[1]
     flat = idx.ravel()
     order = np.argsort(flat, kind="stable")                                 # (T*k,) grouped by expert
-    bounds = np.cumsum(np.bincount(flat, minlength=len(w["experts_down"])))
+    counts = np.bincount(flat, minlength=len(w["experts_down"]))           # (E,) tokens per expert
+    bounds = np.cumsum(counts)
+    experts = np.flatnonzero(counts)
+    picks = [order[bounds[e] - counts[e]:bounds[e]] for e in experts]       # each expert's (token, slot)s
+
+    def run(j: int) -> np.ndarray:
+        e = experts[j]
+        return swiglu(x[picks[j] // k], w["experts_gate_up"][e], w["experts_down"][e])
+
+    # the experts are independent: with low-bit weights each core takes whole experts
+    outs = workers().map(run, range(len(experts)))
     y = np.zeros_like(x)                                                    # (T, D)
-    start = 0
-    for expert in np.flatnonzero(np.diff(bounds, prepend=0)):
-        picks = order[start:bounds[expert]]
-        start = bounds[expert]
-        tokens = picks // k
-        out = swiglu(x[tokens], w["experts_gate_up"][expert], w["experts_down"][expert])
-        y[tokens] += out * weight.ravel()[picks][:, None]
+    for j, out in enumerate(outs):
+        y[picks[j] // k] += out * weight.ravel()[picks[j]][:, None]
     if "shared_gate_up" in w:
         y += swiglu(x, w["shared_gate_up"], w["shared_down"])
     return y

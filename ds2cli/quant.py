@@ -202,6 +202,8 @@ class Workers:
         self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
         self.lock = threading.Lock()
         self.free: dict[str, list[np.ndarray]] = {}
+        self.local = threading.local()   # .inside: this thread already runs one of several parts
+        self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (hold_blas)
 
     @contextlib.contextmanager
     def buffer(self, n: int, slot: str = "block"):
@@ -228,28 +230,64 @@ class Workers:
         OpenBLAS's own threads would fight over the same cores (measured: two concurrent
         2-thread gemv calls run no faster than one after the other; the q8 decode kernel took
         1.5 ms a 2816x2048 matrix with BLAS at one thread against 2.3 ms at two)."""
-        if self.pool is None or len(spans) < 2:
+        if self.pool is None or len(spans) < 2 or getattr(self.local, "inside", False):
             for span in spans:
                 fn(*span)
             return
         with blas_threads(1):
-            futures = [self.pool.submit(fn, *span) for span in spans[1:]]
-            fn(*spans[0])
+            futures = [self.pool.submit(self.part, fn, *span) for span in spans[1:]]
+            self.part(fn, *spans[0])
             for future in futures:
                 future.result()
+
+    def part(self, fn, *args):
+        """Run one of several parts: a kernel called inside it runs on this thread alone."""
+        self.local.inside = True
+        try:
+            return fn(*args)
+        finally:
+            self.local.inside = False
+
+    def map(self, fn, items) -> list:
+        """[fn(item) for item in items], the items shared across the cores while a low-bit
+        forward pass holds BLAS at one thread (each core then runs whole items with kernels on
+        that core alone: a decode step's six experts are too small to split each one well);
+        in order, on this thread, otherwise."""
+        items = list(items)
+        if self.pool is None or not self.held or len(items) < 2 or getattr(self.local, "inside", False):
+            return [fn(item) for item in items]
+        n = min(self.n, len(items))
+        groups = [items[k::n] for k in range(n)]
+        futures = [self.pool.submit(self.part, lambda g: [fn(i) for i in g], group) for group in groups[1:]]
+        results = [self.part(lambda g: [fn(i) for i in g], groups[0])]
+        results += [future.result() for future in futures]
+        out = [None] * len(items)
+        for k, rs in enumerate(results):
+            out[k::n] = rs
+        return out
 
 
 _workers: Workers | None = None
 _blas = None
 
 
+@contextlib.contextmanager
 def hold_blas(low_bit: bool):
     """What a forward pass over a model with low-bit weights runs in: BLAS held at one thread
     throughout. OpenBLAS's idle threads keep spinning for a while after each call, and a
     spinning BLAS thread takes a core from the low-bit kernels' own threads: holding BLAS at one
     thread for the whole decode step measured 6.5 tok/s against 3.9 on the 4-layer V2-Lite
     slice at 8 bits (2 cores)."""
-    return blas_threads(1) if low_bit and workers().n > 1 else contextlib.nullcontext()
+    pool = workers()
+    if not low_bit or pool.n < 2:
+        yield
+        return
+    with blas_threads(1):
+        pool.held += 1
+        try:
+            yield
+        finally:
+            pool.held -= 1
 
 
 @contextlib.contextmanager
