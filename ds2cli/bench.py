@@ -175,9 +175,13 @@ def check_disk(directory: Path, needed: int) -> None:
                          f"(pick another place with --cache-dir or DS2_BENCH_DIR, or fewer --layers)")
 
 
+def synthetic_path(bench_dir: Path, layers: int) -> Path:
+    return bench_dir.expanduser() / f"deepseek-v2-lite-{layers}-layers"
+
+
 def synthetic_model(bench_dir: Path, layers: int) -> Path:
     """The synthetic DeepSeek-V2-Lite slice, synthesised on first use and reused after."""
-    target = bench_dir.expanduser() / f"deepseek-v2-lite-{layers}-layers"
+    target = synthetic_path(bench_dir, layers)
     if (target / "config.json").is_file():
         return target
     console.info(f"synthesising a {layers}-layer DeepSeek-V2-Lite-shaped checkpoint in {target} (once)")
@@ -584,7 +588,7 @@ def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decod
     # refuse what cannot fit before synthesising or quantizing anything
     stored = None if model_dir is None else read_quant_config(model_dir)
     for bits in formats or [int(quantize) if quantize else None]:
-        memory.check(cfg, model_dir or Path(f"deepseek-v2-lite-{cfg.num_hidden_layers}-layers"),
+        memory.check(cfg, model_dir or synthetic_path(bench_dir, cfg.num_hidden_layers),
                      stored or (QuantConfig.recipe(bits) if bits and formats else None),
                      None if formats else bits, context)
     path = model_dir or synthetic_model(bench_dir, layers or DEFAULT_LAYERS)

@@ -63,8 +63,8 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
     # a low-bit checkpoint stores prepared tensors: count the parameters its config describes
     params = params_section(cfg, expected_tensors(cfg) if qc is not None else tensors)
     storage = storage_section(model_dir, stored)
-    memory = memory_section(cfg, params["total"])
-    memory["formats"] = formats_section(cfg, qc)
+    mem = memory_section(cfg, params["total"])
+    mem["formats"] = memory.fits(cfg, qc)
     return {
         "path": str(model_dir),
         "model_type": cfg.model_type,
@@ -76,8 +76,8 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         "dtypes": {dtype: d["params"] for dtype, d in storage["dtypes"].items()},
         "moe_layers": cfg.moe_layers,
         "dense_layers": cfg.dense_layers,
-        "latent_cache_bytes_per_token": memory["latent_cache_bytes_per_token"],
-        "mha_cache_bytes_per_token": memory["mha_cache_bytes_per_token"],
+        "latent_cache_bytes_per_token": mem["latent_cache_bytes_per_token"],
+        "mha_cache_bytes_per_token": mem["mha_cache_bytes_per_token"],
         "model": model_section(cfg),
         "mla": mla_section(cfg),
         "moe": moe_section(cfg),
@@ -85,7 +85,7 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         "mtp": mtp_section(cfg, stored),
         "params": params,
         "storage": storage,
-        "memory": memory,
+        "memory": mem,
         "quantization": None if qc is None else {**qc.to_json(), "file_bytes": storage["total_bytes"]},
         "tokenizer": tok,
         "checked": check,
@@ -105,25 +105,6 @@ def quantization_config(model_dir: Path) -> tuple[qcheckpoint.QuantConfig | None
 def expected_tensors(cfg: DeepseekV2Config) -> dict[str, TensorInfo]:
     """The Hugging Face tensors the config describes, as header entries (for parameter counts)."""
     return {name: TensorInfo(name, "F32", shape, Path(), 0) for name, shape in checkpoint.iter_expected(cfg)}
-
-
-def formats_section(cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None) -> list[dict]:
-    """RAM each form of the model takes (weights, cache at the default context, margin) and
-    whether it fits the memory available now: the stored form of a low-bit checkpoint, or
-    float32, --quantize 8 and --quantize 4 for a float one."""
-    available = memory.available_bytes()
-    if qc is not None:
-        forms = [(f"{qc.bits}-bit (stored)", qc, False)]
-    else:
-        forms = [("float32", None, False), ("8-bit", qcheckpoint.QuantConfig.recipe(8), True),
-                 ("4-bit", qcheckpoint.QuantConfig.recipe(4), True)]
-    out = []
-    for name, form, at_load in forms:
-        need = memory.required(cfg, form, None, quantize_at_load=at_load)
-        out.append({"format": name, "weight_bytes": need["weights"], "ram_bytes": need["total"],
-                    "context": need["context"], "available_bytes": available,
-                    "fits": None if available is None else need["total"] <= available})
-    return out
 
 
 # ---- config sections ----

@@ -23,9 +23,6 @@ WEIGHT_MAJOR_TOKENS = 128
 class Dense:
     """A float32 weight (..., out, in)."""
 
-    bits = 32
-    format = "f32"
-
     def __init__(self, w: np.ndarray):
         self.w = w
 

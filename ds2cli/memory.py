@@ -116,14 +116,26 @@ def label(qc: QuantConfig | None) -> str:
     return "float32" if qc is None else f"{qc.bits}-bit"
 
 
-def fits(cfg: DeepseekV2Config, context: int | None, available: int | None = None) -> dict:
-    """For a float checkpoint: bytes needed and whether it fits, as float32, --quantize 8, --quantize 4."""
+def forms(stored: QuantConfig | None) -> list[tuple[str, QuantConfig | None, bool]]:
+    """(name, formats, quantized at load) of each form a checkpoint can be loaded in, most
+    precise first: its stored form for a low-bit checkpoint; float32, --quantize 8 and
+    --quantize 4 for a float one."""
+    if stored is not None:
+        return [(f"{stored.bits}-bit (stored)", stored, False)]
+    return [("float32", None, False), ("8-bit", QuantConfig.recipe(8), True), ("4-bit", QuantConfig.recipe(4), True)]
+
+
+def fits(cfg: DeepseekV2Config, stored: QuantConfig | None, context: int | None = None,
+         available: int | None = None) -> list[dict]:
+    """What each form needs (weights, and RAM with the cache and margin) and whether it fits the
+    memory available now (None when that is unknown)."""
     available = available_bytes() if available is None else available
-    out = {}
-    for name, qc, at_load in (("float32", None, False), ("8-bit", QuantConfig.recipe(8), True),
-                              ("4-bit", QuantConfig.recipe(4), True)):
-        need = required(cfg, qc, context, quantize_at_load=at_load)["total"]
-        out[name] = {"bytes": need, "fits": None if available is None else need <= available}
+    out = []
+    for name, qc, at_load in forms(stored):
+        need = required(cfg, qc, context, quantize_at_load=at_load)
+        out.append({"format": name, "weight_bytes": need["weights"], "ram_bytes": need["total"],
+                    "context": need["context"], "available_bytes": available,
+                    "fits": None if available is None else need["total"] <= available})
     return out
 
 
@@ -132,12 +144,10 @@ def choose_auto(cfg: DeepseekV2Config, context: int | None, available: int | Non
     available = available_bytes() if available is None else available
     if available is None:
         return None
-    for bits in (None, 8, 4):
-        qc = QuantConfig.recipe(bits) if bits else None
-        if required(cfg, qc, context, quantize_at_load=bits is not None)["total"] <= available:
-            return bits
-    need = required(cfg, QuantConfig.recipe(4), context, quantize_at_load=True)["total"]
-    raise MemoryCheckError(f"{model_name(cfg)} does not fit even as 4-bit: it needs {gb(need)} but "
+    for form in fits(cfg, None, context, available):
+        if form["fits"]:
+            return {"float32": None, "8-bit": 8, "4-bit": 4}[form["format"]]
+    raise MemoryCheckError(f"{model_name(cfg)} does not fit even as 4-bit: it needs {gb(form['ram_bytes'])} but "
                            f"{gb(available)} is available")
 
 

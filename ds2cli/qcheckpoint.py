@@ -107,11 +107,13 @@ def read_quant_config(raw: dict) -> QuantConfig | None:
     """The ds2 quantization_config of a parsed config.json; None for a float checkpoint.
     Other tools' quantization_configs (fp8 checkpoints) are not ds2's to read here."""
     qc = raw.get("quantization_config")
-    if qc is None or (isinstance(qc, dict) and qc.get("quant_method") not in (QUANT_METHOD, None)):
+    if qc is None:
         return None
-    if isinstance(qc, dict) and qc.get("quant_method") is None:
+    if not isinstance(qc, dict):
+        raise QuantError("config.json: quantization_config must be an object")
+    if qc.get("quant_method") is None:
         raise QuantError("config.json: quantization_config has no quant_method")
-    return QuantConfig.from_json(qc)
+    return QuantConfig.from_json(qc) if qc["quant_method"] == QUANT_METHOD else None
 
 
 # ---- the prepared layout ----

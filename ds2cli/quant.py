@@ -83,13 +83,6 @@ class Format:
 
 
 FORMATS = {"q8": Format("q8", 8), "q4": Format("q4", 4)}
-FORMAT_BY_BITS = {8: FORMATS["q8"], 4: FORMATS["q4"]}
-
-
-def fmt(name: str) -> Format:
-    if name not in FORMATS:
-        raise QuantError(f"unknown low-bit format {name!r} (ds2 knows {', '.join(FORMATS)})")
-    return FORMATS[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +227,7 @@ class Workers:
             for span in spans:
                 fn(*span)
             return
-        with blas_threads(1):
+        with contextlib.nullcontext() if self.held else blas_threads(1):   # held: already one
             futures = [self.pool.submit(self.part, fn, *span) for span in spans[1:]]
             self.part(fn, *spans[0])
             for future in futures:
@@ -339,9 +332,6 @@ class QuantMatrix:
     def __init__(self, qweight: np.ndarray, scales: np.ndarray, f: Format):
         self.qweight, self.scales, self.f = qweight, scales, f
         self.shape = (*qweight.shape[:-1], qweight.shape[-1] * (2 if f.bits == 4 else 1))
-
-    bits = property(lambda self: self.f.bits)
-    format = property(lambda self: self.f.name)
 
     @classmethod
     def from_float(cls, w: np.ndarray, f: Format) -> "QuantMatrix":
