@@ -139,7 +139,8 @@ def fits(cfg: DeepseekV2Config, stored: QuantConfig | None, context: int | None 
     return out
 
 
-def choose_auto(cfg: DeepseekV2Config, context: int | None, available: int | None = None) -> int | None:
+def choose_auto(cfg: DeepseekV2Config, context: int | None, available: int | None = None,
+                path: Path | None = None) -> int | None:
     """--quantize auto: None (float32) if it fits, else 8, else 4; an error when nothing fits."""
     available = available_bytes() if available is None else available
     if available is None:
@@ -147,7 +148,7 @@ def choose_auto(cfg: DeepseekV2Config, context: int | None, available: int | Non
     for form in fits(cfg, None, context, available):
         if form["fits"]:
             return {"float32": None, "8-bit": 8, "4-bit": 4}[form["format"]]
-    raise MemoryCheckError(f"{model_name(cfg)} does not fit even as 4-bit: it needs {gb(form['ram_bytes'])} but "
+    raise MemoryCheckError(f"{model_name(cfg, path)} does not fit even as 4-bit: it needs {gb(form['ram_bytes'])} but "
                            f"{gb(available)} is available")
 
 

@@ -277,7 +277,7 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     # then the weights
     tensors = checkpoint.validate(cfg, model_dir) if stored is None else validate_quantized(model_dir, cfg, stored)
     if quantize == "auto":
-        quantize = None if stored is not None else memory.choose_auto(cfg, context)
+        quantize = None if stored is not None else memory.choose_auto(cfg, context, path=model_dir)
     if memory_check:
         memory.check(cfg, model_dir, stored, quantize, context)
     tokenizer = Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
