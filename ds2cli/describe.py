@@ -560,6 +560,12 @@ def _tokenizer_table(r: dict) -> Table:
         ("eos ids (config)", t["config_eos_token_ids"])])
 
 
+def _scales(spec: dict) -> str:
+    if spec["scale_group"] == "row":
+        return f"{spec['scales']}, one per output row"
+    return f"{spec['scales']}, one per {spec['group_size']} output rows of a column"
+
+
 def render(report: dict, console: Console) -> None:
     """One table per section, then the problems in red. Warnings are left to the caller
     (`ds2 inspect` prints them to stderr), so they are not printed twice."""
@@ -569,7 +575,8 @@ def render(report: dict, console: Console) -> None:
     if report["quantization"]:
         q = report["quantization"]
         tables.insert(6, _kv_table("Quantization (ds2)", [
-            ("bits", q["bits"]), ("group size", q["group_size"]), ("scales", q["scale_dtype"]),
+            ("bits", q["bits"]),
+            *((f"{name} scales", _scales(spec)) for name, spec in q["format_specs"].items()),
             *((role.replace("_", " "), fmt) for role, fmt in q["formats"].items()),
             ("bytes on disk", human_bytes(q["file_bytes"]))]))
     # the path on a line of its own, never cut to fit a table's column

@@ -38,7 +38,7 @@ from ds2cli.linear import Dense
 from ds2cli.quant import FORMATS, QuantError, QuantMatrix
 
 QUANT_METHOD = "ds2"
-VERSION = 1
+VERSION = 2                      # 2: q8 scales per row (1 had groups of 32 rows)
 ALIGN = 64
 
 # Which prepared matrices each role of a recipe covers.
@@ -62,7 +62,6 @@ RECIPES = {8: dict.fromkeys(ROLES, "q8"),
 class QuantConfig:
     bits: int
     formats: dict                     # role -> "q8" | "q4" | "f32"
-    group_size: int = quant.GROUP
 
     @staticmethod
     def recipe(bits: int) -> "QuantConfig":
@@ -74,25 +73,27 @@ class QuantConfig:
         name = self.formats.get(ROLE_OF.get((part, key)), "f32")
         return None if name == "f32" else FORMATS[name]
 
+    @property
+    def used(self) -> list[str]:
+        """The low-bit formats the recipe uses, in FORMATS order."""
+        return [name for name in FORMATS if name in self.formats.values()]
+
     def to_json(self) -> dict:
-        return {"quant_method": QUANT_METHOD, "version": VERSION, "bits": self.bits,
-                "group_size": self.group_size, "scale_dtype": "bfloat16", "layout": "ds2-prepared",
-                "formats": dict(self.formats)}
+        return {"quant_method": QUANT_METHOD, "version": VERSION, "bits": self.bits, "layout": "ds2-prepared",
+                "formats": dict(self.formats),
+                "format_specs": {name: FORMATS[name].spec() for name in self.used}}
 
     @staticmethod
     def from_json(d: object) -> "QuantConfig":
         if not isinstance(d, dict):
             raise QuantError("config.json: quantization_config must be an object")
         if d.get("version") != VERSION:
+            hint = " (an older ds2 wrote it: run ds2 quantize again)" if d.get("version") == 1 else ""
             raise QuantError(f"config.json: quantization_config version {d.get('version')!r} is not "
-                             f"one ds2 reads (it writes version {VERSION})")
-        bits, group, formats = d.get("bits"), d.get("group_size"), d.get("formats")
+                             f"one ds2 reads (it writes version {VERSION}){hint}")
+        bits, formats, specs = d.get("bits"), d.get("formats"), d.get("format_specs")
         if bits not in RECIPES:
             raise QuantError(f"config.json: quantization_config bits must be 8 or 4, got {bits!r}")
-        if group != quant.GROUP:
-            raise QuantError(f"config.json: quantization_config group_size must be {quant.GROUP}, got {group!r}")
-        if d.get("scale_dtype", "bfloat16") != "bfloat16":
-            raise QuantError(f"config.json: quantization_config scale_dtype {d['scale_dtype']!r} is not bfloat16")
         if not isinstance(formats, dict) or set(formats) != set(ROLES):
             raise QuantError(f"config.json: quantization_config formats must name exactly the roles "
                              f"{', '.join(ROLES)}")
@@ -100,7 +101,15 @@ class QuantConfig:
             if name != "f32" and name not in FORMATS:
                 raise QuantError(f"config.json: quantization_config gives {role} the unknown format "
                                  f"{name!r} (ds2 knows {', '.join(FORMATS)}, f32)")
-        return QuantConfig(bits, dict(formats), group)
+        qc = QuantConfig(bits, dict(formats))
+        if not isinstance(specs, dict):
+            raise QuantError("config.json: quantization_config has no format_specs object")
+        for name in qc.used:
+            if specs.get(name) != FORMATS[name].spec():
+                raise QuantError(f"config.json: quantization_config format_specs describes {name} as "
+                                 f"{json.dumps(specs.get(name))}, which is not ds2's {name} "
+                                 f"({json.dumps(FORMATS[name].spec())})")
+        return qc
 
 
 def read_quant_config(raw: dict) -> QuantConfig | None:
@@ -169,7 +178,7 @@ def stored_tensors(name: str, shape: tuple[int, ...], f: quant.Format | None) ->
         yield name + ".weight", shape, "F32"
     else:
         yield name + ".qweight", f.qweight_shape(shape), "I8" if f.bits == 8 else "U8"
-        yield name + ".scales", f.scales_shape(shape), "BF16"
+        yield name + ".scales", f.scales_shape(shape), SAFETENSORS_DTYPES[f.scale_dtype]
 
 
 def format_for(qc: QuantConfig | None, part: str, key: str, shape: tuple[int, ...]) -> quant.Format | None:

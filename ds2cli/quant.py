@@ -1,32 +1,37 @@
 """ds2's low-bit weight formats and their NumPy kernels.
 
-Two formats, both symmetric round-to-nearest with one bfloat16 scale per group of 32 values.
-A group is 32 consecutive *output rows of one input column* (W[32j:32j+32, i]), not 32
-consecutive values of a row: that puts each group's scale on the activation side of the product,
+Two formats, both symmetric round-to-nearest:
 
-    y[o] = sum_i W[o, i] x[i] = sum_i q[o, i] * (s[o // 32, i] * x[i])
+  q8: qweight int8 (..., out, in), one float32 scale per output row, scales (..., out):
+      value = q * s[o], q in [-127, 127].
+  q4: qweight uint8 (..., out, in/2), one bfloat16 scale per group of 32 *output rows of one
+      input column* (W[32j:32j+32, i]), scales (..., ceil(out/32), in): value = (q - 8) * s,
+      q in [0, 15]. Byte k of a row holds column k in its low nibble and column k + in/2 in its
+      high nibble, so unpacking a block is two contiguous half-width slabs. The last group of
+      rows may be partial.
 
-so a decode step scales the activation once per group of rows, `xs = s * x` (G, in), and
-multiplies the raw integers by it, never multiplying scales into a dequantized block. On
-ds2-tiny it also measures slightly better than grouping along rows (8-bit mean KL 3.5e-3 vs
-3.9e-3; per-row scales 4.7e-3), see the README.
+Why these scales. A decode step is CPU-bound in NumPy's int8 -> float32 cast (about 0.12 ns a
+value on one core from cache, 0.2 from memory; float32 weights stream at about 0.15 ns a value
+on two cores), so whatever the scales add to the product shows in the tok/s:
+  - q8's per-row scale applies to the output, y = s * (q @ x): one plain gemv per row block and
+    nothing else. Column groups of 32 measured 3.5e-3 mean KL on ds2-tiny against 4.7e-3 per row
+    (fake-quantized, see the README), but cost a batched product and a scaled copy of x per
+    group of rows: the whole 4-layer V2-Lite slice decoded at 127-150 ms a token against
+    98-116 ms per row (float32: 95-99 ms), measured in one process.
+  - q4 needs small groups (ds2-tiny's KL: 0.122 with 32 rows, 0.150 with 64, 0.181 with 128), and
+    a group of rows of one column puts its scale on the activation side,
+        y[o] = sum_i (q[o, i] - 8) * s[o // 32, i] * x[i] = q[o] . xs[o // 32] - 8 * sum(xs[o // 32])
+    with xs = s * x (G, in): the raw nibbles multiply the scaled activation, and the offset is
+    one number per group, subtracted from the output, never from each weight.
+q4 scales are bfloat16 rather than float16 because NumPy (through ml_dtypes) widens bfloat16 to
+float32 several times faster than float16, and a decode step widens every q4 scale it uses. A
+scale is rounded *up* to bfloat16, never to nearest, so the largest value of a group never leaves
+the integer range; the step grows by at most 0.8%.
 
-  q8: qweight int8  (..., out, in),    value = q * s,       q in [-127, 127]
-  q4: qweight uint8 (..., out, in/2),  value = (q - 8) * s, q in [0, 15]; byte k of a row holds
-      column k in its low nibble and column k + in/2 in its high nibble, so unpacking a block
-      is two contiguous half-width slabs
-  scales bfloat16 (..., ceil(out/32), in); the last group of rows may be partial.
-
-Scales are bfloat16 rather than float16 because NumPy (through ml_dtypes) widens bfloat16 to
-float32 ten times faster than float16 (0.1 vs 1.1 ns a value, measured), and a decode step
-widens every scale it uses. A scale is rounded *up* to bfloat16, never to nearest, so the
-largest value of a group never leaves the integer range; the step grows by at most 0.8%.
-
-Kernels: a matrix-vector product (decode) dequantizes row blocks that fit in L2 into a reused
-per-thread float32 buffer and multiplies each group of 32 rows by its scaled activation in one
-batched BLAS call; the row blocks are split across the cores, since NumPy releases the GIL in
-casts and in BLAS. A product with many tokens (prefill) dequantizes each weight once, in chunks,
-and runs the usual GEMM.
+Kernels: a matrix-vector product (decode) widens row blocks that fit in L2 into a reused float32
+buffer and multiplies each by the activation with BLAS; the row blocks are split across the
+cores, since NumPy releases the GIL in casts and in BLAS. A product with many tokens (prefill)
+dequantizes each weight once, in chunks, and runs the usual GEMM.
 """
 
 from __future__ import annotations
@@ -44,11 +49,13 @@ from ds2cli.errors import Ds2Error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
-GROUP = 32                    # rows per scale
+Q4_GROUP = 32                 # q4: output rows per scale
+SPLIT_ALIGN = 32              # row spans given to the cores start at multiples of this
 L2_BLOCK_BYTES = 1 << 20      # a decode row block's float32 buffer: fits one core's L2
 PREFILL_CHUNK_BYTES = 16 << 20  # prefill dequantizes at most this much float32 at once, a core
 SMALL_MATRIX = 1 << 18        # below this many values a matrix is dequantized whole, on one
                               # thread: splitting it would cost more in overhead than it saves
+NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 
 
 class QuantError(Ds2Error):
@@ -59,7 +66,7 @@ class QuantError(Ds2Error):
 class Format:
     name: str
     bits: int
-    group_size: int = GROUP
+    group_size: int | None        # output rows per scale of one column; None: one scale per row
 
     def qweight_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
@@ -67,22 +74,38 @@ class Format:
 
     def scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
+        if self.group_size is None:
+            return (*lead, out)
         return (*lead, -(-out // self.group_size), inp)
 
     @property
-    def qweight_dtype(self):
+    def qweight_dtype(self) -> np.dtype:
         return np.dtype(np.int8 if self.bits == 8 else np.uint8)
 
+    @property
+    def scale_dtype(self) -> np.dtype:
+        return np.dtype(np.float32) if self.group_size is None else BF16
+
     def nbytes(self, shape: tuple[int, ...]) -> int:
-        """Bytes a (..., out, in) weight takes in this format: integers plus bfloat16 scales."""
+        """Bytes a (..., out, in) weight takes in this format: integers plus scales."""
         q, s = self.qweight_shape(shape), self.scales_shape(shape)
-        return int(np.prod(q)) * self.qweight_dtype.itemsize + int(np.prod(s)) * 2
+        return int(np.prod(q)) * self.qweight_dtype.itemsize + int(np.prod(s)) * self.scale_dtype.itemsize
 
     def supports(self, shape: tuple[int, ...]) -> bool:
         return self.bits == 8 or shape[-1] % 2 == 0
 
+    def spec(self) -> dict:
+        """The format as config.json's quantization_config describes it."""
+        d = {"bits": self.bits, "qweight": str(self.qweight_dtype), "symmetric": True}
+        if self.group_size is None:
+            d.update(scales="float32", scale_group="row")
+        else:
+            d.update(scales="bfloat16", scale_group="column", group_size=self.group_size,
+                     offset=8, packing="low nibble: column k, high nibble: column k + in/2")
+        return d
 
-FORMATS = {"q8": Format("q8", 8), "q4": Format("q4", 4)}
+
+FORMATS = {"q8": Format("q8", 8, None), "q4": Format("q4", 4, Q4_GROUP)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,36 +117,32 @@ def quantize(w: np.ndarray, f: Format) -> tuple[np.ndarray, np.ndarray]:
     quantized one matrix at a time, so the float32 temporaries stay one matrix large."""
     if w.ndim > 2:
         qweight = np.empty(f.qweight_shape(w.shape), f.qweight_dtype)
-        scales = np.empty(f.scales_shape(w.shape), BF16)
+        scales = np.empty(f.scales_shape(w.shape), f.scale_dtype)
         for e in np.ndindex(w.shape[:-2]):
             qweight[e], scales[e] = quantize(w[e], f)
         return qweight, scales
     w = np.asarray(w, dtype=np.float32)
-    *lead, out, inp = w.shape
+    if f.group_size is None:
+        scale = np.abs(w).max(axis=-1) / np.float32(127)                    # (out,)
+        inv = np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
+        q = np.clip(np.rint(w * inv[:, None]), -127, 127).astype(np.int8)
+        return q, scale.astype(np.float32)
+    out, inp = w.shape
     g = f.group_size
     pad = -out % g
     if pad:  # zero rows never change a group's maximum; they are dropped again below
-        w = np.concatenate([w, np.zeros((*lead, pad, inp), np.float32)], axis=-2)
-    groups = w.reshape(*lead, -1, g, inp)                                   # (..., G, g, in)
-    if f.bits == 8:
-        scale = np.abs(groups).max(axis=-2) / np.float32(127)               # (..., G, in)
-    else:
-        # As llama.cpp's Q4_0: the value of largest magnitude maps to -8 exactly, so the full
-        # range [-8, 7] is used whichever sign the extreme has.
-        extreme = np.take_along_axis(groups, np.abs(groups).argmax(axis=-2)[..., None, :], axis=-2)
-        scale = extreme[..., 0, :] / np.float32(-8)                         # (..., G, in)
-    scales = bf16_up(scale)
+        w = np.concatenate([w, np.zeros((pad, inp), np.float32)], axis=-2)
+    groups = w.reshape(-1, g, inp)                                          # (G, g, in)
+    # As llama.cpp's Q4_0: the value of largest magnitude maps to -8 exactly, so the full
+    # range [-8, 7] is used whichever sign the extreme has.
+    extreme = np.take_along_axis(groups, np.abs(groups).argmax(axis=-2)[..., None, :], axis=-2)
+    scales = bf16_up(extreme[..., 0, :] / np.float32(-8))                   # (G, in)
     s = scales.astype(np.float32)
-    inv = np.divide(1, s, out=np.zeros_like(s), where=s != 0)[..., None, :]  # (..., G, 1, in)
-    if f.bits == 8:
-        q = np.clip(np.rint(groups * inv), -127, 127).astype(np.int8)
-    else:
-        q = np.clip(np.rint(groups * inv) + 8, 0, 15).astype(np.uint8)
-    q = q.reshape(*lead, out + pad, inp)[..., :out, :]
-    if f.bits == 4:
-        half = inp // 2
-        q = q[..., :half] | (q[..., half:] << 4)
-    return np.ascontiguousarray(q), np.ascontiguousarray(scales)
+    inv = np.divide(1, s, out=np.zeros_like(s), where=s != 0)[..., None, :]  # (G, 1, in)
+    q = np.clip(np.rint(groups * inv) + 8, 0, 15).astype(np.uint8)
+    q = q.reshape(out + pad, inp)[:out]
+    half = inp // 2
+    return np.ascontiguousarray(q[:, :half] | (q[:, half:] << 4)), np.ascontiguousarray(scales)
 
 
 def bf16_up(x: np.ndarray) -> np.ndarray:
@@ -136,29 +155,34 @@ def bf16_up(x: np.ndarray) -> np.ndarray:
 
 
 def dequantize(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
-    """(qweight, scales) -> float32 (..., rows, in), written into `out` when given. The rows must
-    start where a group starts, `scales` holding those groups."""
+    """(qweight, scales) -> float32 (..., rows, in), written into `out` when given. For q4 the
+    rows must start where a group starts, `scales` holding those groups."""
     if qweight.ndim > 2:
         if out is None:
             out = np.empty((*qweight.shape[:-1], qweight.shape[-1] * (2 if f.bits == 4 else 1)), np.float32)
         for e in np.ndindex(qweight.shape[:-2]):
             dequantize(qweight[e], scales[e], f, out[e])
         return out
-    rows, g = qweight.shape[0], f.group_size
+    rows = qweight.shape[0]
     inp = qweight.shape[1] * (2 if f.bits == 4 else 1)
     w = np.empty((rows, inp), np.float32) if out is None else out
     # block by block, so the scaling pass finds each block still in cache
-    block = max(g, L2_BLOCK_BYTES // (4 * inp) // g * g)
+    block = row_block(inp, f)
     for r0 in range(0, rows, block):
         r1 = min(rows, r0 + block)
-        dequantize_block(qweight[r0:r1], scales[r0 // g:-(-r1 // g)], f, w[r0:r1])
+        dequantize_block(qweight[r0:r1], scales, r0, f, w[r0:r1])
     return w
 
 
-def dequantize_block(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarray) -> None:
-    rows, g = qweight.shape[0], f.group_size
-    w = unpack(qweight, f, out)                                             # (rows, in)
-    s = scales.astype(np.float32)                                           # (G, in)
+def dequantize_block(qweight: np.ndarray, scales: np.ndarray, r0: int, f: Format, out: np.ndarray) -> None:
+    """Rows r0 .. r0 + len(qweight) of a matrix whose scales are `scales`, into out."""
+    rows = qweight.shape[0]
+    w = unpack(qweight, f, out, signed=True)                                # (rows, in)
+    if f.group_size is None:
+        w *= scales[r0:r0 + rows, None]
+        return
+    g = f.group_size
+    s = scales[r0 // g:-(-(r0 + rows) // g)].astype(np.float32)             # (G, in)
     full = rows // g * g
     grouped = w[:full].reshape(full // g, g, w.shape[1])                    # (G, g, in), a view
     grouped *= s[:full // g, None, :]
@@ -166,9 +190,15 @@ def dequantize_block(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np
         w[full:] *= s[full // g]
 
 
-def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
-    """The signed integers as float32 (..., rows, in): q for q8, q - 8 for q4 (subtracted on the
-    bytes, where it is cheap: 0..15 minus 8 wraps in uint8 to exactly q - 8 read as int8)."""
+def row_block(inp: int, f: Format) -> int:
+    """Rows of a decode block: an L2-sized float32 buffer, whole q4 groups."""
+    g = f.group_size or 8
+    return max(g, L2_BLOCK_BYTES // (4 * inp) // g * g)
+
+
+def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None, signed: bool = True) -> np.ndarray:
+    """The integers as float32 (..., rows, in): q for q8; for q4 q - 8 when signed, the raw
+    nibbles q (0..15) otherwise (the decode kernel subtracts the offset from its output)."""
     *lead, rows, stored = qweight.shape
     inp = stored * 2 if f.bits == 4 else stored
     if out is None:
@@ -176,9 +206,24 @@ def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.
     if f.bits == 8:
         np.copyto(out, qweight, casting="unsafe")
         return out
-    for half, nibble in ((out[..., :stored], qweight & np.uint8(15)), (out[..., stored:], qweight >> np.uint8(4))):
-        nibble -= np.uint8(8)
-        np.copyto(half, nibble.view(np.int8), casting="unsafe")
+    with workers().buffer(-(-qweight.size // 2), slot="nibbles") as scratch:
+        nibbles = scratch.view(np.uint8)[:2 * qweight.size].reshape(2, *qweight.shape)
+        lo, hi = nibbles
+        if qweight.size % 8 == 0 and qweight.flags.c_contiguous:
+            # on 64-bit words: NumPy has no 8-bit SIMD shift, and 8 nibbles a word is 8x fewer ops
+            q64, lo64, hi64 = (a.reshape(-1).view(np.uint64) for a in (qweight, lo, hi))
+            np.bitwise_and(q64, NIBBLES, out=lo64)
+            np.right_shift(q64, np.uint64(4), out=hi64)
+            np.bitwise_and(hi64, NIBBLES, out=hi64)
+        else:
+            np.bitwise_and(qweight, np.uint8(15), out=lo)
+            np.right_shift(qweight, np.uint8(4), out=hi)
+        if signed:
+            # 0..15 minus 8 wraps in uint8 to exactly q - 8 read as int8
+            np.subtract(nibbles, np.uint8(8), out=nibbles)
+            lo, hi = nibbles.view(np.int8)
+        np.copyto(out[..., :stored], lo, casting="unsafe")
+        np.copyto(out[..., stored:], hi, casting="unsafe")
     return out
 
 
@@ -354,8 +399,10 @@ class QuantMatrix:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
-        groups = self.scales[ids // self.f.group_size].astype(np.float32)   # (T, in)
-        return unpack(self.qweight[ids], self.f) * groups                   # (T, in)
+        w = unpack(self.qweight[ids], self.f)                               # (T, in)
+        if self.f.group_size is None:
+            return w * self.scales[ids][:, None]
+        return w * self.scales[ids // self.f.group_size].astype(np.float32)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         if len(x) == 1:
@@ -365,57 +412,70 @@ class QuantMatrix:
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """W @ x for x (in,) -> (out,), never materializing W."""
         out, inp = self.shape
-        g = self.f.group_size
+        f, g = self.f, self.f.group_size
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp) as buf:
-                return dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)) @ x
+                return dequantize(self.qweight, self.scales, f, buf.reshape(out, inp)) @ x
         y = np.empty(out, np.float32)
-        block = max(g, L2_BLOCK_BYTES // (4 * inp) // g * g)
+        block = row_block(inp, f)
         pool = workers()
 
         def span(a: int, b: int) -> None:
-            # this span's groups of rows: a and b are multiples of g (split_rows)
-            xs = self.scales[a // g:-(-b // g)].astype(np.float32)          # (groups, in)
-            xs *= x
+            # q8: y = s * (q @ x), one gemv a block. q4: each group of g rows multiplies its raw
+            # nibbles by its scaled activation xs (groups, in), less 8 * sum(xs) for the offset.
+            xs = None
+            if g is not None:                                  # a and b are multiples of g here
+                xs = self.scales[a // g:-(-b // g)].astype(np.float32)      # (groups, in)
+                xs *= x
             with pool.buffer(block * inp) as buf:
-                blocks(a, b, xs, buf)
+                for r0 in range(a, b, block):
+                    r1 = min(b, r0 + block)
+                    w = unpack(self.qweight[r0:r1], f, buf[:(r1 - r0) * inp].reshape(r1 - r0, inp), signed=False)
+                    if xs is None:
+                        np.dot(w, x, out=y[r0:r1])
+                        continue
+                    full = (r1 - r0) // g * g
+                    g0 = (r0 - a) // g
+                    if full:
+                        np.matmul(w[:full].reshape(-1, g, inp), xs[g0:g0 + full // g, :, None],
+                                  out=y[r0:r0 + full].reshape(-1, g, 1))    # (groups, g, 1)
+                    if full < r1 - r0:
+                        y[r0 + full:r1] = w[full:] @ xs[g0 + full // g]
+            if xs is None:
+                y[a:b] *= self.scales[a:b]
+            else:
+                offset = np.repeat(np.float32(8) * xs.sum(axis=1), g)       # (groups * g,)
+                y[a:b] -= offset[:b - a]
 
-        def blocks(a: int, b: int, xs: np.ndarray, buf: np.ndarray) -> None:
-            for r0 in range(a, b, block):
-                r1 = min(b, r0 + block)
-                w = unpack(self.qweight[r0:r1], self.f, buf[:(r1 - r0) * inp].reshape(r1 - r0, inp))
-                full = (r1 - r0) // g * g
-                g0 = (r0 - a) // g
-                if full:
-                    np.matmul(w[:full].reshape(-1, g, inp), xs[g0:g0 + full // g, :, None],
-                              out=y[r0:r0 + full].reshape(-1, g, 1))        # (groups, g, 1)
-                if full < r1 - r0:
-                    y[r0 + full:r1] = w[full:] @ xs[g0 + full // g]
-
-        pool.run(span, split_rows(out, pool.n, g))
+        pool.run(span, split_rows(out, pool.n, g or SPLIT_ALIGN))
         return y
 
     def matmul_many(self, x: np.ndarray) -> np.ndarray:
         """x (T, in) @ W.T for many tokens: dequantize chunks of rows once, then GEMM each,
         the rows split across the cores (BLAS at one thread, see Workers.run)."""
         out, inp = self.shape
-        g = self.f.group_size
+        f, g = self.f, self.f.group_size
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp, slot="chunk") as buf:
-                return x @ dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)).T
-        chunk = max(g, PREFILL_CHUNK_BYTES // (4 * inp) // g * g)
+                return x @ dequantize(self.qweight, self.scales, f, buf.reshape(out, inp)).T
+        chunk = max(g or SPLIT_ALIGN, PREFILL_CHUNK_BYTES // (4 * inp) // (g or SPLIT_ALIGN) * (g or SPLIT_ALIGN))
         yt = np.empty((out, len(x)), np.float32)                            # (out, T)
         pool = workers()
         xt = np.ascontiguousarray(x.T)                                      # (in, T)
 
         def span(a: int, b: int) -> None:
-            # each core dequantizes its rows chunk by chunk and multiplies them itself
+            # each core dequantizes its rows chunk by chunk and multiplies them itself; q8's
+            # per-row scales go on the output rows, not on every weight
             with pool.buffer(min(b - a, chunk) * inp, slot="chunk") as buf:
                 for c0 in range(a, b, chunk):
                     c1 = min(b, c0 + chunk)
-                    w = dequantize(self.qweight[c0:c1], self.scales[c0 // g:-(-c1 // g)], self.f,
-                                   buf[:(c1 - c0) * inp].reshape(c1 - c0, inp))
-                    np.matmul(w, xt, out=yt[c0:c1])                         # (chunk, T)
+                    w = buf[:(c1 - c0) * inp].reshape(c1 - c0, inp)
+                    if g is None:
+                        np.matmul(unpack(self.qweight[c0:c1], f, w), xt, out=yt[c0:c1])
+                        yt[c0:c1] *= self.scales[c0:c1, None]
+                    else:
+                        np.matmul(dequantize(self.qweight[c0:c1], self.scales[c0 // g:-(-c1 // g)], f, w),
+                                  xt, out=yt[c0:c1])                        # (chunk, T)
 
-        pool.run(span, split_rows(out, pool.n, g))
+        pool.run(span, split_rows(out, pool.n, g or SPLIT_ALIGN))
         return yt.T                                                         # (T, out)

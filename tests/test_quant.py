@@ -35,10 +35,15 @@ def test_round_trip_error_is_at_most_half_a_step(name, shape):
     f = FORMATS[name]
     w = weights(shape)
     m = QuantMatrix.from_float(w, f)
-    assert m.qweight.dtype == f.qweight_dtype and m.scales.dtype == quant.BF16
+    assert m.qweight.dtype == f.qweight_dtype and m.scales.dtype == f.scale_dtype
     assert m.qweight.shape == f.qweight_shape(shape) and m.scales.shape == f.scales_shape(shape)
     assert m.nbytes == f.nbytes(shape)
-    step = np.repeat(np.abs(m.scales.astype(np.float32)), 32, axis=-2)[..., :shape[-2], :]
+    if name == "q8":   # one float32 scale per output row
+        assert m.scales.dtype == np.float32
+        step = np.broadcast_to(m.scales[..., None], shape)
+    else:              # one bfloat16 scale per 32 output rows of a column
+        assert m.scales.dtype == quant.BF16
+        step = np.repeat(np.abs(m.scales.astype(np.float32)), 32, axis=-2)[..., :shape[-2], :]
     err = np.abs(m.dequantize() - w)
     tol = 1 + 1e-6
     if name == "q8":
@@ -116,7 +121,9 @@ def test_quantized_checkpoint_is_self_describing(quantized):
     for bits, path in quantized.items():
         config = json.loads((path / "config.json").read_text())
         qc = config["quantization_config"]
-        assert qc["quant_method"] == "ds2" and qc["bits"] == bits and qc["group_size"] == 32
+        assert qc["quant_method"] == "ds2" and qc["bits"] == bits and qc["version"] == 2
+        assert qc["format_specs"]["q8"]["scale_group"] == "row"
+        assert bits == 8 or qc["format_specs"]["q4"]["group_size"] == 32
         assert qc["formats"]["routed_experts"] == ("q8" if bits == 8 else "q4")
         assert qc["formats"]["attention"] == "q8"
         index = json.loads((path / "model.safetensors.index.json").read_text())

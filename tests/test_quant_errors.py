@@ -80,8 +80,11 @@ def test_wrong_scale_shape(q4_copy):
 @pytest.mark.parametrize("change, message", [
     (lambda q: q["formats"].__setitem__("routed_experts", "q3"), "unknown format 'q3'"),
     (lambda q: q.__setitem__("bits", 5), "bits must be 8 or 4"),
-    (lambda q: q.__setitem__("group_size", 64), "group_size must be 32"),
+    (lambda q: q["format_specs"]["q4"].__setitem__("group_size", 64), "which is not ds2's q4"),
+    (lambda q: q["format_specs"]["q8"].__setitem__("scale_group", "column"), "which is not ds2's q8"),
+    (lambda q: q.pop("format_specs"), "no format_specs"),
     (lambda q: q.__setitem__("version", 7), "version 7"),
+    (lambda q: q.__setitem__("version", 1), "an older ds2 wrote it: run ds2 quantize again"),
     (lambda q: q["formats"].pop("lm_head"), "formats must name exactly"),
 ])
 def test_bad_quantization_config(q4_copy, change, message):
@@ -98,7 +101,7 @@ def test_quantization_config_that_disagrees_with_the_tensors(q4_copy):
     assert "experts_gate_up.qweight has" in line
     r = run("inspect", "--json", q4_copy)
     problems = json.loads(r.stdout)["problems"]
-    assert r.exit_code == 1 and len(problems) == 10   # 5 MoE layers x (gate_up, down)
+    assert r.exit_code == 1 and len(problems) == 20   # 5 MoE layers x (gate_up, down) x (qweight, scales)
     assert all("quantization_config says I8" in p or "config says" in p for p in problems)
 
 
