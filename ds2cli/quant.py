@@ -196,9 +196,11 @@ def row_block(inp: int, f: Format) -> int:
     return max(g, L2_BLOCK_BYTES // (4 * inp) // g * g)
 
 
-def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None, signed: bool = True) -> np.ndarray:
+def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None, signed: bool = True,
+           scratch: np.ndarray | None = None) -> np.ndarray:
     """The integers as float32 (..., rows, in): q for q8; for q4 q - 8 when signed, the raw
-    nibbles q (0..15) otherwise (the decode kernel subtracts the offset from its output)."""
+    nibbles q (0..15) otherwise (the decode kernel subtracts the offset from its output). q4 needs
+    a byte of scratch per value: `scratch` (float32, at least in*rows/4 values) or a lent one."""
     *lead, rows, stored = qweight.shape
     inp = stored * 2 if f.bits == 4 else stored
     if out is None:
@@ -206,24 +208,26 @@ def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None, signed
     if f.bits == 8:
         np.copyto(out, qweight, casting="unsafe")
         return out
-    with workers().buffer(-(-qweight.size // 2), slot="nibbles") as scratch:
-        nibbles = scratch.view(np.uint8)[:2 * qweight.size].reshape(2, *qweight.shape)
-        lo, hi = nibbles
-        if qweight.size % 8 == 0 and qweight.flags.c_contiguous:
-            # on 64-bit words: NumPy has no 8-bit SIMD shift, and 8 nibbles a word is 8x fewer ops
-            q64, lo64, hi64 = (a.reshape(-1).view(np.uint64) for a in (qweight, lo, hi))
-            np.bitwise_and(q64, NIBBLES, out=lo64)
-            np.right_shift(q64, np.uint64(4), out=hi64)
-            np.bitwise_and(hi64, NIBBLES, out=hi64)
-        else:
-            np.bitwise_and(qweight, np.uint8(15), out=lo)
-            np.right_shift(qweight, np.uint8(4), out=hi)
-        if signed:
-            # 0..15 minus 8 wraps in uint8 to exactly q - 8 read as int8
-            np.subtract(nibbles, np.uint8(8), out=nibbles)
-            lo, hi = nibbles.view(np.int8)
-        np.copyto(out[..., :stored], lo, casting="unsafe")
-        np.copyto(out[..., stored:], hi, casting="unsafe")
+    if scratch is None:
+        with workers().buffer(-(-qweight.size // 2), slot="nibbles") as lent:
+            return unpack(qweight, f, out, signed, lent)
+    nibbles = scratch.view(np.uint8)[:2 * qweight.size].reshape(2, *qweight.shape)
+    lo, hi = nibbles
+    if qweight.size % 8 == 0 and qweight.flags.c_contiguous:
+        # on 64-bit words: NumPy has no 8-bit SIMD shift, and 8 nibbles a word is 8x fewer ops
+        q64, lo64, hi64 = (a.reshape(-1).view(np.uint64) for a in (qweight, lo, hi))
+        np.bitwise_and(q64, NIBBLES, out=lo64)
+        np.right_shift(q64, np.uint64(4), out=hi64)
+        np.bitwise_and(hi64, NIBBLES, out=hi64)
+    else:
+        np.bitwise_and(qweight, np.uint8(15), out=lo)
+        np.right_shift(qweight, np.uint8(4), out=hi)
+    if signed:
+        # 0..15 minus 8 wraps in uint8 to exactly q - 8 read as int8
+        np.subtract(nibbles, np.uint8(8), out=nibbles)
+        lo, hi = nibbles.view(np.int8)
+    np.copyto(out[..., :stored], lo, casting="unsafe")
+    np.copyto(out[..., stored:], hi, casting="unsafe")
     return out
 
 
@@ -427,10 +431,11 @@ class QuantMatrix:
             if g is not None:                                  # a and b are multiples of g here
                 xs = self.scales[a // g:-(-b // g)].astype(np.float32)      # (groups, in)
                 xs *= x
-            with pool.buffer(block * inp) as buf:
+            nibbles = pool.buffer(block * inp // 4 + 1, "nibbles") if f.bits == 4 else contextlib.nullcontext()
+            with pool.buffer(block * inp) as buf, nibbles as scratch:
                 for r0 in range(a, b, block):
                     r1 = min(b, r0 + block)
-                    w = unpack(self.qweight[r0:r1], f, buf[:(r1 - r0) * inp].reshape(r1 - r0, inp), signed=False)
+                    w = unpack(self.qweight[r0:r1], f, buf[:(r1 - r0) * inp].reshape(r1 - r0, inp), False, scratch)
                     if xs is None:
                         np.dot(w, x, out=y[r0:r1])
                         continue
