@@ -108,11 +108,13 @@ def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None
         e = experts[j]
         return swiglu(x[picks[j] // k], w["experts_gate_up"][e], w["experts_down"][e])
 
-    # the experts are independent: with low-bit weights each core takes whole experts
-    outs = workers().map(run, range(len(experts)))
+    # the experts are independent: with low-bit weights each core takes whole experts, the
+    # busiest first so that dealing them out in turn keeps the cores evenly loaded (prefill)
+    busiest = sorted(range(len(experts)), key=lambda j: -len(picks[j]))
+    outs = dict(zip(busiest, workers().map(run, busiest)))
     y = np.zeros_like(x)                                                    # (T, D)
-    for j, out in enumerate(outs):
-        y[picks[j] // k] += out * weight.ravel()[picks[j]][:, None]
+    for j in range(len(experts)):                # summed in expert order, however they ran
+        y[picks[j] // k] += outs[j] * weight.ravel()[picks[j]][:, None]
     if "shared_gate_up" in w:
         y += swiglu(x, w["shared_gate_up"], w["shared_down"])
     return y

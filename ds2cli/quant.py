@@ -463,7 +463,8 @@ class QuantMatrix:
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp, slot="chunk") as buf:
                 return x @ dequantize(self.qweight, self.scales, f, buf.reshape(out, inp)).T
-        chunk = max(g or SPLIT_ALIGN, PREFILL_CHUNK_BYTES // (4 * inp) // (g or SPLIT_ALIGN) * (g or SPLIT_ALIGN))
+        align = g or SPLIT_ALIGN
+        chunk = max(align, PREFILL_CHUNK_BYTES // (4 * inp) // align * align)
         yt = np.empty((out, len(x)), np.float32)                            # (out, T)
         pool = workers()
         xt = np.ascontiguousarray(x.T)                                      # (in, T)
@@ -482,5 +483,5 @@ class QuantMatrix:
                         np.matmul(dequantize(self.qweight[c0:c1], self.scales[c0 // g:-(-c1 // g)], f, w),
                                   xt, out=yt[c0:c1])                        # (chunk, T)
 
-        pool.run(span, split_rows(out, pool.n, g or SPLIT_ALIGN))
+        pool.run(span, split_rows(out, pool.n, align))
         return yt.T                                                         # (T, out)
