@@ -177,7 +177,7 @@ def dequantize(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarr
 def dequantize_block(qweight: np.ndarray, scales: np.ndarray, r0: int, f: Format, out: np.ndarray) -> None:
     """Rows r0 .. r0 + len(qweight) of a matrix whose scales are `scales`, into out."""
     rows = qweight.shape[0]
-    w = unpack(qweight, f, out, signed=True)                                # (rows, in)
+    w = unpack(qweight, f, out)                                             # (rows, in)
     if f.group_size is None:
         w *= scales[r0:r0 + rows, None]
         return
@@ -196,11 +196,8 @@ def row_block(inp: int, f: Format) -> int:
     return max(g, L2_BLOCK_BYTES // (4 * inp) // g * g)
 
 
-def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None, signed: bool = True,
-           scratch: np.ndarray | None = None) -> np.ndarray:
-    """The integers as float32 (..., rows, in): q for q8; for q4 q - 8 when signed, the raw
-    nibbles q (0..15) otherwise (the decode kernel subtracts the offset from its output). q4 needs
-    a byte of scratch per value: `scratch` (float32, at least in*rows/4 values) or a lent one."""
+def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
+    """The signed integers as float32 (..., rows, in): q for q8, q - 8 for q4."""
     *lead, rows, stored = qweight.shape
     inp = stored * 2 if f.bits == 4 else stored
     if out is None:
@@ -208,9 +205,17 @@ def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None, signed
     if f.bits == 8:
         np.copyto(out, qweight, casting="unsafe")
         return out
-    if scratch is None:
-        with workers().buffer(-(-qweight.size // 2), slot="nibbles") as lent:
-            return unpack(qweight, f, out, signed, lent)
+    with workers().buffer(-(-qweight.size // 2), slot="nibbles") as scratch:
+        lo, hi = split_nibbles(qweight, scratch, signed=True)
+        np.copyto(out[..., :stored], lo, casting="unsafe")
+        np.copyto(out[..., stored:], hi, casting="unsafe")
+    return out
+
+
+def split_nibbles(qweight: np.ndarray, scratch: np.ndarray, signed: bool) -> np.ndarray:
+    """q4 bytes (..., rows, in/2) -> (2, ..., rows, in/2) bytes in `scratch` (float32, at least
+    qweight.size / 2 values): the low nibbles (columns :in/2) then the high ones (in/2:), as
+    uint8 0..15, or as int8 q - 8 when signed."""
     nibbles = scratch.view(np.uint8)[:2 * qweight.size].reshape(2, *qweight.shape)
     lo, hi = nibbles
     if qweight.size % 8 == 0 and qweight.flags.c_contiguous:
@@ -222,13 +227,11 @@ def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None, signed
     else:
         np.bitwise_and(qweight, np.uint8(15), out=lo)
         np.right_shift(qweight, np.uint8(4), out=hi)
-    if signed:
-        # 0..15 minus 8 wraps in uint8 to exactly q - 8 read as int8
-        np.subtract(nibbles, np.uint8(8), out=nibbles)
-        lo, hi = nibbles.view(np.int8)
-    np.copyto(out[..., :stored], lo, casting="unsafe")
-    np.copyto(out[..., stored:], hi, casting="unsafe")
-    return out
+    if not signed:
+        return nibbles
+    # 0..15 minus 8 wraps in uint8 to exactly q - 8 read as int8
+    np.subtract(nibbles, np.uint8(8), out=nibbles)
+    return nibbles.view(np.int8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,44 +419,61 @@ class QuantMatrix:
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """W @ x for x (in,) -> (out,), never materializing W."""
         out, inp = self.shape
-        f, g = self.f, self.f.group_size
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp) as buf:
-                return dequantize(self.qweight, self.scales, f, buf.reshape(out, inp)) @ x
+                return dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)) @ x
         y = np.empty(out, np.float32)
-        block = row_block(inp, f)
+        span = self._span_q8 if self.f.group_size is None else self._span_q4
         pool = workers()
+        pool.run(lambda a, b: span(x, y, a, b), split_rows(out, pool.n, self.f.group_size or SPLIT_ALIGN))
+        return y
 
-        def span(a: int, b: int) -> None:
-            # q8: y = s * (q @ x), one gemv a block. q4: each group of g rows multiplies its raw
-            # nibbles by its scaled activation xs (groups, in), less 8 * sum(xs) for the offset.
-            xs = None
-            if g is not None:                                  # a and b are multiples of g here
-                xs = self.scales[a // g:-(-b // g)].astype(np.float32)      # (groups, in)
-                xs *= x
-            nibbles = pool.buffer(block * inp // 4 + 1, "nibbles") if f.bits == 4 else contextlib.nullcontext()
-            with pool.buffer(block * inp) as buf, nibbles as scratch:
-                for r0 in range(a, b, block):
-                    r1 = min(b, r0 + block)
-                    w = unpack(self.qweight[r0:r1], f, buf[:(r1 - r0) * inp].reshape(r1 - r0, inp), False, scratch)
-                    if xs is None:
-                        np.dot(w, x, out=y[r0:r1])
-                        continue
-                    full = (r1 - r0) // g * g
+    # Two threads that both call NumPy often pass the GIL back and forth, and each hand-over waits
+    # for a wake-up; so the kernels make few, long calls: a q8 block is one cast and one gemv.
+
+    def _span_q8(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
+        """y[a:b] = s * (q @ x), one gemv a row block."""
+        inp = self.shape[1]
+        block = row_block(inp, self.f)
+        with workers().buffer(block * inp) as buf:
+            for r0 in range(a, b, block):
+                r1 = min(b, r0 + block)
+                w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
+                np.copyto(w, self.qweight[r0:r1], casting="unsafe")
+                np.dot(w, x, out=y[r0:r1])
+        y[a:b] *= self.scales[a:b]
+
+    def _span_q4(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
+        """y[a:b] for q4 rows a..b (a multiple of the group): each group of g rows multiplies its
+        raw nibbles (0..15) by its scaled activation xs = s * x, less 8 * sum(xs) for the offset.
+        The nibbles of several blocks are split at once, and a block's low and high halves are
+        widened in one cast, as (2, rows, in/2), and multiplied in one batched product."""
+        inp = self.shape[1]
+        half, g = inp // 2, self.f.group_size
+        xs = self.scales[a // g:-(-b // g)].astype(np.float32)              # (G, in)
+        xs *= x
+        offset = np.repeat(np.float32(8) * xs.sum(axis=1), g)[:b - a]       # (b - a,)
+        xs2 = np.stack([xs[:, :half], xs[:, half:]])[..., None]             # (2, G, in/2, 1)
+        block = row_block(inp, self.f)
+        chunk = 4 * block
+        pool = workers()
+        with pool.buffer(block * inp) as buf, pool.buffer(chunk * inp // 4 + 1, "nibbles") as scratch:
+            for c0 in range(a, b, chunk):
+                c1 = min(b, c0 + chunk)
+                nibbles = split_nibbles(self.qweight[c0:c1], scratch, signed=False)  # (2, rows, in/2)
+                for r0 in range(c0, c1, block):
+                    r1 = min(c1, r0 + block)
+                    n, full = r1 - r0, (r1 - r0) // g * g
+                    w = buf[:n * inp].reshape(2, n, half)
+                    np.copyto(w, nibbles[:, r0 - c0:r1 - c0], casting="unsafe")
                     g0 = (r0 - a) // g
                     if full:
-                        np.matmul(w[:full].reshape(-1, g, inp), xs[g0:g0 + full // g, :, None],
-                                  out=y[r0:r0 + full].reshape(-1, g, 1))    # (groups, g, 1)
-                    if full < r1 - r0:
-                        y[r0 + full:r1] = w[full:] @ xs[g0 + full // g]
-            if xs is None:
-                y[a:b] *= self.scales[a:b]
-            else:
-                offset = np.repeat(np.float32(8) * xs.sum(axis=1), g)       # (groups * g,)
-                y[a:b] -= offset[:b - a]
-
-        pool.run(span, split_rows(out, pool.n, g or SPLIT_ALIGN))
-        return y
+                        both = np.matmul(w[:, :full].reshape(2, -1, g, half),
+                                         xs2[:, g0:g0 + full // g])         # (2, groups, g, 1)
+                        np.add(both[0].reshape(-1), both[1].reshape(-1), out=y[r0:r0 + full])
+                    if full < n:      # the matrix's last, partial group
+                        y[r0 + full:r1] = w[0, full:] @ xs2[0, -1, :, 0] + w[1, full:] @ xs2[1, -1, :, 0]
+        y[a:b] -= offset
 
     def matmul_many(self, x: np.ndarray) -> np.ndarray:
         """x (T, in) @ W.T for many tokens: dequantize chunks of rows once, then GEMM each,
