@@ -446,14 +446,13 @@ class QuantMatrix:
     def _span_q4(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """y[a:b] for q4 rows a..b (a multiple of the group): each group of g rows multiplies its
         raw nibbles (0..15) by its scaled activation xs = s * x, less 8 * sum(xs) for the offset.
-        The nibbles of several blocks are split at once, and a block's low and high halves are
-        widened in one cast, as (2, rows, in/2), and multiplied in one batched product."""
+        The nibbles of four blocks are split at once; a block is widened in one cast and
+        multiplied in one batched product."""
         inp = self.shape[1]
         half, g = inp // 2, self.f.group_size
         xs = self.scales[a // g:-(-b // g)].astype(np.float32)              # (G, in)
         xs *= x
         offset = np.repeat(np.float32(8) * xs.sum(axis=1), g)[:b - a]       # (b - a,)
-        xs2 = np.stack([xs[:, :half], xs[:, half:]])[..., None]             # (2, G, in/2, 1)
         block = row_block(inp, self.f)
         chunk = 4 * block
         pool = workers()
@@ -464,15 +463,16 @@ class QuantMatrix:
                 for r0 in range(c0, c1, block):
                     r1 = min(c1, r0 + block)
                     n, full = r1 - r0, (r1 - r0) // g * g
-                    w = buf[:n * inp].reshape(2, n, half)
-                    np.copyto(w, nibbles[:, r0 - c0:r1 - c0], casting="unsafe")
+                    w = buf[:n * inp].reshape(n, inp)
+                    # row r = its low nibbles (columns :in/2) then its high ones (in/2:)
+                    np.copyto(w.reshape(n, 2, half), nibbles[:, r0 - c0:r1 - c0].transpose(1, 0, 2),
+                              casting="unsafe")
                     g0 = (r0 - a) // g
                     if full:
-                        both = np.matmul(w[:, :full].reshape(2, -1, g, half),
-                                         xs2[:, g0:g0 + full // g])         # (2, groups, g, 1)
-                        np.add(both[0].reshape(-1), both[1].reshape(-1), out=y[r0:r0 + full])
+                        np.matmul(w[:full].reshape(-1, g, inp), xs[g0:g0 + full // g, :, None],
+                                  out=y[r0:r0 + full].reshape(-1, g, 1))    # (groups, g, 1)
                     if full < n:      # the matrix's last, partial group
-                        y[r0 + full:r1] = w[0, full:] @ xs2[0, -1, :, 0] + w[1, full:] @ xs2[1, -1, :, 0]
+                        y[r0 + full:r1] = w[full:] @ xs[-1]
         y[a:b] -= offset
 
     def matmul_many(self, x: np.ndarray) -> np.ndarray:
