@@ -562,7 +562,9 @@ def parse_formats(ctx, param, value: str | None) -> list[int | None] | None:
               help="Quantize the float checkpoint to 8 or 4 bits in memory as it loads.")
 @click.option("--formats", callback=parse_formats,
               help="Compare formats side by side, each in its own process, e.g. f32,8,4: f32 loads "
-                   "the float checkpoint, 8 and 4 load ds2 quantize copies kept beside it (made once).")
+                   "the float checkpoint, 8 and 4 load ds2 quantize copies kept beside it (made once). "
+                   "-r sets the rounds; each round runs every format once, in turn, and the ratios are "
+                   "taken within each round.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
 def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
@@ -593,9 +595,9 @@ def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decod
                      None if formats else bits, context)
     path = model_dir or synthetic_model(bench_dir, layers or DEFAULT_LAYERS)
     if formats:
-        settings = ["-r", str(repeats), "-p", ",".join(map(str, prompt_lengths)),
+        settings = ["-p", ",".join(map(str, prompt_lengths)),
                     "-c", ",".join(map(str, contexts)), "-n", str(decode_steps)]
-        report = compare_formats(path, bench_dir, formats, settings)
+        report = compare_formats(path, bench_dir, formats, repeats, settings)
     else:
         report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
                            int(quantize) if quantize else None)
@@ -620,20 +622,25 @@ def quantized_copy(path: Path, bench_dir: Path, bits: int) -> Path:
     return target
 
 
-def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], settings: list[str]) -> dict:
-    """Each format benchmarked by a fresh `ds2 bench --json` process, so that each has its own
-    peak RSS, one after the other in this one run."""
-    reports = {}
-    for bits in formats:
-        target = path if bits is None else quantized_copy(path, bench_dir, bits)
-        name = "f32" if bits is None else f"q{bits}"
-        console.info(f"== {name}: {target}")
-        child = subprocess.run([sys.executable, "-m", "ds2cli", "bench", "-m", str(target), "--json", *settings],
-                               stdout=subprocess.PIPE, text=True)
-        if child.returncode != 0:
-            raise BenchError(f"the {name} benchmark failed (exit {child.returncode}); its error is above")
-        reports[name] = json.loads(child.stdout)
-    return {"formats": reports, "comparison": format_ratios(reports)}
+def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], repeats: int,
+                    settings: list[str]) -> dict:
+    """Each format benchmarked by fresh `ds2 bench --json -r 1` processes, so that each has its
+    own peak RSS, in rounds: every round runs each format once, in turn. A shared machine's speed
+    drifts over minutes, so a ratio is taken within each round, between runs made a minute or
+    two apart, and the rounds' median is reported, rather than comparing one format's runs made
+    now with another's made ten minutes later."""
+    targets = {"f32" if bits is None else f"q{bits}": path if bits is None else quantized_copy(path, bench_dir, bits)
+               for bits in formats}
+    runs: dict[str, list[dict]] = {name: [] for name in targets}
+    for k in range(repeats):
+        for name, target in targets.items():
+            console.info(f"== round {k + 1} of {repeats}, {name}: {target}")
+            child = subprocess.run([sys.executable, "-m", "ds2cli", "bench", "-m", str(target), "--json",
+                                    "-r", "1", *settings], stdout=subprocess.PIPE, text=True)
+            if child.returncode != 0:
+                raise BenchError(f"the {name} benchmark failed (exit {child.returncode}); its error is above")
+            runs[name].append(json.loads(child.stdout))
+    return {"formats": runs, "comparison": format_ratios(runs)}
 
 
 def comparison_figures(report: dict) -> dict[str, float]:
@@ -646,20 +653,25 @@ def comparison_figures(report: dict) -> dict[str, float]:
     return rows
 
 
-def format_ratios(reports: dict) -> dict:
-    """Each format's figures over the first format's (speed: higher is better; load, RSS and
-    weights: lower is better), plus peak RSS against the float32 weight bytes."""
-    base = comparison_figures(next(iter(reports.values())))
+def format_ratios(runs: dict[str, list[dict]]) -> dict:
+    """Per format and figure: the median over the rounds, and the median over the rounds of the
+    ratio to the first format's figure in the same round, with its min and max (speed: higher is
+    better; load, RSS and weights: lower is better); plus the highest peak RSS against the
+    float32 weight bytes."""
+    figures = {name: [comparison_figures(r) for r in reports] for name, reports in runs.items()}
+    base = next(iter(figures.values()))
     out = {}
-    for name, report in reports.items():
-        figures = comparison_figures(report)
-        out[name] = {"figures": figures,
-                     "ratios": {row: figures[row] / base[row] if base[row] else None for row in figures},
-                     "rss_vs_float32_weights": report["memory"]["peak_rss_bytes"] / report["model"]["float32_weight_bytes"]}
+    for name, rounds in figures.items():
+        rows = rounds[0].keys()
+        ratios = {row: [f[row] / b[row] for f, b in zip(rounds, base) if b[row]] for row in rows}
+        out[name] = {"figures": {row: float(np.median([f[row] for f in rounds])) for row in rows},
+                     "ratios": {row: float(np.median(r)) if r else None for row, r in ratios.items()},
+                     "ratio_range": {row: [min(r), max(r)] if r else None for row, r in ratios.items()},
+                     "rounds": len(rounds),
+                     "rss_vs_float32_weights": max(r["memory"]["peak_rss_bytes"] / r["model"]["float32_weight_bytes"]
+                                                   for r in runs[name])}
     return out
 
-
-# ---- the table ----
 
 def render(report: dict, out) -> None:
     from rich import box
@@ -722,11 +734,13 @@ def render_formats(report: dict, out) -> None:
     from rich import box
     from rich.table import Table
     comparison = report["comparison"]
-    first = next(iter(report["formats"].values()))
+    first = next(iter(report["formats"].values()))[0]
     m = first["model"]
     table = Table(title=f"ds2 bench --formats: {m['path']}\n{m['num_hidden_layers']} layers, "
                         f"{m['params'] / 1e9:.2f} B params, {m['float32_weight_bytes'] / 1e9:.2f} GB as float32",
-                  caption=machine_line(first["machine"]) + "; medians; ratio = this format / the first",
+                  caption=machine_line(first["machine"]) + f"; medians of {next(iter(comparison.values()))['rounds']} "
+                          "rounds, each running every format in turn; ratio = this format / the first in the "
+                          "same round (median, and the rounds' range)",
                   box=box.SIMPLE_HEAD)
     table.add_column("test", no_wrap=True)
     for name in comparison:
@@ -738,7 +752,9 @@ def render_formats(report: dict, out) -> None:
         for k, (name, c) in enumerate(comparison.items()):
             cells.append(f"{c['figures'][row]:.2f}")
             if k:
-                cells.append("-" if c["ratios"][row] is None else f"{c['ratios'][row]:.2f}x")
+                lo_hi = c["ratio_range"][row]
+                cells.append("-" if c["ratios"][row] is None
+                             else f"{c['ratios'][row]:.2f}x ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})")
         table.add_row(*cells)
     cells = ["peak RSS / f32 weights"]
     for k, c in enumerate(comparison.values()):

@@ -244,3 +244,36 @@ def test_default_target_is_the_synthetic_lite_slice(tmp_path, monkeypatch):
     report = json.loads(result.stdout)
     assert report["model"]["synthetic"] and report["model"]["hidden_size"] == 64
     assert report["model"]["path"] == str(tmp_path / "deepseek-v2-lite-2-layers")
+
+
+def test_format_ratios_are_taken_within_each_round(report):
+    """--formats: each round's ratio pairs runs made close in time; a machine that slows down
+    between rounds moves the figures, not the ratios."""
+    import copy
+
+    def scaled(r, speed, rss):
+        r = copy.deepcopy(r)
+        for point in r["prefill"] + r["decode"]:
+            point["tok_per_s"]["median"] *= speed
+        r["memory"]["peak_rss_bytes"] = rss
+        return r
+
+    base_rss = report["memory"]["peak_rss_bytes"]
+    # round 2 runs on a machine half as fast; q8 is 0.9x f32 within each round
+    runs = {"f32": [scaled(report, 1.0, base_rss), scaled(report, 0.5, base_rss)],
+            "q8": [scaled(report, 0.9, base_rss // 2), scaled(report, 0.45, base_rss // 4)]}
+    out = bench_module.format_ratios(runs)
+    row = next(k for k in out["q8"]["ratios"] if k.startswith("tg @"))
+    assert out["q8"]["ratios"][row] == pytest.approx(0.9)
+    assert out["q8"]["ratio_range"][row] == pytest.approx([0.9, 0.9])
+    first = report["decode"][0]["tok_per_s"]["median"]
+    assert out["f32"]["figures"][row] == pytest.approx(0.75 * first)   # the median of 1.0x and 0.5x
+    assert out["q8"]["rounds"] == 2
+    # the highest peak RSS of the rounds
+    assert out["q8"]["rss_vs_float32_weights"] == pytest.approx(
+        base_rss // 2 / report["model"]["float32_weight_bytes"])
+    from rich.console import Console
+    console = Console(record=True, width=200)
+    bench_module.render_formats({"formats": runs, "comparison": out}, console)
+    text = console.export_text()
+    assert "0.90x (0.90-0.90)" in text and "medians of 2 rounds" in text
