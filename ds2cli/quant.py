@@ -16,8 +16,8 @@ on two cores), so whatever the scales add to the product shows in the tok/s:
   - q8's per-row scale applies to the output, y = s * (q @ x): one plain gemv per row block and
     nothing else. Column groups of 32 measured 3.5e-3 mean KL on ds2-tiny against 4.7e-3 per row
     (fake-quantized, see the README), but cost a batched product and a scaled copy of x per
-    group of rows: the whole 4-layer V2-Lite slice decoded at 127-150 ms a token against
-    98-116 ms per row (float32: 95-99 ms), measured in one process.
+    group of rows: the whole 4-layer V2-Lite slice decoded at 112-141 ms a token against
+    92-126 ms per row (float32: 83-109 ms), min-median of 10 rounds in one process.
   - q4 needs small groups (ds2-tiny's KL: 0.122 with 32 rows, 0.150 with 64, 0.181 with 128), and
     a group of rows of one column puts its scale on the activation side,
         y[o] = sum_i (q[o, i] - 8) * s[o // 32, i] * x[i] = q[o] . xs[o // 32] - 8 * sum(xs[o // 32])
@@ -53,6 +53,7 @@ Q4_GROUP = 32                 # q4: output rows per scale
 SPLIT_ALIGN = 32              # row spans given to the cores start at multiples of this
 L2_BLOCK_BYTES = 1 << 20      # a decode row block's float32 buffer: fits one core's L2
 PREFILL_CHUNK_BYTES = 16 << 20  # prefill dequantizes at most this much float32 at once, a core
+DEQUANTIZE_BLOCK_BYTES = 4 << 20  # ... and scales it in blocks of this much
 SMALL_MATRIX = 1 << 18        # below this many values a matrix is dequantized whole, on one
                               # thread: splitting it would cost more in overhead than it saves
 NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
@@ -166,8 +167,10 @@ def dequantize(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarr
     rows = qweight.shape[0]
     inp = qweight.shape[1] * (2 if f.bits == 4 else 1)
     w = np.empty((rows, inp), np.float32) if out is None else out
-    # block by block, so the scaling pass finds each block still in cache
-    block = row_block(inp, f)
+    # block by block, so the scaling pass finds each block still in cache; blocks of a few MB,
+    # not L2's one, because two cores dequantizing at once pass the GIL at every call and fewer,
+    # longer calls win (q4 prefill of 512 tokens on the 4-layer slice: 147-161 vs 128-143 tok/s)
+    block = row_block(inp, f, DEQUANTIZE_BLOCK_BYTES)
     for r0 in range(0, rows, block):
         r1 = min(rows, r0 + block)
         dequantize_block(qweight[r0:r1], scales, r0, f, w[r0:r1])
@@ -190,10 +193,11 @@ def dequantize_block(qweight: np.ndarray, scales: np.ndarray, r0: int, f: Format
         w[full:] *= s[full // g]
 
 
-def row_block(inp: int, f: Format) -> int:
-    """Rows of a decode block: an L2-sized float32 buffer, whole q4 groups."""
+def row_block(inp: int, f: Format, nbytes: int | None = None) -> int:
+    """Rows of a block of about nbytes of float32 (default: a decode block, L2-sized), in
+    whole q4 groups."""
     g = f.group_size or 8
-    return max(g, L2_BLOCK_BYTES // (4 * inp) // g * g)
+    return max(g, (nbytes or L2_BLOCK_BYTES) // (4 * inp) // g * g)
 
 
 def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:

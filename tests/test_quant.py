@@ -72,6 +72,7 @@ def test_kernels_equal_float32_products_of_the_dequantized_weight(monkeypatch, n
     if threaded:  # force the row-block path with its thread split, and chunked prefill
         monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
         monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 64 * 4 * shape[1])
+        monkeypatch.setattr(quant, "DEQUANTIZE_BLOCK_BYTES", 32 * 4 * shape[1])
         monkeypatch.setattr(quant, "PREFILL_CHUNK_BYTES", 96 * 4 * shape[1])
     m = QuantMatrix.from_float(weights(shape), FORMATS[name])
     w = m.dequantize().astype(np.float64)
