@@ -67,7 +67,7 @@ def test_bf16_scales_round_up_so_the_extreme_never_clips():
 
 @pytest.mark.parametrize("name", ["q8", "q4"])
 @pytest.mark.parametrize("threaded", [False, True])
-@pytest.mark.parametrize("shape", [(80, 256), (2816 // 8, 2048 // 8), (512, 384)])
+@pytest.mark.parametrize("shape", [(80, 256), (2816 // 8, 2048 // 8), (512, 384), (81, 30)])  # (81, 30): odd byte counts
 def test_kernels_equal_float32_products_of_the_dequantized_weight(monkeypatch, name, threaded, shape):
     if threaded:  # force the row-block path with its thread split, and chunked prefill
         monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
