@@ -272,6 +272,12 @@ class Workers:
             with self.lock:
                 self.free[slot].append(buf)
 
+    @property
+    def parts(self) -> int:
+        """How many parts to split work into here: one inside a part (which runs on its core
+        alone, so more parts would only add calls), else one a core."""
+        return 1 if getattr(self.local, "inside", False) else self.n
+
     def run(self, fn, spans: list[tuple[int, int]]) -> None:
         """fn(start, stop) over each span, the first on this thread, the rest on the pool.
 
@@ -429,7 +435,7 @@ class QuantMatrix:
         y = np.empty(out, np.float32)
         span = self._span_q8 if self.f.group_size is None else self._span_q4
         pool = workers()
-        pool.run(lambda a, b: span(x, y, a, b), split_rows(out, pool.n, self.f.group_size or SPLIT_ALIGN))
+        pool.run(lambda a, b: span(x, y, a, b), split_rows(out, pool.parts, self.f.group_size or SPLIT_ALIGN))
         return y
 
     # Two threads that both call NumPy often pass the GIL back and forth, and each hand-over waits
@@ -507,5 +513,5 @@ class QuantMatrix:
                         np.matmul(dequantize(self.qweight[c0:c1], self.scales[c0 // g:-(-c1 // g)], f, w),
                                   xt, out=yt[c0:c1])                        # (chunk, T)
 
-        pool.run(span, split_rows(out, pool.n, align))
+        pool.run(span, split_rows(out, pool.parts, align))
         return yt.T                                                         # (T, out)
