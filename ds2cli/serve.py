@@ -538,4 +538,8 @@ def serve(model_dir, host, port, ctx, api_key, prompt_cache_mb, max_queue, max_n
     state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on http://{url_host}:{port_shown} | ctx {ctx} | "
               f"prompt cache {prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)} | queue {max_queue}")
     serve_forever(server, state)
+    # the work is done: a late second Ctrl-C, arriving while Python shuts down (where it would
+    # kill the process with the signal), must not turn a clean stop into a failure
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     state.log("ds2 serve: stopped")

@@ -458,6 +458,19 @@ def test_a_second_sigint_cuts_the_running_request_and_still_exits_0():
     assert "(aborted)" in log and "stopped" in log and "Traceback" not in log
 
 
+def test_a_second_sigint_after_the_last_request_still_exits_0():
+    # later signals land while the server shuts down (nothing left to cut): still a clean stop
+    with serve_process("--quantize", "8") as (proc, port):
+        start_stream(port, 5).read()
+        deadline = time.monotonic() + 20
+        while proc.poll() is None and time.monotonic() < deadline:   # Ctrl-C, again and again
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        assert proc.wait(1) == 0
+        log = proc.stderr.read()
+    assert "stopped" in log and "Traceback" not in log
+
+
 # ---- the prompt cache on its own ----
 def test_prompt_cache_hands_over_full_matches_and_copies_partial_ones(model):
     nbytes = model.new_cache(64).nbytes
