@@ -50,7 +50,7 @@ from ds2cli.errors import Ds2Error
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 Q4_GROUP = 32                 # q4: output rows per scale
-SPLIT_ALIGN = 32              # row spans given to the cores start at multiples of this
+ROW_ALIGN = 8                 # q8 row blocks and spans start at multiples of this (q4: its group)
 L2_BLOCK_BYTES = 1 << 20      # a decode row block's float32 buffer: fits one core's L2
 PREFILL_CHUNK_BYTES = 16 << 20  # prefill dequantizes at most this much float32 at once, a core
 DEQUANTIZE_BLOCK_BYTES = 4 << 20  # ... and scales it in blocks of this much
@@ -91,6 +91,12 @@ class Format:
         """Bytes a (..., out, in) weight takes in this format: integers plus scales."""
         q, s = self.qweight_shape(shape), self.scales_shape(shape)
         return int(np.prod(q)) * self.qweight_dtype.itemsize + int(np.prod(s)) * self.scale_dtype.itemsize
+
+    @property
+    def row_align(self) -> int:
+        """Row blocks and the spans given to the cores start at multiples of this: a q4 block
+        holds whole groups, so each group meets one scaled activation."""
+        return self.group_size or ROW_ALIGN
 
     def supports(self, shape: tuple[int, ...]) -> bool:
         return self.bits == 8 or shape[-1] % 2 == 0
@@ -194,10 +200,9 @@ def dequantize_block(qweight: np.ndarray, scales: np.ndarray, r0: int, f: Format
 
 
 def row_block(inp: int, f: Format, nbytes: int | None = None) -> int:
-    """Rows of a block of about nbytes of float32 (default: a decode block, L2-sized), in
-    whole q4 groups."""
-    g = f.group_size or 8
-    return max(g, (nbytes or L2_BLOCK_BYTES) // (4 * inp) // g * g)
+    """Rows of a block of about nbytes of float32 (default: a decode block, L2-sized)."""
+    align = f.row_align
+    return max(align, (nbytes or L2_BLOCK_BYTES) // (4 * inp) // align * align)
 
 
 def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
@@ -273,10 +278,15 @@ class Workers:
                 self.free[slot].append(buf)
 
     @property
+    def inside(self) -> bool:
+        """This thread already runs one of several parts (see part)."""
+        return getattr(self.local, "inside", False)
+
+    @property
     def parts(self) -> int:
         """How many parts to split work into here: one inside a part (which runs on its core
         alone, so more parts would only add calls), else one a core."""
-        return 1 if getattr(self.local, "inside", False) else self.n
+        return 1 if self.inside else self.n
 
     def run(self, fn, spans: list[tuple[int, int]]) -> None:
         """fn(start, stop) over each span, the first on this thread, the rest on the pool.
@@ -285,7 +295,7 @@ class Workers:
         OpenBLAS's own threads would fight over the same cores (measured: two concurrent
         2-thread gemv calls run no faster than one after the other; the q8 decode kernel took
         1.5 ms a 2816x2048 matrix with BLAS at one thread against 2.3 ms at two)."""
-        if self.pool is None or len(spans) < 2 or getattr(self.local, "inside", False):
+        if self.pool is None or len(spans) < 2 or self.inside:
             for span in spans:
                 fn(*span)
             return
@@ -309,7 +319,7 @@ class Workers:
         that core alone: a decode step's six experts are too small to split each one well);
         in order, on this thread, otherwise."""
         items = list(items)
-        if self.pool is None or not self.held or len(items) < 2 or getattr(self.local, "inside", False):
+        if self.pool is None or not self.held or len(items) < 2 or self.inside:
             return [fn(item) for item in items]
         n = min(self.n, len(items))
         groups = [items[k::n] for k in range(n)]
@@ -435,7 +445,7 @@ class QuantMatrix:
         y = np.empty(out, np.float32)
         span = self._span_q8 if self.f.group_size is None else self._span_q4
         pool = workers()
-        pool.run(lambda a, b: span(x, y, a, b), split_rows(out, pool.parts, self.f.group_size or SPLIT_ALIGN))
+        pool.run(lambda a, b: span(x, y, a, b), split_rows(out, pool.parts, self.f.row_align))
         return y
 
     # Two threads that both call NumPy often pass the GIL back and forth, and each hand-over waits
@@ -493,8 +503,7 @@ class QuantMatrix:
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp, slot="chunk") as buf:
                 return x @ dequantize(self.qweight, self.scales, f, buf.reshape(out, inp)).T
-        align = g or SPLIT_ALIGN
-        chunk = max(align, PREFILL_CHUNK_BYTES // (4 * inp) // align * align)
+        chunk = row_block(inp, f, PREFILL_CHUNK_BYTES)
         yt = np.empty((out, len(x)), np.float32)                            # (out, T)
         pool = workers()
         xt = np.ascontiguousarray(x.T)                                      # (in, T)
@@ -513,5 +522,5 @@ class QuantMatrix:
                         np.matmul(dequantize(self.qweight[c0:c1], self.scales[c0 // g:-(-c1 // g)], f, w),
                                   xt, out=yt[c0:c1])                        # (chunk, T)
 
-        pool.run(span, split_rows(out, pool.parts, align))
+        pool.run(span, split_rows(out, pool.parts, f.row_align))
         return yt.T                                                         # (T, out)
