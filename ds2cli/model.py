@@ -202,7 +202,7 @@ class Model:
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise Ds2Error(f"token id out of range [0, {cfg.vocab_size}): {int(ids.max() if ids.max() >= cfg.vocab_size else ids.min())}")
         cache.check_room(len(ids))
-        with quant.hold_blas(self.quantization is not None):
+        with quant.hold_blas(self.quantization is not None, decoding=len(ids) == 1):
             return self._forward(ids, cache, all_logits, trace)
 
     def _forward(self, ids: np.ndarray, cache: LatentCache, all_logits: bool, trace: list | None) -> np.ndarray:
@@ -289,6 +289,8 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
         weights = load_weights(model_dir, cfg, progress, qc, tensors)
     model = Model(cfg, weights, tokenizer, gen, model_dir)
     model.quantization = stored or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
+    if model.quantization is not None:
+        quant.start_helpers()     # processes that share the decode steps' matvecs (quant.py)
     return model
 
 

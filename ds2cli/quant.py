@@ -38,8 +38,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import mmap
 import os
+import select
+import signal
+import struct
 import threading
+import time
+import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
@@ -250,14 +257,15 @@ def split_nibbles(qweight: np.ndarray, scratch: np.ndarray, signed: bool) -> np.
 class Workers:
     """The cores a kernel splits its row blocks over: the calling thread plus a small pool."""
 
-    def __init__(self):
-        self.n = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                            else (os.cpu_count() or 1), 8))
+    def __init__(self, n: int | None = None):
+        self.n = n or max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                 else (os.cpu_count() or 1), 8))
         self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
         self.lock = threading.Lock()
         self.free: dict[str, list[np.ndarray]] = {}
         self.local = threading.local()   # .inside: this thread already runs one of several parts
         self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (hold_blas)
+        self.decoding = 0                # > 0 while that pass is a one-token step
 
     @contextlib.contextmanager
     def buffer(self, n: int, slot: str = "block"):
@@ -319,7 +327,8 @@ class Workers:
         that core alone: a decode step's six experts are too small to split each one well);
         in order, on this thread, otherwise."""
         items = list(items)
-        if self.pool is None or not self.held or len(items) < 2 or self.inside:
+        if (self.pool is None or not self.held or len(items) < 2 or self.inside
+                or (self.decoding and helpers_running())):  # each matvec is split across processes
             return [fn(item) for item in items]
         n = min(self.n, len(items))
         groups = [items[k::n] for k in range(n)]
@@ -337,7 +346,7 @@ _blas = None
 
 
 @contextlib.contextmanager
-def hold_blas(low_bit: bool):
+def hold_blas(low_bit: bool, decoding: bool = False):
     """What a forward pass over a model with low-bit weights runs in: BLAS held at one thread
     throughout. OpenBLAS's idle threads keep spinning for a while after each call, and a
     spinning BLAS thread takes a core from the low-bit kernels' own threads: holding BLAS at one
@@ -349,10 +358,12 @@ def hold_blas(low_bit: bool):
         return
     with blas_threads(1):
         pool.held += 1
+        pool.decoding += decoding
         try:
             yield
         finally:
             pool.held -= 1
+            pool.decoding -= decoding
 
 
 @contextlib.contextmanager
@@ -370,18 +381,23 @@ def kernel_threads(n: int):
 @contextlib.contextmanager
 def blas_threads(n: int):
     """Set the BLAS library's thread count for the block, and restore it after."""
-    global _blas
-    if _blas is None:
-        from threadpoolctl import ThreadpoolController
-        _blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
-    before = [c.num_threads for c in _blas]
-    for c in _blas:
+    controllers = blas_controllers()
+    before = [c.num_threads for c in controllers]
+    for c in controllers:
         c.set_num_threads(n)
     try:
         yield
     finally:
-        for c, k in zip(_blas, before):
+        for c, k in zip(controllers, before):
             c.set_num_threads(k)
+
+
+def blas_controllers() -> list:
+    global _blas
+    if _blas is None:
+        from threadpoolctl import ThreadpoolController
+        _blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+    return _blas
 
 
 def workers() -> Workers:
@@ -398,12 +414,237 @@ def split_rows(rows: int, parts: int, g: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
+# ---------------------------------------------------------------------------------------------
+# Helper processes: the other cores of a decode step
+#
+# Two threads that both call NumPy in short calls spend much of their time handing the GIL to
+# each other (measured: the q8 decode kernel run on two cores scaled 1.3-1.6x as two threads and
+# 1.9x as two processes). So a one-token step hands the other cores' rows of each matvec to
+# helper processes instead. A helper is forked from this process once the weights exist, so it
+# sees every weight at the same address: memory-mapped files and copy-on-write pages are shared
+# with it, never copied. For each matvec this process writes x into the helper's shared memory,
+# sends it one small message through a pipe (which matrix, which rows), runs its own rows, and
+# reads the helper's rows back from the shared memory.
+
+_matrices: list[weakref.ref] = []    # QuantMatrix.key -> the matrix, in this and every helper
+_helpers: "Helpers | None" = None
+_helpers_failed = False               # a helper died or could not start: threads from then on
+JOB = struct.Struct("<qqqqqqq")       # seq, key, expert (-1: none), rows a, b, in, out
+DONE = struct.Struct("<qq")           # seq, 1 if the rows are in shared memory, 0 if not
+HELPER_VALUES = 1 << 20               # float32 values of shared memory a helper: x, then y
+HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
+
+
+def helpers_wanted() -> bool:
+    """Whether decode steps split their matvecs across helper processes (where fork exists,
+    with more than one core; DS2_HELPERS=0 turns it off and threads are used instead)."""
+    return (hasattr(os, "fork") and workers().n > 1 and not _helpers_failed
+            and os.environ.get("DS2_HELPERS", "1") != "0")
+
+
+class Helper:
+    """One forked helper, from this process's side: its pid, its two pipes and its memory."""
+
+    def __init__(self, pid: int, jobs: int, done: int, shared: mmap.mmap):
+        self.pid, self.jobs, self.done, self.shared = pid, jobs, done, shared
+        self.values = np.frombuffer(shared, np.float32)                     # x (in,), then y (out,)
+        self.closed = False
+
+
+class Helpers:
+    """n helper processes, forked now; they know every matrix whose key is below `horizon`."""
+
+    def __init__(self, n: int):
+        self.horizon = len(_matrices)
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.procs: list[Helper] = []
+        try:
+            for _ in range(n):
+                self.procs.append(self.fork())
+        except OSError:
+            self.stop()
+            raise
+        weakref.finalize(self, stop_helpers, list(self.procs))
+
+    def fork(self) -> Helper:
+        shared = mmap.mmap(-1, 4 * HELPER_VALUES)     # anonymous and shared across the fork
+        jobs_r, jobs_w = os.pipe()
+        done_r, done_w = os.pipe()
+        parent = os.getpid()
+        with warnings.catch_warnings():     # Python 3.12+ warns of forking with threads alive:
+            warnings.simplefilter("ignore", DeprecationWarning)   # the child takes no lock of theirs
+            pid = os.fork()
+        if pid == 0:
+            try:
+                for fd in (jobs_w, done_r, *(fd for h in self.procs for fd in (h.jobs, h.done))):
+                    os.close(fd)
+                helper_main(parent, jobs_r, done_w, np.frombuffer(shared, np.float32))
+            finally:
+                os._exit(0)
+        os.close(jobs_r)
+        os.close(done_w)
+        os.set_blocking(done_r, False)
+        return Helper(pid, jobs_w, done_r, shared)
+
+    def stop(self) -> None:
+        stop_helpers(self.procs)
+        self.procs = []
+
+    def matvec(self, m: "QuantMatrix", x: np.ndarray, y: np.ndarray, spans: list[tuple[int, int]], span) -> bool:
+        """Rows spans[0] here, spans[1:] on the helpers; False (nothing done) if they are busy
+        with another thread's step or cannot take the matrix."""
+        key, expert = m.key
+        inp, out = len(x), len(y)
+        if key >= self.horizon or inp + out > HELPER_VALUES or not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.seq += 1
+            sent = []
+            for h, (a, b) in zip(self.procs, spans[1:]):
+                h.values[:inp] = x
+                os.write(h.jobs, JOB.pack(self.seq, key, expert, a, b, inp, out))
+                sent.append((h, a, b))
+            span(x, y, *spans[0])
+            for h, a, b in sent:
+                if self.wait(h):
+                    y[a:b] = h.values[inp + a:inp + b]
+                else:
+                    span(x, y, a, b)
+            for a, b in spans[1 + len(sent):]:
+                span(x, y, a, b)
+            return True
+        except OSError:      # a helper is gone (killed, out of memory): carry on without them
+            global _helpers_failed
+            _helpers_failed = True
+            raise HelperGone from None
+        finally:
+            self.lock.release()
+            if _helpers_failed:
+                stop_helpers_now()
+
+    def wait(self, h: Helper) -> bool:
+        """Read h's replies up to this step's (an interrupted step leaves its reply unread)."""
+        while True:
+            reply = receive(h.done, DONE.size)
+            if reply is None:
+                raise OSError("a helper process exited")
+            seq, ok = DONE.unpack(reply)
+            if seq == self.seq:
+                return bool(ok)
+
+
+class HelperGone(Exception):
+    """Raised inside quant when a helper dies; the matvec is then run here."""
+
+
+def receive(fd: int, size: int) -> bytes | None:
+    """The next message of `size` bytes from a non-blocking pipe, None once it is closed.
+
+    Polls for HELPER_SPIN seconds before sleeping in select: a process that sleeps between a
+    step's matvecs is woken up to a millisecond late on this VM (a 2816x2048 q4 matvec split
+    over two processes took 2.4 ms, median, against 1.2 ms for either half), and a decode step
+    sends the next matvec well within the spin. Messages are shorter than PIPE_BUF, so each is
+    written, and read, whole."""
+    deadline = time.perf_counter() + HELPER_SPIN
+    sleep = None
+    while True:
+        try:
+            return os.read(fd, size) or None
+        except BlockingIOError:
+            if time.perf_counter() > deadline:
+                if sleep is None:
+                    sleep = select.poll()
+                    sleep.register(fd, select.POLLIN)
+                sleep.poll()
+
+
+def stop_helpers(procs: list[Helper]) -> None:
+    """Close the helpers' pipes (each exits when its job pipe closes) and reap them."""
+    procs = [h for h in procs if not h.closed]
+    for h in procs:
+        h.closed = True     # once only: a closed descriptor's number may be reused by then
+        for fd in (h.jobs, h.done):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    for h in procs:
+        with contextlib.suppress(OSError):
+            os.waitpid(h.pid, 0)
+
+
+def helper_main(parent: int, jobs: int, done: int, values: np.ndarray) -> None:
+    """A helper's life: run the rows it is sent until the job pipe closes (this process's parent
+    exited or stopped it). Ctrl-C is the parent's to handle; the helper dies with the parent."""
+    global _workers, _helpers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(Exception):   # Linux: be killed with the parent, however it dies
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    if os.getppid() != parent:      # it died before that took effect
+        return
+    _workers, _helpers = Workers(1), None   # one core, no pool, no lock another thread holds
+    os.set_blocking(jobs, False)
+    for c in blas_controllers():
+        c.set_num_threads(1)
+    while (job := receive(jobs, JOB.size)) is not None:
+        seq, key, expert, a, b, inp, out = JOB.unpack(job)
+        ok = 0
+        try:
+            m = _matrices[key]() if key < len(_matrices) else None
+            if m is not None:
+                m = m[expert] if expert >= 0 else m
+                m.span(values[:inp], values[inp:inp + out], a, b)
+                ok = 1
+        except Exception:    # noqa: BLE001 - any failure: the parent runs the rows itself
+            ok = 0
+        os.write(done, DONE.pack(seq, ok))
+
+
+def helpers_running() -> bool:
+    return _helpers is not None and helpers_wanted()
+
+
+def start_helpers() -> None:
+    """Fork the helper processes anew (model.load calls this once a low-bit model is loaded):
+    they then know every matrix alive, and the helpers of an earlier model, which would keep
+    its memory alive in their copy of this process, are gone. Forking right after the load also
+    means the copy holds no scratch buffers or caches of this process yet."""
+    global _helpers, _helpers_failed
+    stop_helpers_now()
+    if helpers_wanted():
+        try:
+            _helpers = Helpers(workers().n - 1)
+        except OSError:
+            _helpers_failed = True
+
+
+def stop_helpers_now() -> None:
+    global _helpers
+    if _helpers is not None:
+        _helpers.stop()
+        _helpers = None
+
+
+def helpers_for(m: "QuantMatrix") -> Helpers | None:
+    """The helper processes, if this matvec is a decode step's and they know m."""
+    pool = workers()
+    if (_helpers is None or not (pool.held and pool.decoding) or pool.inside
+            or m.key[0] >= _helpers.horizon or not helpers_wanted()):
+        return None
+    return _helpers
+
+
 class QuantMatrix:
     """A low-bit weight (..., out, in): qweight and scales as stored (memory-mapped or in RAM)."""
 
-    def __init__(self, qweight: np.ndarray, scales: np.ndarray, f: Format):
+    def __init__(self, qweight: np.ndarray, scales: np.ndarray, f: Format, key: tuple[int, int] | None = None):
         self.qweight, self.scales, self.f = qweight, scales, f
         self.shape = (*qweight.shape[:-1], qweight.shape[-1] * (2 if f.bits == 4 else 1))
+        if key is None:      # how a helper process finds this matrix: (its number, expert or -1)
+            key = (len(_matrices), -1)
+            _matrices.append(weakref.ref(self))
+        self.key = key
 
     @classmethod
     def from_float(cls, w: np.ndarray, f: Format) -> "QuantMatrix":
@@ -419,7 +660,7 @@ class QuantMatrix:
     def __getitem__(self, e) -> "QuantMatrix":
         if len(self.shape) < 3 or not isinstance(e, (int, np.integer)):
             raise TypeError("a QuantMatrix is indexed by expert only")
-        return QuantMatrix(self.qweight[e], self.scales[e], self.f)
+        return QuantMatrix(self.qweight[e], self.scales[e], self.f, key=(self.key[0], int(e)))
 
     def dequantize(self) -> np.ndarray:
         return dequantize(self.qweight, self.scales, self.f)
@@ -443,10 +684,20 @@ class QuantMatrix:
             with workers().buffer(out * inp) as buf:
                 return dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)) @ x
         y = np.empty(out, np.float32)
-        span = self._span_q8 if self.f.group_size is None else self._span_q4
         pool = workers()
-        pool.run(lambda a, b: span(x, y, a, b), split_rows(out, pool.parts, self.f.row_align))
+        spans = split_rows(out, pool.parts, self.f.row_align)
+        helpers = helpers_for(self) if len(spans) > 1 else None
+        try:
+            if helpers is not None and helpers.matvec(self, x, y, spans, self.span):
+                return y
+        except HelperGone:
+            pass
+        pool.run(lambda a, b: self.span(x, y, a, b), spans)
         return y
+
+    def span(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
+        """y[a:b] = (W @ x)[a:b], rows a..b of a matvec, on this thread."""
+        (self._span_q8 if self.f.group_size is None else self._span_q4)(x, y, a, b)
 
     # Two threads that both call NumPy often pass the GIL back and forth, and each hand-over waits
     # for a wake-up; so the kernels make few, long calls: a q8 block is one cast and one gemv.

@@ -1,0 +1,136 @@
+"""Helper processes (quant.Helpers): a low-bit model's decode steps split each matvec between
+this process and processes forked at load. They must give exactly the threads' results, survive
+a helper's death and an interrupted step, and never outlive the process that forked them."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import ds2cli
+from ds2cli import quant
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or quant.workers().n < 2,
+                                reason="helper processes need fork and two cores")
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.setattr(quant, "_helpers_failed", False)   # a test that kills a helper sets it
+    monkeypatch.delenv("DS2_HELPERS", raising=False)
+    # every matvec of ds2-tiny is small enough to run whole on one core; split them all
+    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
+    yield
+    quant.stop_helpers_now()
+
+
+def decode(model, ids, steps=6):
+    """Logits of a prefill, then of each of `steps` greedy one-token steps."""
+    cache = model.new_cache(64)
+    out = [model.forward(ids, cache)]
+    for _ in range(steps):
+        out.append(model.forward([int(out[-1].argmax())], cache))
+    return np.stack(out)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()       # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, seconds=10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
+    model = ds2cli.load(quantize=bits)
+    helpers = quant._helpers
+    assert helpers is not None and len(helpers.procs) == quant.workers().n - 1
+    assert all(alive(h.pid) for h in helpers.procs)
+    ids = [0, 74, 75, 76, 77]
+    sent = helpers.seq
+    with_helpers = decode(model, ids)
+    assert helpers.seq - sent >= 6 * 50     # every projection of every step (57 a step) went through them
+    monkeypatch.setenv("DS2_HELPERS", "0")
+    sent = helpers.seq
+    with_threads = decode(model, ids)
+    assert helpers.seq == sent
+    np.testing.assert_array_equal(with_helpers, with_threads)
+
+
+def test_an_interrupted_step_leaves_no_stale_rows():
+    m = quant.QuantMatrix.from_float(np.random.default_rng(0).standard_normal((512, 256), dtype=np.float32),
+                                     quant.FORMATS["q8"])
+    quant.start_helpers()                    # forked after m exists, so the helper knows it
+    helpers = quant._helpers
+    x1, x2 = np.random.default_rng(1).standard_normal((2, 256), dtype=np.float32)
+    spans = quant.split_rows(512, 2, 8)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):   # the helper's reply to this step stays unread
+        helpers.matvec(m, x1, np.empty(512, np.float32), spans, interrupted)
+    y = np.empty(512, np.float32)
+    assert helpers.matvec(m, x2, y, spans, m.span)
+    expected = np.empty(512, np.float32)
+    m.span(x2, expected, 0, 512)
+    np.testing.assert_array_equal(y, expected)
+
+
+def test_a_killed_helper_falls_back_to_threads(monkeypatch):
+    model = ds2cli.load(quantize=8)
+    ids = [0, 74, 75, 76, 77]
+    monkeypatch.setenv("DS2_HELPERS", "0")
+    expected = decode(model, ids)
+    monkeypatch.delenv("DS2_HELPERS")
+    pids = [h.pid for h in quant._helpers.procs]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    assert wait_gone(pids)
+    np.testing.assert_array_equal(decode(model, ids), expected)
+    assert quant._helpers is None and quant._helpers_failed
+    for pid in pids:                          # reaped, not left as zombies
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def test_loading_another_model_replaces_the_helpers():
+    first = ds2cli.load(quantize=8)
+    old = [h.pid for h in quant._helpers.procs]
+    second = ds2cli.load(quantize=4)
+    assert wait_gone(old)
+    helpers = quant._helpers
+    assert [h.pid for h in helpers.procs] != old
+    sent = helpers.seq
+    decode(first, [0, 74], steps=2)          # the new helpers know the first model too
+    assert helpers.seq > sent
+    decode(second, [0, 74], steps=2)
+
+
+@pytest.mark.parametrize("how", ["exit", "SIGKILL"])
+def test_helpers_never_outlive_their_process(how):
+    script = ("import sys, time, ds2cli\nfrom ds2cli import quant\n"
+              "m = ds2cli.load(quantize=8)\nm.forward([0, 74], m.new_cache(8))\n"
+              "print(*[h.pid for h in quant._helpers.procs], flush=True)\n"
+              "time.sleep(60 if sys.argv[1] == 'SIGKILL' else 0)\n")
+    p = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in p.stdout.readline().split()]
+    assert pids and all(alive(pid) for pid in pids)
+    if how == "SIGKILL":
+        p.kill()
+    assert p.wait(timeout=30) == (0 if how == "exit" else -signal.SIGKILL)
+    assert wait_gone(pids)
