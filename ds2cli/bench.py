@@ -39,7 +39,7 @@ import click
 import ml_dtypes
 import numpy as np
 
-from ds2cli import checkpoint, console, files, memory
+from ds2cli import checkpoint, console, files, memory, quant
 from ds2cli.attention import absorbed_cost, expanded_cost
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
@@ -481,11 +481,14 @@ def probe_machine() -> dict:
 
 def memory_section(model: Model, cache_tokens: int) -> dict:
     """Peak RSS so far against what must be resident: the weights as stored (memory-mapped ones
-    count once their pages are touched) and the largest cache; and against the float32 weights."""
+    count once their pages are touched) and the largest cache; and against the float32 weights.
+    The peak includes what the decode helper processes hold that this one does not map
+    (quant.helper_private_bytes), so pages split between the processes count once and in full."""
     weights = weight_nbytes(model)
     cache = cache_tokens * model.new_cache(1).bytes_per_token
-    rss = peak_rss_bytes()
-    return {"peak_rss_bytes": rss, "weight_bytes": weights, "cache_bytes": cache,
+    helpers = quant.helper_private_bytes()
+    rss = peak_rss_bytes() + helpers
+    return {"peak_rss_bytes": rss, "helper_private_bytes": helpers, "weight_bytes": weights, "cache_bytes": cache,
             "float32_weight_bytes": 4 * total_params(model), "rss_ratio": rss / (weights + cache)}
 
 

@@ -626,6 +626,19 @@ def stop_helpers_now() -> None:
         _helpers = None
 
 
+def helper_private_bytes() -> int:
+    """Resident memory of the helpers that this process does not also map: their scratch, the
+    pages of this process's heap they wrote since the fork, and the weight pages only they have
+    read (a decode step reads each matrix's rows split between the processes). Added to this
+    process's RSS it counts every resident page once. Linux only (0 elsewhere)."""
+    total = 0
+    for h in _helpers.procs if _helpers is not None else []:
+        with contextlib.suppress(OSError), open(f"/proc/{h.pid}/smaps_rollup") as f:
+            total += sum(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    return total
+
+
 def helpers_for(m: "QuantMatrix") -> Helpers | None:
     """The helper processes, if this matvec is a decode step's and they know m."""
     pool = workers()
