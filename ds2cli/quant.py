@@ -583,6 +583,9 @@ def helper_main(parent: int, jobs: int, done: int, values: np.ndarray) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     if os.getppid() != parent:      # it died before that took effect
         return
+    devnull = os.open(os.devnull, os.O_RDWR)   # hold no one's terminal or pipe open: a reader
+    for fd in (0, 1, 2):                        # of ds2's stdout waits for every writer to close
+        os.dup2(devnull, fd)
     _workers, _helpers = Workers(1), None   # one core, no pool, no lock another thread holds
     os.set_blocking(jobs, False)
     for c in blas_controllers():
