@@ -29,9 +29,10 @@ scale is rounded *up* to bfloat16, never to nearest, so the largest value of a g
 the integer range; the step grows by at most 0.8%.
 
 Kernels: a matrix-vector product (decode) widens row blocks that fit in L2 into a reused float32
-buffer and multiplies each by the activation with BLAS; the row blocks are split across the
-cores, since NumPy releases the GIL in casts and in BLAS. A product with many tokens (prefill)
-dequantizes each weight once, in chunks, and runs the usual GEMM.
+buffer and multiplies each by the activation with BLAS; its rows are split across the cores, in
+a decode step between this process and helper processes forked at load (see "Helper processes"
+below), otherwise between threads, since NumPy releases the GIL in casts and in BLAS. A product
+with many tokens (prefill) dequantizes each weight once, in chunks, and runs the usual GEMM.
 """
 
 from __future__ import annotations
@@ -325,7 +326,8 @@ class Workers:
         """[fn(item) for item in items], the items shared across the cores while a low-bit
         forward pass holds BLAS at one thread (each core then runs whole items with kernels on
         that core alone: a decode step's six experts are too small to split each one well);
-        in order, on this thread, otherwise."""
+        in order, on this thread, otherwise, and in a decode step that has helper processes,
+        whose matvecs are each split across the processes instead."""
         items = list(items)
         if (self.pool is None or not self.held or len(items) < 2 or self.inside
                 or (self.decoding and helpers_running())):  # each matvec is split across processes
@@ -433,6 +435,7 @@ JOB = struct.Struct("<qqqqqqq")       # seq, key, expert (-1: none), rows a, b, 
 DONE = struct.Struct("<qq")           # seq, 1 if the rows are in shared memory, 0 if not
 HELPER_VALUES = 1 << 20               # float32 values of shared memory a helper: x, then y
 HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
+HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec is taken as stuck
 
 
 def helpers_wanted() -> bool:
@@ -494,6 +497,7 @@ class Helpers:
     def matvec(self, m: "QuantMatrix", x: np.ndarray, y: np.ndarray, spans: list[tuple[int, int]], span) -> bool:
         """Rows spans[0] here, spans[1:] on the helpers; False (nothing done) if they are busy
         with another thread's step or cannot take the matrix."""
+        global _helpers_failed
         key, expert = m.key
         inp, out = len(x), len(y)
         if key >= self.horizon or inp + out > HELPER_VALUES or not self.lock.acquire(blocking=False):
@@ -514,9 +518,8 @@ class Helpers:
             for a, b in spans[1 + len(sent):]:
                 span(x, y, a, b)
             return True
-        except OSError:      # a helper is gone (killed, out of memory): carry on without them
-            global _helpers_failed
-            _helpers_failed = True
+        except OSError:      # a helper is gone (killed, out of memory) or stuck: carry on without
+            _helpers_failed = True                                                # them
             raise HelperGone from None
         finally:
             self.lock.release()
@@ -526,7 +529,7 @@ class Helpers:
     def wait(self, h: Helper) -> bool:
         """Read h's replies up to this step's (an interrupted step leaves its reply unread)."""
         while True:
-            reply = receive(h.done, DONE.size)
+            reply = receive(h.done, DONE.size, HELPER_TIMEOUT)
             if reply is None:
                 raise OSError("a helper process exited")
             seq, ok = DONE.unpack(reply)
@@ -538,35 +541,42 @@ class HelperGone(Exception):
     """Raised inside quant when a helper dies; the matvec is then run here."""
 
 
-def receive(fd: int, size: int) -> bytes | None:
-    """The next message of `size` bytes from a non-blocking pipe, None once it is closed.
+def receive(fd: int, size: int, timeout: float | None = None) -> bytes | None:
+    """The next message of `size` bytes from a non-blocking pipe, None once it is closed;
+    TimeoutError after `timeout` seconds without one.
 
     Polls for HELPER_SPIN seconds before sleeping in select: a process that sleeps between a
     step's matvecs is woken up to a millisecond late on this VM (a 2816x2048 q4 matvec split
     over two processes took 2.4 ms, median, against 1.2 ms for either half), and a decode step
     sends the next matvec well within the spin. Messages are shorter than PIPE_BUF, so each is
     written, and read, whole."""
-    deadline = time.perf_counter() + HELPER_SPIN
+    start = time.perf_counter()
     sleep = None
     while True:
         try:
             return os.read(fd, size) or None
         except BlockingIOError:
-            if time.perf_counter() > deadline:
+            waited = time.perf_counter() - start
+            if waited > HELPER_SPIN:
                 if sleep is None:
                     sleep = select.poll()
                     sleep.register(fd, select.POLLIN)
-                sleep.poll()
+                if timeout is not None and waited > timeout:
+                    raise TimeoutError(f"no message in {timeout:.0f} s") from None
+                sleep.poll(None if timeout is None else 1000 * (timeout - waited) + 1)
 
 
 def stop_helpers(procs: list[Helper]) -> None:
-    """Close the helpers' pipes (each exits when its job pipe closes) and reap them."""
+    """Close the helpers' pipes, end them and reap them. A helper holds nothing to clean up
+    (it writes no file), and one that is stuck must not hold this process up: SIGKILL."""
     procs = [h for h in procs if not h.closed]
     for h in procs:
         h.closed = True     # once only: a closed descriptor's number may be reused by then
         for fd in (h.jobs, h.done):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        with contextlib.suppress(OSError):
+            os.kill(h.pid, signal.SIGKILL)
     for h in procs:
         with contextlib.suppress(OSError):
             os.waitpid(h.pid, 0)

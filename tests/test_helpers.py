@@ -108,6 +108,20 @@ def test_a_killed_helper_falls_back_to_threads(monkeypatch):
             os.waitpid(pid, os.WNOHANG)
 
 
+def test_a_stuck_helper_is_ended_and_threads_take_over(monkeypatch):
+    model = ds2cli.load(quantize=4)
+    ids = [0, 74, 75]
+    monkeypatch.setenv("DS2_HELPERS", "0")
+    expected = decode(model, ids, steps=2)
+    monkeypatch.delenv("DS2_HELPERS")
+    monkeypatch.setattr(quant, "HELPER_TIMEOUT", 0.5)
+    pids = [h.pid for h in quant._helpers.procs]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)         # alive, but never answers
+    np.testing.assert_array_equal(decode(model, ids, steps=2), expected)
+    assert quant._helpers is None and not any(alive(pid) for pid in pids)
+
+
 def test_loading_another_model_replaces_the_helpers():
     first = ds2cli.load(quantize=8)
     old = [h.pid for h in quant._helpers.procs]
