@@ -475,6 +475,9 @@ class Helpers:
         jobs_r, jobs_w = os.pipe()
         done_r, done_w = os.pipe()
         parent = os.getpid()
+        # Linux documents PR_SET_PDEATHSIG as sent when the forking *thread* ends: only the main thread's
+        # end is the process's end
+        with_parent = threading.current_thread() is threading.main_thread()
         with warnings.catch_warnings():     # Python 3.12+ warns of forking with threads alive:
             warnings.simplefilter("ignore", DeprecationWarning)   # the child takes no lock of theirs
             pid = os.fork()
@@ -482,7 +485,7 @@ class Helpers:
             try:
                 for fd in (jobs_w, done_r, *(fd for h in self.procs for fd in (h.jobs, h.done))):
                     os.close(fd)
-                helper_main(parent, jobs_r, done_w, np.frombuffer(shared, np.float32))
+                helper_main(parent, with_parent, jobs_r, done_w, np.frombuffer(shared, np.float32))
             finally:
                 os._exit(0)
         os.close(jobs_r)
@@ -582,13 +585,15 @@ def stop_helpers(procs: list[Helper]) -> None:
             os.waitpid(h.pid, 0)
 
 
-def helper_main(parent: int, jobs: int, done: int, values: np.ndarray) -> None:
+def helper_main(parent: int, with_parent: bool, jobs: int, done: int, values: np.ndarray) -> None:
     """A helper's life: run the rows it is sent until the job pipe closes (this process's parent
     exited or stopped it). Ctrl-C is the parent's to handle; the helper dies with the parent."""
     global _workers, _helpers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(Exception):   # Linux: be killed with the parent, however it dies
+        if not with_parent:
+            raise NotImplementedError
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     if os.getppid() != parent:      # it died before that took effect

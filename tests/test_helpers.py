@@ -135,6 +135,18 @@ def test_loading_another_model_replaces_the_helpers():
     decode(second, [0, 74], steps=2)
 
 
+def test_a_model_loaded_on_a_thread_that_ends_keeps_its_helpers():
+    import threading
+    loaded = {}
+    t = threading.Thread(target=lambda: loaded.setdefault("model", ds2cli.load(quantize=8)))
+    t.start()
+    t.join()
+    helpers = quant._helpers
+    sent = helpers.seq
+    decode(loaded["model"], [0, 74], steps=2)
+    assert helpers.seq > sent and quant._helpers is helpers and all(alive(h.pid) for h in helpers.procs)
+
+
 @pytest.mark.parametrize("how", ["exit", "SIGKILL"])
 def test_helpers_never_outlive_their_process(how):
     script = ("import sys, time, ds2cli\nfrom ds2cli import quant\n"
