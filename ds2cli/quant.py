@@ -475,8 +475,8 @@ class Helpers:
         jobs_r, jobs_w = os.pipe()
         done_r, done_w = os.pipe()
         parent = os.getpid()
-        # Linux documents PR_SET_PDEATHSIG as sent when the forking *thread* ends: only the main thread's
-        # end is the process's end
+        # Linux documents PR_SET_PDEATHSIG as sent when the forking *thread* ends, and only the
+        # main thread's end is the process's end
         with_parent = threading.current_thread() is threading.main_thread()
         with warnings.catch_warnings():     # Python 3.12+ warns of forking with threads alive:
             warnings.simplefilter("ignore", DeprecationWarning)   # the child takes no lock of theirs
