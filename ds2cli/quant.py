@@ -44,6 +44,7 @@ import os
 import select
 import signal
 import struct
+import sys
 import threading
 import time
 import warnings
@@ -439,9 +440,11 @@ HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec 
 
 
 def helpers_wanted() -> bool:
-    """Whether decode steps split their matvecs across helper processes (where fork exists,
-    with more than one core; DS2_HELPERS=0 turns it off and threads are used instead)."""
-    return (hasattr(os, "fork") and workers().n > 1 and not _helpers_failed
+    """Whether decode steps split their matvecs across helper processes: on Linux (macOS's
+    system libraries, Accelerate among them, are not safe to use in a forked child, which is why
+    Python's multiprocessing no longer forks there), with more than one core; DS2_HELPERS=0
+    turns them off, and threads are used instead."""
+    return (sys.platform.startswith("linux") and workers().n > 1 and not _helpers_failed
             and os.environ.get("DS2_HELPERS", "1") != "0")
 
 

@@ -14,15 +14,15 @@ import pytest
 import ds2cli
 from ds2cli import quant
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or quant.workers().n < 2,
-                                reason="helper processes need fork and two cores")
+pytestmark = pytest.mark.skipif(not quant.helpers_wanted(), reason="helper processes are used on Linux "
+                                "with two cores or more (and not with DS2_HELPERS=0)")
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.setattr(quant, "_helpers_failed", False)   # a test that kills a helper sets it
     monkeypatch.delenv("DS2_HELPERS", raising=False)
-    # every matvec of ds2-tiny is small enough to run whole on one core; split them all
+    # most of ds2-tiny's matrices are small enough to run whole on one core; split them all
     monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
     yield
     quant.stop_helpers_now()
