@@ -323,6 +323,14 @@ class Workers:
         finally:
             self.local.inside = False
 
+    @property
+    def lanes(self) -> int:
+        """How many items `map` runs at once here: one a core in a low-bit forward pass, else 1
+        (in a decode step with helper processes, each matvec is split across them instead)."""
+        if self.pool is None or not self.held or self.inside or (self.decoding and helpers_running()):
+            return 1
+        return self.n
+
     def map(self, fn, items) -> list:
         """[fn(item) for item in items], the items shared across the cores while a low-bit
         forward pass holds BLAS at one thread (each core then runs whole items with kernels on
@@ -330,10 +338,9 @@ class Workers:
         in order, on this thread, otherwise, and in a decode step that has helper processes,
         whose matvecs are each split across the processes instead."""
         items = list(items)
-        if (self.pool is None or not self.held or len(items) < 2 or self.inside
-                or (self.decoding and helpers_running())):  # each matvec is split across processes
+        if self.lanes < 2 or len(items) < 2:
             return [fn(item) for item in items]
-        n = min(self.n, len(items))
+        n = min(self.lanes, len(items))
         groups = [items[k::n] for k in range(n)]
         futures = [self.pool.submit(self.part, lambda g: [fn(i) for i in g], group) for group in groups[1:]]
         results = [self.part(lambda g: [fn(i) for i in g], groups[0])]

@@ -242,3 +242,26 @@ def test_quality_against_float32(reference, bits, max_kl, min_top1, min_addition
     top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
     assert kl <= max_kl and top1 >= min_top1, (kl, top1)
     assert additions(q) >= min_additions
+
+
+@pytest.mark.skipif(quant.workers().n < 2, reason="needs two cores")
+def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch):
+    model = ds2cli.load(quantize=8)
+    ids = list(range(0, 400, 10))
+    seen = []
+    real = quant.Workers.map
+
+    def spy(self, fn, items):
+        items = list(items)
+        seen.append((self.lanes, items))
+        return real(self, fn, items)
+
+    monkeypatch.setattr(quant.Workers, "map", spy)
+    shared = model.forward(ids, model.new_cache(64), all_logits=True)
+    heads = model.config.num_attention_heads
+    splits = [items for lanes, items in seen if items and all(isinstance(i, slice) for i in items)]
+    assert len(splits) == model.config.num_hidden_layers
+    assert all(len(s) == quant.workers().n and s[0].start == 0 and s[-1].stop == heads for s in splits)
+    with quant.kernel_threads(1):     # one core: every head in one call, nothing shared
+        whole = model.forward(ids, model.new_cache(64), all_logits=True)
+    np.testing.assert_allclose(shared, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
