@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds2cli.quant import workers
+from ds2cli.quant import split_rows, workers
 from ds2cli.rope import apply_rope
 
 
@@ -106,9 +106,8 @@ def mla(x, w, latent_cache, k_pe_cache, start, cos, sin, H, eps, scale) -> np.nd
     attend = attend_absorbed if absorbed_cost(*dims) <= expanded_cost(*dims) else attend_expanded
     # heads are independent: a low-bit pass, which holds BLAS at one thread, shares a prompt's
     # heads across the cores (a decode step's attention is too small to be worth splitting)
-    n = workers().lanes if T > 1 else 1
-    bounds = [H * k // n for k in range(n + 1)]
+    heads = [slice(a, b) for a, b in split_rows(H, workers().lanes if T > 1 else 1, 1)]
     ctx = np.concatenate(workers().map(
         lambda h: attend(q_nope[:, h], q_pe[:, h], latent, k_pe, w["w_uk"][h], w["w_uv"][h], scale),
-        [slice(a, b) for a, b in zip(bounds, bounds[1:])]), axis=1)        # (T, H, v)
+        heads), axis=1)                                                     # (T, H, v)
     return w["o_proj"].matmul(ctx.reshape(T, -1))                           # (T, D)

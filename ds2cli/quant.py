@@ -667,11 +667,11 @@ def helper_private_bytes() -> int:
     return total
 
 
-def helpers_for(m: "QuantMatrix") -> Helpers | None:
-    """The helper processes, if this matvec is a decode step's and they know m."""
+def helpers_for() -> Helpers | None:
+    """The helper processes, if this matvec is a decode step's (Helpers.matvec declines a
+    matrix they do not know)."""
     pool = workers()
-    if (_helpers is None or not (pool.held and pool.decoding) or pool.inside
-            or m.key[0] >= _helpers.horizon or not helpers_wanted()):
+    if _helpers is None or not (pool.held and pool.decoding) or pool.inside or not helpers_wanted():
         return None
     return _helpers
 
@@ -727,7 +727,7 @@ class QuantMatrix:
         y = np.empty(out, np.float32)
         pool = workers()
         spans = split_rows(out, pool.parts, self.f.row_align)
-        helpers = helpers_for(self) if len(spans) > 1 else None
+        helpers = helpers_for() if len(spans) > 1 else None
         try:
             if helpers is not None and helpers.matvec(self, x, y, spans, self.span):
                 return y
