@@ -109,7 +109,7 @@ def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None
         return swiglu(x[picks[j] // k], w["experts_gate_up"][e], w["experts_down"][e])
 
     # the experts are independent: with low-bit weights each core takes whole experts, the
-    # busiest first so that dealing them out in turn keeps the cores evenly loaded (prefill)
+    # busiest first, each core the next when it is free, so the cores finish together (prefill)
     busiest = sorted(range(len(experts)), key=lambda j: -len(picks[j]))
     outs = dict(zip(busiest, workers().map(run, busiest)))
     y = np.zeros_like(x)                                                    # (T, D)

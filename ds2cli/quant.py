@@ -333,21 +333,24 @@ class Workers:
 
     def map(self, fn, items) -> list:
         """[fn(item) for item in items], the items shared across the cores while a low-bit
-        forward pass holds BLAS at one thread (each core then runs whole items with kernels on
-        that core alone: a decode step's six experts are too small to split each one well);
-        in order, on this thread, otherwise, and in a decode step that has helper processes,
-        whose matvecs are each split across the processes instead."""
+        forward pass holds BLAS at one thread: each core takes the next item when it is free
+        and runs it with kernels on that core alone (a decode step's six experts are too small
+        to split each one well). In order, on this thread, otherwise, and in a decode step that
+        has helper processes, whose matvecs are each split across the processes instead."""
         items = list(items)
         if self.lanes < 2 or len(items) < 2:
             return [fn(item) for item in items]
-        n = min(self.lanes, len(items))
-        groups = [items[k::n] for k in range(n)]
-        futures = [self.pool.submit(self.part, lambda g: [fn(i) for i in g], group) for group in groups[1:]]
-        results = [self.part(lambda g: [fn(i) for i in g], groups[0])]
-        results += [future.result() for future in futures]
         out = [None] * len(items)
-        for k, rs in enumerate(results):
-            out[k::n] = rs
+        turns = iter(range(len(items)))     # next() on a range iterator is atomic under the GIL
+
+        def lane() -> None:
+            for k in turns:
+                out[k] = fn(items[k])
+
+        futures = [self.pool.submit(self.part, lane) for _ in range(min(self.lanes, len(items)) - 1)]
+        self.part(lane)
+        for future in futures:
+            future.result()
         return out
 
 

@@ -265,3 +265,23 @@ def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch):
     with quant.kernel_threads(1):     # one core: every head in one call, nothing shared
         whole = model.forward(ids, model.new_cache(64), all_logits=True)
     np.testing.assert_allclose(shared, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+
+
+def test_the_cores_take_the_next_item_when_they_are_free():
+    """Workers.map hands items out one at a time: a core held up by a long item leaves the rest
+    to the other cores, rather than owning every other item from the start."""
+    import threading
+    import time
+    pool = quant.Workers(2)
+    pool.held = 1                    # as in a low-bit forward pass: items go to both cores
+    ran = {}
+
+    def run(k: int) -> int:
+        ran[k] = threading.get_ident()
+        time.sleep(0.5 if k == 0 else 0.01)     # sleeping releases the GIL, as NumPy's kernels do
+        return k * k
+
+    assert pool.lanes == 2
+    assert pool.map(run, range(6)) == [k * k for k in range(6)]
+    assert len({ran[k] for k in range(1, 6)}) == 1 and ran[1] != ran[0]
+    pool.pool.shutdown()
