@@ -564,10 +564,11 @@ def parse_formats(ctx, param, value: str | None) -> list[int | None] | None:
 @click.option("--quantize", type=click.Choice(["8", "4"]),
               help="Quantize the float checkpoint to 8 or 4 bits in memory as it loads.")
 @click.option("--formats", callback=parse_formats,
-              help="Compare formats side by side, each in its own process, e.g. f32,8,4: f32 loads "
-                   "the float checkpoint, 8 and 4 load ds2 quantize copies kept beside it (made once). "
-                   "-r sets the rounds; each round runs every format once, in turn, and the ratios are "
-                   "taken within each round.")
+              help="Compare formats, e.g. f32,8,4: f32 loads the float checkpoint, 8 and 4 load ds2 "
+                   "quantize copies kept beside it (made once). -r sets the rounds; each round runs "
+                   "every format once, in turn, each in its own process (load, memory and the figures); "
+                   "then, where they fit in memory together, one process holds them all and times -r "
+                   "samples of each, interleaved, for the speed ratios.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
 def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
@@ -598,9 +599,7 @@ def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decod
                      None if formats else bits, context)
     path = model_dir or synthetic_model(bench_dir, layers or DEFAULT_LAYERS)
     if formats:
-        settings = ["-p", ",".join(map(str, prompt_lengths)),
-                    "-c", ",".join(map(str, contexts)), "-n", str(decode_steps)]
-        report = compare_formats(path, bench_dir, formats, repeats, settings)
+        report = compare_formats(path, bench_dir, formats, repeats, prompt_lengths, contexts, decode_steps)
     else:
         report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
                            int(quantize) if quantize else None)
@@ -626,7 +625,7 @@ def quantized_copy(path: Path, bench_dir: Path, bits: int) -> Path:
 
 
 def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], repeats: int,
-                    settings: list[str]) -> dict:
+                    prompt_lengths: list[int], contexts: list[int], steps: int) -> dict:
     """Each format benchmarked by fresh `ds2 bench --json -r 1` processes, so that each has its
     own peak RSS, in rounds: every round runs each format once, in turn. A shared machine's speed
     drifts over minutes, so a ratio is taken within each round, between runs made a minute or
@@ -634,6 +633,7 @@ def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], repe
     now with another's made ten minutes later."""
     targets = {"f32" if bits is None else f"q{bits}": path if bits is None else quantized_copy(path, bench_dir, bits)
                for bits in formats}
+    settings = ["-p", ",".join(map(str, prompt_lengths)), "-c", ",".join(map(str, contexts)), "-n", str(steps)]
     runs: dict[str, list[dict]] = {name: [] for name in targets}
     for k in range(repeats):
         for name, target in targets.items():
@@ -643,7 +643,67 @@ def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], repe
             if child.returncode != 0:
                 raise BenchError(f"the {name} benchmark failed (exit {child.returncode}); its error is above")
             runs[name].append(json.loads(child.stdout))
-    return {"formats": runs, "comparison": format_ratios(runs)}
+    return {"formats": runs, "comparison": format_ratios(runs),
+            "side_by_side": side_by_side(targets, repeats, prompt_lengths, contexts, steps)}
+
+
+def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[int], contexts: list[int],
+                 steps: int) -> dict | None:
+    """Speed ratios measured in one process that holds every format, their samples interleaved:
+    for each point, sample k of every format runs in turn, seconds apart, on the same token ids,
+    and the ratio is taken within each k. A shared machine's speed moves by 10-30% between the
+    rounds' processes, minutes apart, and this pairs measurements made seconds apart instead.
+    None (said on stderr) if the formats do not fit in memory together."""
+    cfgs = {name: DeepseekV2Config.from_file(t / "config.json") for name, t in targets.items()}
+    context = cache_tokens(prompt_lengths, contexts, steps)
+    need = sum(memory.required(cfgs[name], read_quant_config(t), context)["total"] for name, t in targets.items())
+    available = memory.available_bytes()
+    if available is not None and need > available:
+        console.info(f"side by side: skipped, the formats need {memory.gb(need)} together and "
+                     f"{memory.gb(available)} is available")
+        return None
+    console.info("== side by side: every format in this process, samples interleaved")
+    # each low-bit load forks the decode helpers anew, so the last ones know every model here
+    models = {name: load(t, context=context, memory_check=False) for name, t in targets.items()}
+    rng = np.random.default_rng(0)
+    vocab = min(m.config.vocab_size for m in models.values())
+    samples: dict[str, dict[str, list[float]]] = {}
+    for tokens in prompt_lengths:
+        console.info(f"side by side: prefill {tokens} tokens x {repeats}")
+        row = samples[f"pp{tokens} tok/s"] = {name: [] for name in models}
+        for k in range(repeats + 1):            # the first, untimed, warms every format up
+            ids = rng.integers(vocab, size=tokens)
+            for name, m in models.items():
+                took = seconds(lambda: m.forward(ids, m.new_cache(tokens)))
+                if k:
+                    row[name].append(tokens / took)
+    prompt = rng.integers(vocab, size=max(contexts))
+    caches = {name: m.new_cache(max(contexts) + steps) for name, m in models.items()}
+    for context in sorted(contexts):
+        console.info(f"side by side: decode {steps} x {repeats} at {context} tokens")
+        row = samples[f"tg @ {context} tok/s"] = {name: [] for name in models}
+        for name, m in models.items():
+            fill_cache(m, caches[name], prompt[:context])
+        for _ in range(repeats):
+            ids = rng.integers(vocab, size=steps)
+            for name, m in models.items():
+                caches[name].truncate(context)
+                took = seconds(lambda: [m.forward(t[None], caches[name]) for t in ids])
+                row[name].append(steps / took)
+                caches[name].truncate(context)
+    models.clear()
+    caches.clear()
+    quant.stop_helpers_now()     # a helper's copy of this process would keep the models alive
+    gc.collect()
+    first = next(iter(targets))
+    out = {}
+    for row, by_name in samples.items():
+        out[row] = {}
+        for name, values in by_name.items():
+            ratios = [v / b for v, b in zip(values, by_name[first])]
+            out[row][name] = {"tok_per_s": summary(values), "ratio": float(np.median(ratios)),
+                              "ratio_range": [min(ratios), max(ratios)], "ratios": ratios}
+    return {"samples": repeats, "rows": out}
 
 
 def comparison_figures(report: dict) -> dict[str, float]:
@@ -737,13 +797,17 @@ def render_formats(report: dict, out) -> None:
     from rich import box
     from rich.table import Table
     comparison = report["comparison"]
+    paired = (report.get("side_by_side") or {}).get("rows", {})
     first = next(iter(report["formats"].values()))[0]
     m = first["model"]
     table = Table(title=f"ds2 bench --formats: {m['path']}\n{m['num_hidden_layers']} layers, "
                         f"{m['params'] / 1e9:.2f} B params, {m['float32_weight_bytes'] / 1e9:.2f} GB as float32",
                   caption=machine_line(first["machine"]) + f"; medians of {next(iter(comparison.values()))['rounds']} "
-                          "rounds, each running every format in turn; ratio = this format / the first in the "
-                          "same round (median, and the rounds' range)",
+                          "rounds, each running every format in its own process, in turn; ratio = this format "
+                          "/ the first (median, and range)" + (
+                              f", for speed taken side by side: {report['side_by_side']['samples']} samples "
+                              "of every format interleaved in one process, each ratio within a sample"
+                              if paired else ", within each round"),
                   box=box.SIMPLE_HEAD)
     table.add_column("test", no_wrap=True)
     for name in comparison:
@@ -755,9 +819,9 @@ def render_formats(report: dict, out) -> None:
         for k, (name, c) in enumerate(comparison.items()):
             cells.append(f"{c['figures'][row]:.2f}")
             if k:
-                lo_hi = c["ratio_range"][row]
-                cells.append("-" if c["ratios"][row] is None
-                             else f"{c['ratios'][row]:.2f}x ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})")
+                ratio, lo_hi = ((paired[row][name]["ratio"], paired[row][name]["ratio_range"]) if row in paired
+                                else (c["ratios"][row], c["ratio_range"][row]))
+                cells.append("-" if ratio is None else f"{ratio:.2f}x ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})")
         table.add_row(*cells)
     cells = ["peak RSS / f32 weights"]
     for k, c in enumerate(comparison.values()):

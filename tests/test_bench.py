@@ -279,3 +279,43 @@ def test_format_ratios_are_taken_within_each_round(report):
     bench_module.render_formats({"formats": runs, "comparison": out}, console)
     text = console.export_text()
     assert "0.90x (0.90-0.90)" in text and "medians of 2 rounds" in text
+
+
+def test_side_by_side_pairs_samples_of_every_format_in_one_process(tmp_path, monkeypatch):
+    """--formats' speed ratios: every format loaded in one process, sample k of each taken in
+    turn on the same ids, the ratio within each k; skipped when they do not fit together."""
+    from ds2cli.quantize import quantize_checkpoint
+    q8 = tmp_path / "tiny-q8"
+    quantize_checkpoint(bundled_model_dir(), q8, 8)
+    targets = {"f32": bundled_model_dir(), "q8": q8}
+    loaded = []
+    real_load = bench_module.load
+    monkeypatch.setattr(bench_module, "load", lambda path, **kw: loaded.append(path) or real_load(path, **kw))
+    out = bench_module.side_by_side(targets, 3, [8], [8, 24], 2)
+    assert loaded == [bundled_model_dir(), q8]           # each format once, all in this process
+    assert out["samples"] == 3 and set(out["rows"]) == {"pp8 tok/s", "tg @ 8 tok/s", "tg @ 24 tok/s"}
+    for row in out["rows"].values():
+        base, other = row["f32"], row["q8"]
+        assert base["ratios"] == [1.0] * 3 and base["ratio"] == 1.0
+        ratios = [q / f for q, f in zip(other["tok_per_s"]["runs"], base["tok_per_s"]["runs"])]
+        assert other["ratios"] == pytest.approx(ratios) and len(ratios) == 3
+        assert other["ratio"] == pytest.approx(float(np.median(ratios)))
+        assert other["ratio_range"] == pytest.approx([min(ratios), max(ratios)])
+        assert all(v > 0 for v in other["tok_per_s"]["runs"] + base["tok_per_s"]["runs"])
+    # the table shows these ratios for the speed rows
+    comparison = {name: {"figures": {"pp8 tok/s": 100.0, "load s": 1.0}, "ratios": {"pp8 tok/s": 0.5, "load s": 0.1},
+                         "ratio_range": {"pp8 tok/s": [0.5, 0.5], "load s": [0.1, 0.1]}, "rounds": 1,
+                         "rss_vs_float32_weights": 1.0} for name in targets}
+    first = json.loads(run_bench(*TINY_ARGS).stdout)
+    runs = {name: [first] for name in targets}
+    from rich.console import Console
+    console = Console(record=True, width=400)
+    bench_module.render_formats({"formats": runs, "comparison": comparison, "side_by_side": out}, console)
+    text = console.export_text()
+    r = out["rows"]["pp8 tok/s"]["q8"]
+    assert f"{r['ratio']:.2f}x ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})" in text
+    assert "0.10x (0.10-0.10)" in text and "3 samples of every format" in text
+    # formats that would not fit in memory together are not loaded side by side
+    monkeypatch.setattr(bench_module.memory, "available_bytes", lambda: 10**6)
+    loaded.clear()
+    assert bench_module.side_by_side(targets, 3, [8], [8], 2) is None and loaded == []
