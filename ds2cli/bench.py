@@ -653,7 +653,9 @@ def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[in
     for each point, sample k of every format runs in turn, seconds apart, on the same token ids,
     and the ratio is taken within each k. A shared machine's speed moves by 10-30% between the
     rounds' processes, minutes apart, and this pairs measurements made seconds apart instead.
-    None (said on stderr) if the formats do not fit in memory together."""
+    None (said on stderr) if the formats do not fit in memory together, and for one format."""
+    if len(targets) < 2:
+        return None
     cfgs = {name: DeepseekV2Config.from_file(t / "config.json") for name, t in targets.items()}
     context = cache_tokens(prompt_lengths, contexts, steps)
     need = sum(memory.required(cfgs[name], read_quant_config(t), context)["total"] for name, t in targets.items())
@@ -804,10 +806,10 @@ def render_formats(report: dict, out) -> None:
                         f"{m['params'] / 1e9:.2f} B params, {m['float32_weight_bytes'] / 1e9:.2f} GB as float32",
                   caption=machine_line(first["machine"]) + f"; medians of {next(iter(comparison.values()))['rounds']} "
                           "rounds, each running every format in its own process, in turn; ratio = this format "
-                          "/ the first (median, and range)" + (
-                              f", for speed taken side by side: {report['side_by_side']['samples']} samples "
-                              "of every format interleaved in one process, each ratio within a sample"
-                              if paired else ", within each round"),
+                          "/ the first (median, and range), within each round" + (
+                              f"; speed rows side by side: medians of {report['side_by_side']['samples']} "
+                              "samples of every format interleaved in one process, each ratio within a sample"
+                              if paired else ""),
                   box=box.SIMPLE_HEAD)
     table.add_column("test", no_wrap=True)
     for name in comparison:
@@ -817,7 +819,7 @@ def render_formats(report: dict, out) -> None:
     for row in next(iter(comparison.values()))["figures"]:
         cells = [row]
         for k, (name, c) in enumerate(comparison.items()):
-            cells.append(f"{c['figures'][row]:.2f}")
+            cells.append(f"{paired[row][name]['tok_per_s']['median'] if row in paired else c['figures'][row]:.2f}")
             if k:
                 ratio, lo_hi = ((paired[row][name]["ratio"], paired[row][name]["ratio_range"]) if row in paired
                                 else (c["ratios"][row], c["ratio_range"][row]))
