@@ -666,7 +666,13 @@ def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[in
         return None
     console.info("== side by side: every format in this process, samples interleaved")
     # each low-bit load forks the decode helpers anew, so the last ones know every model here
-    models = {name: load(t, context=context, memory_check=False) for name, t in targets.items()}
+    models = {}
+    for name, t in targets.items():
+        progress = console.LoadProgress()
+        try:
+            models[name] = load(t, progress=progress, context=context, memory_check=False)
+        finally:
+            progress.close()
     rng = np.random.default_rng(0)
     vocab = min(m.config.vocab_size for m in models.values())
     samples: dict[str, dict[str, list[float]]] = {}

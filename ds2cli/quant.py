@@ -344,8 +344,13 @@ class Workers:
         turns = iter(range(len(items)))     # next() on a range iterator is atomic under the GIL
 
         def lane() -> None:
-            for k in turns:
-                out[k] = fn(items[k])
+            try:
+                for k in turns:
+                    out[k] = fn(items[k])
+            except BaseException:
+                for _ in turns:     # the other cores stop after their current item (Ctrl-C)
+                    pass
+                raise
 
         futures = [self.pool.submit(self.part, lane) for _ in range(min(self.lanes, len(items)) - 1)]
         self.part(lane)

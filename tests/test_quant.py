@@ -285,3 +285,25 @@ def test_the_cores_take_the_next_item_when_they_are_free():
     assert pool.map(run, range(6)) == [k * k for k in range(6)]
     assert len({ran[k] for k in range(1, 6)}) == 1 and ran[1] != ran[0]
     pool.pool.shutdown()
+
+
+def test_an_item_that_fails_stops_the_other_cores_after_their_current_one():
+    """Ctrl-C (or any error) in one core's item: the others take no new items, and map raises."""
+    import time
+    pool = quant.Workers(2)
+    pool.held = 1
+    started = []
+
+    def run(k: int) -> int:
+        started.append(k)
+        if k == 0:
+            time.sleep(0.05)
+            raise KeyboardInterrupt
+        time.sleep(0.02)
+        return k
+
+    with pytest.raises(KeyboardInterrupt):
+        pool.map(run, range(50))
+    time.sleep(0.3)                  # the other core's item ends; it must not start more
+    assert len(started) < 10
+    pool.pool.shutdown()
