@@ -161,18 +161,12 @@ def synthesise(target: Path, config: dict, seed: int = 0, shard_bytes: int = SHA
     folder and renamed into place only when complete, so an interrupted synthesis is never reused."""
     cfg = DeepseekV2Config.from_dict(config)
     target.parent.mkdir(parents=True, exist_ok=True)
-    check_disk(target.parent, 2 * sum(math.prod(s) for s in checkpoint.expected_shapes(cfg).values()))
+    needed = 2 * sum(math.prod(s) for s in checkpoint.expected_shapes(cfg).values())     # bf16
+    files.check_free_disk(target.parent, int(needed * 1.05), "the benchmark checkpoint", BenchError,
+                          "pick another place with --cache-dir or DS2_BENCH_DIR, or fewer --layers")
     with files.building(target, replace=False) as partial:
         write_checkpoint(partial, config, seed, shard_bytes)
     return target
-
-
-def check_disk(directory: Path, needed: int) -> None:
-    free = shutil.disk_usage(directory).free
-    if free < needed * 1.05:
-        raise BenchError(f"not enough disk to synthesise the benchmark checkpoint in {directory}: "
-                         f"it needs {needed / 1e9:.1f} GB and {free / 1e9:.1f} GB is free "
-                         f"(pick another place with --cache-dir or DS2_BENCH_DIR, or fewer --layers)")
 
 
 def synthetic_path(bench_dir: Path, layers: int) -> Path:

@@ -10,6 +10,15 @@ from pathlib import Path
 from typing import Iterator
 
 
+def check_free_disk(directory: Path, needed: int, what: str, error: type[Exception], hint: str = "") -> None:
+    """Raise `error`, naming both figures, if `directory`'s file system has fewer than `needed`
+    bytes free: checked before anything is written (bench's synthesis, ds2 quantize)."""
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise error(f"not enough disk for {what} in {directory}: it needs {needed / 1e9:.1f} GB and "
+                    f"{free / 1e9:.1f} GB is free" + (f" ({hint})" if hint else ""))
+
+
 def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0 only asks whether the process exists

@@ -59,10 +59,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool
     tensors = checkpoint.validate(cfg, src)
     size = memory.weight_bytes(cfg, qc)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(dst.parent).free
-    if size + DISK_MARGIN > free:
-        raise QuantizeError(f"{dst.parent} has {memory.gb(free)} free but the {bits}-bit checkpoint "
-                            f"needs {memory.gb(size)}")
+    files.check_free_disk(dst.parent, size + DISK_MARGIN, f"the {bits}-bit checkpoint", QuantizeError)
     try:
         with files.building(dst, replace=True) as partial:
             written = write_all(src, partial, raw, cfg, qc, tensors, progress)
