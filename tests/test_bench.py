@@ -281,7 +281,7 @@ def test_format_ratios_are_taken_within_each_round(report):
     assert "0.90x (0.90-0.90)" in text and "medians of 2 rounds" in text
 
 
-def test_side_by_side_pairs_samples_of_every_format_in_one_process(tmp_path, monkeypatch):
+def test_side_by_side_pairs_samples_of_every_format_in_one_process(report, tmp_path, monkeypatch):
     """--formats' speed ratios: every format loaded in one process, sample k of each taken in
     turn on the same ids, the ratio within each k; skipped when they do not fit together."""
     from ds2cli.quantize import quantize_checkpoint
@@ -306,8 +306,7 @@ def test_side_by_side_pairs_samples_of_every_format_in_one_process(tmp_path, mon
     comparison = {name: {"figures": {"pp8 tok/s": 100.0, "load s": 1.0}, "ratios": {"pp8 tok/s": 0.5, "load s": 0.1},
                          "ratio_range": {"pp8 tok/s": [0.5, 0.5], "load s": [0.1, 0.1]}, "rounds": 1,
                          "rss_vs_float32_weights": 1.0} for name in targets}
-    first = json.loads(run_bench(*TINY_ARGS).stdout)
-    runs = {name: [first] for name in targets}
+    runs = {name: [report] for name in targets}
     from rich.console import Console
     console = Console(record=True, width=400)
     bench_module.render_formats({"formats": runs, "comparison": comparison, "side_by_side": out}, console)
