@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds2cli.quant import split_rows, workers
+from ds2cli import cores
 from ds2cli.rope import apply_rope
 
 
@@ -68,8 +68,9 @@ def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray
     scores = latent @ q_lat.reshape(H * T, -1).T                            # (S, H*T)
     scores += k_pe @ q_pe.T
     scores *= np.float32(scale)
-    if T > 1:
-        scores.reshape(S, H, T)[np.broadcast_to(causal_mask(T, S).T[:, None, :], (S, H, T))] = -np.inf
+    if T > 1:   # query t sees no position after its own, in every head
+        future = causal_mask(T, S).T[:, None, :]                            # (S, 1, T)
+        np.copyto(scores.reshape(S, H, T), -np.inf, where=future)
     probs = softmax(np.ascontiguousarray(scores.T))                         # (H*T, S)
     ctx_lat = (latent.T @ probs.T).T.reshape(H, T, -1)                      # (H, T, C)
     return np.matmul(ctx_lat, w_uv).transpose(1, 0, 2)                      # (T, H, v)
@@ -104,10 +105,8 @@ def mla(x, w, latent_cache, k_pe_cache, start, cos, sin, H, eps, scale) -> np.nd
     latent, k_pe = latent_cache[:end], k_pe_cache[:end]                     # (S, C), (S, R)
     dims = (T, end, H, C, k_pe.shape[1], d, w["w_uv"].shape[2])
     attend = attend_absorbed if absorbed_cost(*dims) <= expanded_cost(*dims) else attend_expanded
-    # heads are independent: a low-bit pass, which holds BLAS at one thread, shares a prompt's
-    # heads across the cores (a decode step's attention is too small to be worth splitting)
-    heads = [slice(a, b) for a, b in split_rows(H, workers().lanes if T > 1 else 1, 1)]
-    ctx = np.concatenate(workers().map(
+    # heads are independent: the cores may share them (cores.py decides when that pays)
+    ctx = np.concatenate(cores.map(
         lambda h: attend(q_nope[:, h], q_pe[:, h], latent, k_pe, w["w_uk"][h], w["w_uv"][h], scale),
-        heads), axis=1)                                                     # (T, H, v)
+        cores.split(H, tokens=T)), axis=1)                                  # (T, H, v)
     return w["o_proj"].matmul(ctx.reshape(T, -1))                           # (T, D)

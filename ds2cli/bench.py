@@ -39,11 +39,12 @@ import click
 import ml_dtypes
 import numpy as np
 
-from ds2cli import checkpoint, console, files, memory, quant
+from ds2cli import checkpoint, console, files, helpers, memory
 from ds2cli.attention import absorbed_cost, expanded_cost
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
-from ds2cli.model import Model, bundled_model_dir, check_model_dir, load, read_quant_config
+from ds2cli.loader import bundled_model_dir, check_model_dir, load, read_quant_config
+from ds2cli.model import Model
 from ds2cli.qcheckpoint import QuantConfig
 from ds2cli.quantize import quantize_checkpoint
 
@@ -477,12 +478,12 @@ def memory_section(model: Model, cache_tokens: int) -> dict:
     """Peak RSS so far against what must be resident: the weights as stored (memory-mapped ones
     count once their pages are touched) and the largest cache; and against the float32 weights.
     The peak includes what the decode helper processes hold that this one does not map
-    (quant.helper_private_bytes), so pages split between the processes count once and in full."""
+    (helpers.helper_private_bytes), so pages split between the processes count once and in full."""
     weights = weight_nbytes(model)
     cache = cache_tokens * model.new_cache(1).bytes_per_token
-    helpers = quant.helper_private_bytes()
-    rss = peak_rss_bytes() + helpers
-    return {"peak_rss_bytes": rss, "helper_private_bytes": helpers, "weight_bytes": weights, "cache_bytes": cache,
+    private = helpers.helper_private_bytes()
+    rss = peak_rss_bytes() + private
+    return {"peak_rss_bytes": rss, "helper_private_bytes": private, "weight_bytes": weights, "cache_bytes": cache,
             "float32_weight_bytes": 4 * total_params(model), "rss_ratio": rss / (weights + cache)}
 
 
@@ -695,7 +696,7 @@ def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[in
                 caches[name].truncate(context)
     models.clear()
     caches.clear()
-    quant.stop_helpers_now()     # a helper's copy of this process would keep the models alive
+    helpers.stop_helpers_now()     # a helper's copy of this process would keep the models alive
     gc.collect()
     first = next(iter(targets))
     out = {}

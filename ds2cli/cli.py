@@ -22,7 +22,8 @@ from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.describe import describe, plural, render
-from ds2cli.model import Model, bundled_model_dir, check_model_dir, load
+from ds2cli.loader import bundled_model_dir, check_model_dir, load
+from ds2cli.model import Model
 from ds2cli.repl import PROMPT, LineEditor, MessageReader, history_path
 from ds2cli.sampling import SamplingParams, make_sampler
 
@@ -161,7 +162,7 @@ def blas_threads(n: int | None):
     if n is None:
         return contextlib.nullcontext()
     from threadpoolctl import threadpool_limits
-    from ds2cli.quant import kernel_threads
+    from ds2cli.cores import kernel_threads
     stack = contextlib.ExitStack()
     stack.enter_context(threadpool_limits(limits=n, user_api="blas"))
     stack.enter_context(kernel_threads(n))   # the low-bit kernels' own threads

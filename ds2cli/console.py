@@ -53,7 +53,7 @@ def stats_line(load_s: float | None, last: Chunk, cache: LatentCache) -> str:
 
 
 class LoadProgress:
-    """A progress callback for model.load that shows a bar on stderr only once loading has
+    """A progress callback for loader.load that shows a bar on stderr only once loading has
     taken more than `delay` seconds, so fast loads stay silent."""
 
     def __init__(self, delay: float = 1.0, label: str = "loading"):

@@ -33,7 +33,7 @@ from ds2cli import checkpoint, memory, qcheckpoint, rope
 from ds2cli.checkpoint import TensorInfo
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import Ds2Error
-from ds2cli.model import check_model_dir, read_generation_config
+from ds2cli.loader import check_model_dir, read_generation_config
 from ds2cli.tokenizer import Tokenizer
 
 FLOAT32_BYTES = 4  # ds2 computes, and keeps its caches, in float32

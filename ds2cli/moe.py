@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds2cli import cores
 from ds2cli.attention import softmax
 from ds2cli.config import DeepseekV2Config
-from ds2cli.quant import workers
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -108,10 +108,8 @@ def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None
         e = experts[j]
         return swiglu(x[picks[j] // k], w["experts_gate_up"][e], w["experts_down"][e])
 
-    # the experts are independent: with low-bit weights each core takes whole experts, the
-    # busiest first, each core the next when it is free, so the cores finish together (prefill)
-    busiest = sorted(range(len(experts)), key=lambda j: -len(picks[j]))
-    outs = dict(zip(busiest, workers().map(run, busiest)))
+    # the experts are independent: the cores may share them, each expert's tokens its cost
+    outs = cores.map(run, range(len(experts)), cost=[len(p) for p in picks])
     y = np.zeros_like(x)                                                    # (T, D)
     for j in range(len(experts)):                # summed in expert order, however they ran
         y[picks[j] // k] += outs[j] * weight.ravel()[picks[j]][:, None]

@@ -128,7 +128,7 @@ def read_quant_config(raw: dict) -> QuantConfig | None:
 # ---- the prepared layout ----
 
 def layer_shapes(cfg: DeepseekV2Config, i: int) -> dict[tuple[str, str], tuple[int, ...]]:
-    """(part, key) -> shape of every array of prepared layer i (see model.load_layer)."""
+    """(part, key) -> shape of every array of prepared layer i (see loader.load_layer)."""
     D, H, C, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     d, v = cfg.qk_nope_head_dim, cfg.v_head_dim
     s = {("", "input_layernorm"): (D,), ("", "post_attention_layernorm"): (D,)}

@@ -30,30 +30,20 @@ the integer range; the step grows by at most 0.8%.
 
 Kernels: a matrix-vector product (decode) widens row blocks that fit in L2 into a reused float32
 buffer and multiplies each by the activation with BLAS; its rows are split across the cores, in
-a decode step between this process and helper processes forked at load (see "Helper processes"
-below), otherwise between threads, since NumPy releases the GIL in casts and in BLAS. A product
+a decode step between this process and helper processes forked at load (helpers.py), otherwise
+between threads (cores.py), since NumPy releases the GIL in casts and in BLAS. A product
 with many tokens (prefill) dequantizes each weight once, in chunks, and runs the usual GEMM.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import mmap
-import os
-import select
-import signal
-import struct
-import sys
-import threading
-import time
-import warnings
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
 
+from ds2cli import helpers
+from ds2cli.cores import split_rows, workers
 from ds2cli.errors import Ds2Error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -252,448 +242,14 @@ def split_nibbles(qweight: np.ndarray, scratch: np.ndarray, signed: bool) -> np.
     return nibbles.view(np.int8)
 
 
-# ---------------------------------------------------------------------------------------------
-# Kernels
-
-
-class Workers:
-    """The cores a kernel splits its row blocks over: the calling thread plus a small pool."""
-
-    def __init__(self, n: int | None = None):
-        self.n = n or max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                 else (os.cpu_count() or 1), 8))
-        self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
-        self.lock = threading.Lock()
-        self.free: dict[str, list[np.ndarray]] = {}
-        self.local = threading.local()   # .inside: this thread already runs one of several parts
-        self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (hold_blas)
-        self.decoding = 0                # > 0 while that pass is a one-token step
-
-    @contextlib.contextmanager
-    def buffer(self, n: int, slot: str = "block"):
-        """A float32 scratch of n values, lent for the `with` block and kept for the next caller.
-        Reuse matters: a fresh 64 MB array costs 16k page faults each time it is first written.
-        Buffers are lent, not tied to threads, so a server's many request threads share the few
-        that the kernels use at once."""
-        with self.lock:
-            spare = self.free.setdefault(slot, [])
-            k = next((k for k, b in enumerate(spare) if b.size >= n), None)
-            buf = spare.pop(k) if k is not None else None
-        if buf is None:
-            buf = np.empty(n, np.float32)
-        try:
-            yield buf[:n]
-        finally:
-            with self.lock:
-                self.free[slot].append(buf)
-
-    @property
-    def inside(self) -> bool:
-        """This thread already runs one of several parts (see part)."""
-        return getattr(self.local, "inside", False)
-
-    @property
-    def parts(self) -> int:
-        """How many parts to split work into here: one inside a part (which runs on its core
-        alone, so more parts would only add calls), else one a core."""
-        return 1 if self.inside else self.n
-
-    def run(self, fn, spans: list[tuple[int, int]]) -> None:
-        """fn(start, stop) over each span, the first on this thread, the rest on the pool.
-
-        While the spans run, BLAS is held to one thread: each span already has a core, and
-        OpenBLAS's own threads would fight over the same cores (measured: two concurrent
-        2-thread gemv calls run no faster than one after the other; the q8 decode kernel took
-        1.5 ms a 2816x2048 matrix with BLAS at one thread against 2.3 ms at two)."""
-        if self.pool is None or len(spans) < 2 or self.inside:
-            for span in spans:
-                fn(*span)
-            return
-        with contextlib.nullcontext() if self.held else blas_threads(1):   # held: already one
-            futures = [self.pool.submit(self.part, fn, *span) for span in spans[1:]]
-            self.part(fn, *spans[0])
-            for future in futures:
-                future.result()
-
-    def part(self, fn, *args):
-        """Run one of several parts: a kernel called inside it runs on this thread alone."""
-        self.local.inside = True
-        try:
-            return fn(*args)
-        finally:
-            self.local.inside = False
-
-    @property
-    def lanes(self) -> int:
-        """How many items `map` runs at once here: one a core in a low-bit forward pass, else 1
-        (in a decode step with helper processes, each matvec is split across them instead)."""
-        if self.pool is None or not self.held or self.inside or (self.decoding and helpers_running()):
-            return 1
-        return self.n
-
-    def map(self, fn, items) -> list:
-        """[fn(item) for item in items], the items shared across the cores while a low-bit
-        forward pass holds BLAS at one thread: each core takes the next item when it is free
-        and runs it with kernels on that core alone (a decode step's six experts are too small
-        to split each one well). In order, on this thread, otherwise, and in a decode step that
-        has helper processes, whose matvecs are each split across the processes instead."""
-        items = list(items)
-        if self.lanes < 2 or len(items) < 2:
-            return [fn(item) for item in items]
-        out = [None] * len(items)
-        turns = iter(range(len(items)))     # next() on a range iterator is atomic under the GIL
-
-        def lane() -> None:
-            try:
-                for k in turns:
-                    out[k] = fn(items[k])
-            except BaseException:
-                for _ in turns:     # the other cores stop after their current item (Ctrl-C)
-                    pass
-                raise
-
-        futures = [self.pool.submit(self.part, lane) for _ in range(min(self.lanes, len(items)) - 1)]
-        self.part(lane)
-        for future in futures:
-            future.result()
-        return out
-
-
-_workers: Workers | None = None
-_blas = None
-
-
-@contextlib.contextmanager
-def hold_blas(low_bit: bool, decoding: bool = False):
-    """What a forward pass over a model with low-bit weights runs in: BLAS held at one thread
-    throughout. OpenBLAS's idle threads keep spinning for a while after each call, and a
-    spinning BLAS thread takes a core from the low-bit kernels' own threads: holding BLAS at one
-    thread for the whole decode step measured 6.5 tok/s against 3.9 on the 4-layer V2-Lite
-    slice at 8 bits (2 cores)."""
-    pool = workers()
-    if not low_bit or pool.n < 2:
-        yield
-        return
-    with blas_threads(1):
-        pool.held += 1
-        pool.decoding += decoding
-        try:
-            yield
-        finally:
-            pool.held -= 1
-            pool.decoding -= decoding
-
-
-@contextlib.contextmanager
-def kernel_threads(n: int):
-    """Use at most n cores in the low-bit kernels for the block (the CLI's --threads)."""
-    pool = workers()
-    before = pool.n
-    pool.n = max(1, min(n, before))
-    try:
-        yield
-    finally:
-        pool.n = before
-
-
-@contextlib.contextmanager
-def blas_threads(n: int):
-    """Set the BLAS library's thread count for the block, and restore it after."""
-    controllers = blas_controllers()
-    before = [c.num_threads for c in controllers]
-    for c in controllers:
-        c.set_num_threads(n)
-    try:
-        yield
-    finally:
-        for c, k in zip(controllers, before):
-            c.set_num_threads(k)
-
-
-def blas_controllers() -> list:
-    global _blas
-    if _blas is None:
-        from threadpoolctl import ThreadpoolController
-        _blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
-    return _blas
-
-
-def workers() -> Workers:
-    global _workers
-    if _workers is None:
-        _workers = Workers()
-    return _workers
-
-
-def split_rows(rows: int, parts: int, g: int) -> list[tuple[int, int]]:
-    """`parts` spans of whole groups covering [0, rows)."""
-    groups = -(-rows // g)
-    bounds = [min(rows, g * (groups * k // parts)) for k in range(parts + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-# ---------------------------------------------------------------------------------------------
-# Helper processes: the other cores of a decode step
-#
-# Two threads that both call NumPy in short calls spend much of their time handing the GIL to
-# each other (measured: the q8 decode kernel run on two cores scaled 1.3-1.6x as two threads and
-# 1.9x as two processes). So a one-token step hands the other cores' rows of each matvec to
-# helper processes instead. A helper is forked from this process once the weights exist, so it
-# sees every weight at the same address: memory-mapped files and copy-on-write pages are shared
-# with it, never copied. For each matvec this process writes x into the helper's shared memory,
-# sends it one small message through a pipe (which matrix, which rows), runs its own rows, and
-# reads the helper's rows back from the shared memory.
-
-_matrices: list[weakref.ref] = []    # QuantMatrix.key -> the matrix, in this and every helper
-_helpers: "Helpers | None" = None
-_helpers_failed = False               # a helper died or could not start: threads from then on
-JOB = struct.Struct("<qqqqqqq")       # seq, key, expert (-1: none), rows a, b, in, out
-DONE = struct.Struct("<qq")           # seq, 1 if the rows are in shared memory, 0 if not
-HELPER_VALUES = 1 << 20               # float32 values of shared memory a helper: x, then y
-HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
-HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec is taken as stuck
-
-
-def helpers_wanted() -> bool:
-    """Whether decode steps split their matvecs across helper processes: on Linux (macOS's
-    system libraries, Accelerate among them, are not safe to use in a forked child, which is why
-    Python's multiprocessing no longer forks there), with more than one core; DS2_HELPERS=0
-    turns them off, and threads are used instead."""
-    return (sys.platform.startswith("linux") and workers().n > 1 and not _helpers_failed
-            and os.environ.get("DS2_HELPERS", "1") != "0")
-
-
-class Helper:
-    """One forked helper, from this process's side: its pid, its two pipes and its memory."""
-
-    def __init__(self, pid: int, jobs: int, done: int, shared: mmap.mmap):
-        self.pid, self.jobs, self.done, self.shared = pid, jobs, done, shared
-        self.values = np.frombuffer(shared, np.float32)                     # x (in,), then y (out,)
-        self.closed = False
-
-
-class Helpers:
-    """n helper processes, forked now; they know every matrix whose key is below `horizon`."""
-
-    def __init__(self, n: int):
-        self.horizon = len(_matrices)
-        self.seq = 0
-        self.lock = threading.Lock()
-        self.procs: list[Helper] = []
-        try:
-            for _ in range(n):
-                self.procs.append(self.fork())
-        except OSError:
-            self.stop()
-            raise
-        weakref.finalize(self, stop_helpers, list(self.procs))
-
-    def fork(self) -> Helper:
-        shared = mmap.mmap(-1, 4 * HELPER_VALUES)     # anonymous and shared across the fork
-        jobs_r, jobs_w = os.pipe()
-        done_r, done_w = os.pipe()
-        parent = os.getpid()
-        # Linux documents PR_SET_PDEATHSIG as sent when the forking *thread* ends, and only the
-        # main thread's end is the process's end
-        with_parent = threading.current_thread() is threading.main_thread()
-        with warnings.catch_warnings():     # Python 3.12+ warns of forking with threads alive:
-            warnings.simplefilter("ignore", DeprecationWarning)   # the child takes no lock of theirs
-            pid = os.fork()
-        if pid == 0:
-            try:
-                for fd in (jobs_w, done_r, *(fd for h in self.procs for fd in (h.jobs, h.done))):
-                    os.close(fd)
-                helper_main(parent, with_parent, jobs_r, done_w, np.frombuffer(shared, np.float32))
-            finally:
-                os._exit(0)
-        os.close(jobs_r)
-        os.close(done_w)
-        os.set_blocking(done_r, False)
-        return Helper(pid, jobs_w, done_r, shared)
-
-    def stop(self) -> None:
-        stop_helpers(self.procs)
-        self.procs = []
-
-    def matvec(self, m: "QuantMatrix", x: np.ndarray, y: np.ndarray, spans: list[tuple[int, int]], span) -> bool:
-        """Rows spans[0] here, spans[1:] on the helpers; False (nothing done) if they are busy
-        with another thread's step or cannot take the matrix."""
-        global _helpers_failed
-        key, expert = m.key
-        inp, out = len(x), len(y)
-        if key >= self.horizon or inp + out > HELPER_VALUES or not self.lock.acquire(blocking=False):
-            return False
-        try:
-            self.seq += 1
-            sent = []
-            for h, (a, b) in zip(self.procs, spans[1:]):
-                h.values[:inp] = x
-                os.write(h.jobs, JOB.pack(self.seq, key, expert, a, b, inp, out))
-                sent.append((h, a, b))
-            span(x, y, *spans[0])
-            for h, a, b in sent:
-                if self.wait(h):
-                    y[a:b] = h.values[inp + a:inp + b]
-                else:
-                    span(x, y, a, b)
-            for a, b in spans[1 + len(sent):]:
-                span(x, y, a, b)
-            return True
-        except OSError:      # a helper is gone (killed, out of memory) or stuck: carry on without
-            _helpers_failed = True                                                # them
-            raise HelperGone from None
-        finally:
-            self.lock.release()
-            if _helpers_failed:
-                stop_helpers_now()
-
-    def wait(self, h: Helper) -> bool:
-        """Read h's replies up to this step's (an interrupted step leaves its reply unread)."""
-        while True:
-            reply = receive(h.done, DONE.size, HELPER_TIMEOUT)
-            if reply is None:
-                raise OSError("a helper process exited")
-            seq, ok = DONE.unpack(reply)
-            if seq == self.seq:
-                return bool(ok)
-
-
-class HelperGone(Exception):
-    """Raised inside quant when a helper dies; the matvec is then run here."""
-
-
-def receive(fd: int, size: int, timeout: float | None = None) -> bytes | None:
-    """The next message of `size` bytes from a non-blocking pipe, None once it is closed;
-    TimeoutError after `timeout` seconds without one.
-
-    Polls for HELPER_SPIN seconds before sleeping in select: a process that sleeps between a
-    step's matvecs is woken up to a millisecond late on this VM (a 2816x2048 q4 matvec split
-    over two processes took 2.4 ms, median, against 1.2 ms for either half), and a decode step
-    sends the next matvec well within the spin. Messages are shorter than PIPE_BUF, so each is
-    written, and read, whole."""
-    start = time.perf_counter()
-    sleep = None
-    while True:
-        try:
-            return os.read(fd, size) or None
-        except BlockingIOError:
-            waited = time.perf_counter() - start
-            if waited > HELPER_SPIN:
-                if sleep is None:
-                    sleep = select.poll()
-                    sleep.register(fd, select.POLLIN)
-                if timeout is not None and waited > timeout:
-                    raise TimeoutError(f"no message in {timeout:.0f} s") from None
-                sleep.poll(None if timeout is None else 1000 * (timeout - waited) + 1)
-
-
-def stop_helpers(procs: list[Helper]) -> None:
-    """Close the helpers' pipes, end them and reap them. A helper holds nothing to clean up
-    (it writes no file), and one that is stuck must not hold this process up: SIGKILL."""
-    procs = [h for h in procs if not h.closed]
-    for h in procs:
-        h.closed = True     # once only: a closed descriptor's number may be reused by then
-        for fd in (h.jobs, h.done):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        with contextlib.suppress(OSError):
-            os.kill(h.pid, signal.SIGKILL)
-    for h in procs:
-        with contextlib.suppress(OSError):
-            os.waitpid(h.pid, 0)
-
-
-def helper_main(parent: int, with_parent: bool, jobs: int, done: int, values: np.ndarray) -> None:
-    """A helper's life: run the rows it is sent until the job pipe closes (this process's parent
-    exited or stopped it). Ctrl-C is the parent's to handle; the helper dies with the parent."""
-    global _workers, _helpers
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    with contextlib.suppress(Exception):   # Linux: be killed with the parent, however it dies
-        if not with_parent:
-            raise NotImplementedError
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    if os.getppid() != parent:      # it died before that took effect
-        return
-    devnull = os.open(os.devnull, os.O_RDWR)   # hold no one's terminal or pipe open: a reader
-    for fd in (0, 1, 2):                        # of ds2's stdout waits for every writer to close
-        os.dup2(devnull, fd)
-    _workers, _helpers = Workers(1), None   # one core, no pool, no lock another thread holds
-    os.set_blocking(jobs, False)
-    for c in blas_controllers():
-        c.set_num_threads(1)
-    while (job := receive(jobs, JOB.size)) is not None:
-        seq, key, expert, a, b, inp, out = JOB.unpack(job)
-        ok = 0
-        try:
-            m = _matrices[key]() if key < len(_matrices) else None
-            if m is not None:
-                m = m[expert] if expert >= 0 else m
-                m.span(values[:inp], values[inp:inp + out], a, b)
-                ok = 1
-        except Exception:    # noqa: BLE001 - any failure: the parent runs the rows itself
-            ok = 0
-        os.write(done, DONE.pack(seq, ok))
-
-
-def helpers_running() -> bool:
-    return _helpers is not None and helpers_wanted()
-
-
-def start_helpers() -> None:
-    """Fork the helper processes anew (model.load calls this once a low-bit model is loaded):
-    they then know every matrix alive, and the helpers of an earlier model, which would keep
-    its memory alive in their copy of this process, are gone. Forking right after the load also
-    means the copy holds no scratch buffers or caches of this process yet."""
-    global _helpers, _helpers_failed
-    stop_helpers_now()
-    if helpers_wanted():
-        try:
-            _helpers = Helpers(workers().n - 1)
-        except OSError:
-            _helpers_failed = True
-
-
-def stop_helpers_now() -> None:
-    global _helpers
-    if _helpers is not None:
-        _helpers.stop()
-        _helpers = None
-
-
-def helper_private_bytes() -> int:
-    """Resident memory of the helpers that this process does not also map: their scratch, the
-    pages of this process's heap they wrote since the fork, and the weight pages only they have
-    read (a decode step reads each matrix's rows split between the processes). Added to this
-    process's RSS it counts every resident page once. Linux only (0 elsewhere)."""
-    total = 0
-    for h in _helpers.procs if _helpers is not None else []:
-        with contextlib.suppress(OSError), open(f"/proc/{h.pid}/smaps_rollup") as f:
-            total += sum(int(line.split()[1]) * 1024 for line in f
-                         if line.startswith(("Private_Clean:", "Private_Dirty:")))
-    return total
-
-
-def helpers_for() -> Helpers | None:
-    """The helper processes, if this matvec is a decode step's (Helpers.matvec declines a
-    matrix they do not know)."""
-    pool = workers()
-    if _helpers is None or not (pool.held and pool.decoding) or pool.inside or not helpers_wanted():
-        return None
-    return _helpers
-
-
 class QuantMatrix:
     """A low-bit weight (..., out, in): qweight and scales as stored (memory-mapped or in RAM)."""
 
     def __init__(self, qweight: np.ndarray, scales: np.ndarray, f: Format, key: tuple[int, int] | None = None):
         self.qweight, self.scales, self.f = qweight, scales, f
         self.shape = (*qweight.shape[:-1], qweight.shape[-1] * (2 if f.bits == 4 else 1))
-        if key is None:      # how a helper process finds this matrix: (its number, expert or -1)
-            key = (len(_matrices), -1)
-            _matrices.append(weakref.ref(self))
-        self.key = key
+        # how a helper process finds this matrix: (its number, expert or -1)
+        self.key = (helpers.register(self), -1) if key is None else key
 
     @classmethod
     def from_float(cls, w: np.ndarray, f: Format) -> "QuantMatrix":
@@ -735,11 +291,11 @@ class QuantMatrix:
         y = np.empty(out, np.float32)
         pool = workers()
         spans = split_rows(out, pool.parts, self.f.row_align)
-        helpers = helpers_for() if len(spans) > 1 else None
+        procs = helpers.helpers_for() if len(spans) > 1 else None
         try:
-            if helpers is not None and helpers.matvec(self, x, y, spans, self.span):
+            if procs is not None and procs.matvec(self, x, y, spans, self.span):
                 return y
-        except HelperGone:
+        except helpers.HelperGone:
             pass
         pool.run(lambda a, b: self.span(x, y, a, b), spans)
         return y
@@ -797,7 +353,7 @@ class QuantMatrix:
 
     def matmul_many(self, x: np.ndarray) -> np.ndarray:
         """x (T, in) @ W.T for many tokens: dequantize chunks of rows once, then GEMM each,
-        the rows split across the cores (BLAS at one thread, see Workers.run)."""
+        the rows split across the cores (BLAS at one thread, see cores.Workers.run)."""
         out, inp = self.shape
         f, g = self.f, self.f.group_size
         if out * inp <= SMALL_MATRIX:

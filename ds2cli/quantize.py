@@ -19,7 +19,7 @@ from typing import Callable
 from ds2cli import checkpoint, files, memory, qcheckpoint
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import ConfigError, Ds2Error
-from ds2cli.model import check_model_dir, load_layer, load_top, names_by_layer, read_quant_config
+from ds2cli.loader import check_model_dir, load_layer, load_top, names_by_layer, read_quant_config
 
 # Weight files of other frameworks are never copied; everything else at the top level of the
 # source (tokenizer, generation config, license, README, remote code) is.

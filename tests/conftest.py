@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds2cli.model import bundled_model_dir
+from ds2cli.loader import bundled_model_dir
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 

@@ -17,7 +17,7 @@ from ds2cli import bench as bench_module
 from ds2cli import checkpoint
 from ds2cli.bench import BenchError, bench, lite_config, synthesise
 from ds2cli.config import DeepseekV2Config
-from ds2cli.model import bundled_model_dir
+from ds2cli.loader import bundled_model_dir
 
 TINY_ARGS = ["--repeats", "1", "--contexts", "16,64", "--prompt-lengths", "4,16", "--decode-steps", "2", "--json"]
 

@@ -9,7 +9,7 @@ import pytest
 import ds2cli
 from ds2cli import attention, rope
 from ds2cli.errors import ContextFullError, Ds2Error
-from ds2cli.model import bundled_model_dir
+from ds2cli.loader import bundled_model_dir
 from conftest import assert_reference_rows
 
 REFERENCE = Path(__file__).parent / "data" / "reference"

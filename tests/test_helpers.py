@@ -1,4 +1,4 @@
-"""Helper processes (quant.Helpers): a low-bit model's decode steps split each matvec between
+"""Helper processes (helpers.Helpers): a low-bit model's decode steps split each matvec between
 this process and processes forked at load. They must give exactly the threads' results, survive
 a helper's death and an interrupted step, and never outlive the process that forked them."""
 
@@ -12,20 +12,21 @@ import numpy as np
 import pytest
 
 import ds2cli
-from ds2cli import quant
+from ds2cli import cores, quant
+from ds2cli import helpers as procs
 
-pytestmark = pytest.mark.skipif(not quant.helpers_wanted(), reason="helper processes are used on Linux "
+pytestmark = pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes are used on Linux "
                                 "with two cores or more (and not with DS2_HELPERS=0)")
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    monkeypatch.setattr(quant, "_helpers_failed", False)   # a test that kills a helper sets it
+    monkeypatch.setattr(procs, "_helpers_failed", False)   # a test that kills a helper sets it
     monkeypatch.delenv("DS2_HELPERS", raising=False)
     # most of ds2-tiny's matrices are small enough to run whole on one core; split them all
     monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
     yield
-    quant.stop_helpers_now()
+    procs.stop_helpers_now()
 
 
 def decode(model, ids, steps=6):
@@ -57,8 +58,8 @@ def wait_gone(pids, seconds=10.0) -> bool:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
     model = ds2cli.load(quantize=bits)
-    helpers = quant._helpers
-    assert helpers is not None and len(helpers.procs) == quant.workers().n - 1
+    helpers = procs.running()
+    assert helpers is not None and len(helpers.procs) == cores.workers().n - 1
     assert all(alive(h.pid) for h in helpers.procs)
     ids = [0, 74, 75, 76, 77]
     sent = helpers.seq
@@ -74,10 +75,10 @@ def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
 def test_an_interrupted_step_leaves_no_stale_rows():
     m = quant.QuantMatrix.from_float(np.random.default_rng(0).standard_normal((512, 256), dtype=np.float32),
                                      quant.FORMATS["q8"])
-    quant.start_helpers()                    # forked after m exists, so the helper knows it
-    helpers = quant._helpers
+    procs.start_helpers()                    # forked after m exists, so the helper knows it
+    helpers = procs.running()
     x1, x2 = np.random.default_rng(1).standard_normal((2, 256), dtype=np.float32)
-    spans = quant.split_rows(512, 2, 8)
+    spans = cores.split_rows(512, 2, 8)
 
     def interrupted(*args):
         raise KeyboardInterrupt
@@ -97,12 +98,12 @@ def test_a_killed_helper_falls_back_to_threads(monkeypatch):
     monkeypatch.setenv("DS2_HELPERS", "0")
     expected = decode(model, ids)
     monkeypatch.delenv("DS2_HELPERS")
-    pids = [h.pid for h in quant._helpers.procs]
+    pids = [h.pid for h in procs.running().procs]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     assert wait_gone(pids)
     np.testing.assert_array_equal(decode(model, ids), expected)
-    assert quant._helpers is None and quant._helpers_failed
+    assert procs.running() is None and procs._helpers_failed
     for pid in pids:                          # reaped, not left as zombies
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
@@ -114,20 +115,20 @@ def test_a_stuck_helper_is_ended_and_threads_take_over(monkeypatch):
     monkeypatch.setenv("DS2_HELPERS", "0")
     expected = decode(model, ids, steps=2)
     monkeypatch.delenv("DS2_HELPERS")
-    monkeypatch.setattr(quant, "HELPER_TIMEOUT", 0.5)
-    pids = [h.pid for h in quant._helpers.procs]
+    monkeypatch.setattr(procs, "HELPER_TIMEOUT", 0.5)
+    pids = [h.pid for h in procs.running().procs]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)         # alive, but never answers
     np.testing.assert_array_equal(decode(model, ids, steps=2), expected)
-    assert quant._helpers is None and not any(alive(pid) for pid in pids)
+    assert procs.running() is None and not any(alive(pid) for pid in pids)
 
 
 def test_loading_another_model_replaces_the_helpers():
     first = ds2cli.load(quantize=8)
-    old = [h.pid for h in quant._helpers.procs]
+    old = [h.pid for h in procs.running().procs]
     second = ds2cli.load(quantize=4)
     assert wait_gone(old)
-    helpers = quant._helpers
+    helpers = procs.running()
     assert [h.pid for h in helpers.procs] != old
     sent = helpers.seq
     decode(first, [0, 74], steps=2)          # the new helpers know the first model too
@@ -141,17 +142,17 @@ def test_a_model_loaded_on_a_thread_that_ends_keeps_its_helpers():
     t = threading.Thread(target=lambda: loaded.setdefault("model", ds2cli.load(quantize=8)))
     t.start()
     t.join()
-    helpers = quant._helpers
+    helpers = procs.running()
     sent = helpers.seq
     decode(loaded["model"], [0, 74], steps=2)
-    assert helpers.seq > sent and quant._helpers is helpers and all(alive(h.pid) for h in helpers.procs)
+    assert helpers.seq > sent and procs.running() is helpers and all(alive(h.pid) for h in helpers.procs)
 
 
 @pytest.mark.parametrize("how", ["exit", "SIGKILL"])
 def test_helpers_never_outlive_their_process(how):
-    script = ("import sys, time, ds2cli\nfrom ds2cli import quant\n"
+    script = ("import sys, time, ds2cli\nfrom ds2cli import helpers as procs\n"
               "m = ds2cli.load(quantize=8)\nm.forward([0, 74], m.new_cache(8))\n"
-              "print(*[h.pid for h in quant._helpers.procs], flush=True)\n"
+              "print(*[h.pid for h in procs.running().procs], flush=True)\n"
               "time.sleep(60 if sys.argv[1] == 'SIGKILL' else 0)\n")
     p = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True)
     pids = [int(pid) for pid in p.stdout.readline().split()]

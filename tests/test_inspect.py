@@ -21,7 +21,7 @@ from ds2cli.checkpoint import TensorInfo, expected_shapes
 from ds2cli.config import DeepseekV2Config
 from ds2cli.describe import describe, human_bytes, human_count, params_section, render
 from ds2cli.errors import CheckpointError, ConfigError
-from ds2cli.model import bundled_model_dir
+from ds2cli.loader import bundled_model_dir
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 TINY = bundled_model_dir()

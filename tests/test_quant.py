@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import quant
+from ds2cli import cores, quant
 from ds2cli.cli import main
 from ds2cli.linear import Dense
-from ds2cli.model import bundled_model_dir
+from ds2cli.loader import bundled_model_dir
 from ds2cli.qcheckpoint import QuantConfig
 from ds2cli.quant import FORMATS, QuantMatrix
 
@@ -244,25 +244,25 @@ def test_quality_against_float32(reference, bits, max_kl, min_top1, min_addition
     assert additions(q) >= min_additions
 
 
-@pytest.mark.skipif(quant.workers().n < 2, reason="needs two cores")
+@pytest.mark.skipif(cores.workers().n < 2, reason="needs two cores")
 def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch):
     model = ds2cli.load(quantize=8)
     ids = list(range(0, 400, 10))
     seen = []
-    real = quant.Workers.map
+    real = cores.Workers.map
 
     def spy(self, fn, items):
         items = list(items)
         seen.append((self.lanes, items))
         return real(self, fn, items)
 
-    monkeypatch.setattr(quant.Workers, "map", spy)
+    monkeypatch.setattr(cores.Workers, "map", spy)
     shared = model.forward(ids, model.new_cache(64), all_logits=True)
     heads = model.config.num_attention_heads
     splits = [items for lanes, items in seen if items and all(isinstance(i, slice) for i in items)]
     assert len(splits) == model.config.num_hidden_layers
-    assert all(len(s) == quant.workers().n and s[0].start == 0 and s[-1].stop == heads for s in splits)
-    with quant.kernel_threads(1):     # one core: every head in one call, nothing shared
+    assert all(len(s) == cores.workers().n and s[0].start == 0 and s[-1].stop == heads for s in splits)
+    with cores.kernel_threads(1):     # one core: every head in one call, nothing shared
         whole = model.forward(ids, model.new_cache(64), all_logits=True)
     np.testing.assert_allclose(shared, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
@@ -272,7 +272,7 @@ def test_the_cores_take_the_next_item_when_they_are_free():
     to the other cores, rather than owning every other item from the start."""
     import threading
     import time
-    pool = quant.Workers(2)
+    pool = cores.Workers(2)
     pool.held = 1                    # as in a low-bit forward pass: items go to both cores
     ran = {}
 
@@ -290,7 +290,7 @@ def test_the_cores_take_the_next_item_when_they_are_free():
 def test_an_item_that_fails_stops_the_other_cores_after_their_current_one():
     """Ctrl-C (or any error) in one core's item: the others take no new items, and map raises."""
     import time
-    pool = quant.Workers(2)
+    pool = cores.Workers(2)
     pool.held = 1
     started = []
 

@@ -13,7 +13,7 @@ import ds2cli
 from ds2cli import checkpoint, memory, qcheckpoint
 from ds2cli.cli import main
 from ds2cli.memory import MemoryCheckError
-from ds2cli.model import bundled_model_dir
+from ds2cli.loader import bundled_model_dir
 from ds2cli.qcheckpoint import QuantConfig
 
 

@@ -202,7 +202,7 @@ def test_v3_normalises_and_still_scales_unlike_v2():
     bias = np.zeros(16, np.float32)
     _, w = moe.route(x, gate, v3_config(norm_topk_prob=True, routed_scaling_factor=2.5), bias)
     np.testing.assert_allclose(w.sum(axis=-1), 2.5, rtol=1e-6)     # normalised, then scaled
-    tiny = json.loads((ds2cli.model.bundled_model_dir() / "config.json").read_text())
+    tiny = json.loads((ds2cli.loader.bundled_model_dir() / "config.json").read_text())
     v2 = DeepseekV2Config.from_dict({**tiny, "norm_topk_prob": True, "n_routed_experts": 16})
     _, w2 = moe.route(x, gate, v2)
     np.testing.assert_allclose(w2.sum(axis=-1), 1.0, rtol=1e-6)    # V2 normalises instead of scaling
@@ -359,7 +359,7 @@ def test_inspect_check_scans_fp8_without_failing():
 
 
 def test_v2_inspect_has_no_v3_sections():
-    r = describe(ds2cli.model.bundled_model_dir())
+    r = describe(ds2cli.loader.bundled_model_dir())
     assert r["fp8"] is None and r["mtp"] == {"layers": [], "tensors": 0, "params": 0, "bytes": 0}
     assert r["model"]["family"] == "DeepSeek-V2" and r["moe"]["router"].startswith("softmax, group-limited")
 
@@ -396,7 +396,7 @@ def test_v3_ignores_moe_layer_freq_as_transformers_does():
 
 
 def test_v2_config_ignores_v3_only_fields():
-    raw = json.loads((ds2cli.model.bundled_model_dir() / "config.json").read_text())
+    raw = json.loads((ds2cli.loader.bundled_model_dir() / "config.json").read_text())
     before = DeepseekV2Config.from_dict(raw)
     raw.update(rope_interleave=False, num_nextn_predict_layers=1,
                quantization_config={"quant_method": "gptq"})

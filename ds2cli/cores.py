@@ -1,0 +1,227 @@
+"""The cores a pass runs on: the worker pool, BLAS thread control, and splitting work.
+
+The model's math asks this module two things and nothing else (attention.py, moe.py):
+  split(n, tokens)         [0, n) as slices that the cores may run at once (independent heads)
+  map(fn, items, cost)     [fn(item) for item in items], the items shared across the cores
+Whether sharing pays is decided here, not in the math: only while a low-bit forward pass holds
+BLAS at one thread (`forward_pass`), and not in a decode step whose matvecs the helper processes
+(helpers.py) already split; the costliest items go first, so the cores finish together.
+
+The low-bit kernels (quant.py) split their own row blocks with `Workers.run` and borrow their
+scratch buffers here (`Workers.buffer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+
+class Workers:
+    """The cores a kernel splits its row blocks over: the calling thread plus a small pool."""
+
+    def __init__(self, n: int | None = None):
+        self.n = n or max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                 else (os.cpu_count() or 1), 8))
+        self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
+        self.lock = threading.Lock()
+        self.free: dict[str, list[np.ndarray]] = {}
+        self.local = threading.local()   # .inside: this thread already runs one of several parts
+        self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (forward_pass)
+        self.decoding = 0                # > 0 while that pass is a one-token step
+        self.helpers = None              # the helper processes (helpers.py) while they run
+
+    @contextlib.contextmanager
+    def buffer(self, n: int, slot: str = "block"):
+        """A float32 scratch of n values, lent for the `with` block and kept for the next caller.
+        Reuse matters: a fresh 64 MB array costs 16k page faults each time it is first written.
+        Buffers are lent, not tied to threads, so a server's many request threads share the few
+        that the kernels use at once."""
+        with self.lock:
+            spare = self.free.setdefault(slot, [])
+            k = next((k for k, b in enumerate(spare) if b.size >= n), None)
+            buf = spare.pop(k) if k is not None else None
+        if buf is None:
+            buf = np.empty(n, np.float32)
+        try:
+            yield buf[:n]
+        finally:
+            with self.lock:
+                self.free[slot].append(buf)
+
+    @property
+    def inside(self) -> bool:
+        """This thread already runs one of several parts (see part)."""
+        return getattr(self.local, "inside", False)
+
+    @property
+    def parts(self) -> int:
+        """How many parts to split work into here: one inside a part (which runs on its core
+        alone, so more parts would only add calls), else one a core."""
+        return 1 if self.inside else self.n
+
+    def run(self, fn, spans: list[tuple[int, int]]) -> None:
+        """fn(start, stop) over each span, the first on this thread, the rest on the pool.
+
+        While the spans run, BLAS is held to one thread: each span already has a core, and
+        OpenBLAS's own threads would fight over the same cores (measured: two concurrent
+        2-thread gemv calls run no faster than one after the other; the q8 decode kernel took
+        1.5 ms a 2816x2048 matrix with BLAS at one thread against 2.3 ms at two)."""
+        if self.pool is None or len(spans) < 2 or self.inside:
+            for span in spans:
+                fn(*span)
+            return
+        with contextlib.nullcontext() if self.held else blas_threads(1):   # held: already one
+            futures = [self.pool.submit(self.part, fn, *span) for span in spans[1:]]
+            self.part(fn, *spans[0])
+            for future in futures:
+                future.result()
+
+    def part(self, fn, *args):
+        """Run one of several parts: a kernel called inside it runs on this thread alone."""
+        self.local.inside = True
+        try:
+            return fn(*args)
+        finally:
+            self.local.inside = False
+
+    def helpers_running(self) -> bool:
+        """Helper processes take the other cores' rows of a decode step's matvecs (helpers.py)."""
+        return self.helpers is not None and self.helpers.wanted()
+
+    @property
+    def lanes(self) -> int:
+        """How many items `map` runs at once here: one a core in a low-bit forward pass, else 1
+        (in a decode step with helper processes, each matvec is split across them instead)."""
+        if self.pool is None or not self.held or self.inside or (self.decoding and self.helpers_running()):
+            return 1
+        return self.n
+
+    def map(self, fn, items) -> list:
+        """[fn(item) for item in items], the items shared across the cores while a low-bit
+        forward pass holds BLAS at one thread: each core takes the next item when it is free
+        and runs it with kernels on that core alone (a decode step's six experts are too small
+        to split each one well). In order, on this thread, otherwise, and in a decode step that
+        has helper processes, whose matvecs are each split across the processes instead."""
+        items = list(items)
+        if self.lanes < 2 or len(items) < 2:
+            return [fn(item) for item in items]
+        out = [None] * len(items)
+        turns = iter(range(len(items)))     # next() on a range iterator is atomic under the GIL
+
+        def lane() -> None:
+            try:
+                for k in turns:
+                    out[k] = fn(items[k])
+            except BaseException:
+                for _ in turns:     # the other cores stop after their current item (Ctrl-C)
+                    pass
+                raise
+
+        futures = [self.pool.submit(self.part, lane) for _ in range(min(self.lanes, len(items)) - 1)]
+        self.part(lane)
+        for future in futures:
+            future.result()
+        return out
+
+
+_workers: Workers | None = None
+_blas = None
+
+
+def workers() -> Workers:
+    global _workers
+    if _workers is None:
+        _workers = Workers()
+    return _workers
+
+
+def use_workers(pool: Workers) -> None:
+    """Replace this process's cores (a forked helper runs on its one core alone)."""
+    global _workers
+    _workers = pool
+
+
+@contextlib.contextmanager
+def forward_pass(low_bit: bool, tokens: int):
+    """What a forward pass of `tokens` tokens runs in. Over low-bit weights: BLAS held at one
+    thread throughout (a one-token pass is a decode step, which the helper processes share). OpenBLAS's idle threads keep spinning for a while after each call, and a
+    spinning BLAS thread takes a core from the low-bit kernels' own threads: holding BLAS at one
+    thread for the whole decode step measured 6.5 tok/s against 3.9 on the 4-layer V2-Lite
+    slice at 8 bits (2 cores)."""
+    pool = workers()
+    if not low_bit or pool.n < 2:
+        yield
+        return
+    decoding = tokens == 1
+    with blas_threads(1):
+        pool.held += 1
+        pool.decoding += decoding
+        try:
+            yield
+        finally:
+            pool.held -= 1
+            pool.decoding -= decoding
+
+
+@contextlib.contextmanager
+def kernel_threads(n: int):
+    """Use at most n cores in the low-bit kernels for the block (the CLI's --threads)."""
+    pool = workers()
+    before = pool.n
+    pool.n = max(1, min(n, before))
+    try:
+        yield
+    finally:
+        pool.n = before
+
+
+@contextlib.contextmanager
+def blas_threads(n: int):
+    """Set the BLAS library's thread count for the block, and restore it after."""
+    controllers = blas_controllers()
+    before = [c.num_threads for c in controllers]
+    for c in controllers:
+        c.set_num_threads(n)
+    try:
+        yield
+    finally:
+        for c, k in zip(controllers, before):
+            c.set_num_threads(k)
+
+
+def blas_controllers() -> list:
+    global _blas
+    if _blas is None:
+        from threadpoolctl import ThreadpoolController
+        _blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+    return _blas
+
+
+def split_rows(rows: int, parts: int, g: int) -> list[tuple[int, int]]:
+    """`parts` spans of whole groups covering [0, rows)."""
+    groups = -(-rows // g)
+    bounds = [min(rows, g * (groups * k // parts)) for k in range(parts + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def split(n: int, tokens: int) -> list[slice]:
+    """[0, n) as consecutive slices, one for each core that may run them at once: several for a
+    prompt (T > 1) in a low-bit pass, else the whole (a decode step's attention is too small to
+    be worth splitting)."""
+    return [slice(a, b) for a, b in split_rows(n, workers().lanes if tokens > 1 else 1, 1)]
+
+
+def map(fn, items, cost=None) -> list:  # noqa: A001 - the execution interface's own map
+    """[fn(item) for item in items], in that order, the items shared across the cores where that
+    pays (Workers.map); with `cost` (one number per item), the costliest are started first."""
+    items = list(items)
+    if cost is None:
+        return workers().map(fn, items)
+    first = sorted(range(len(items)), key=lambda j: -cost[j])
+    done = dict(zip(first, workers().map(lambda j: fn(items[j]), first)))
+    return [done[j] for j in range(len(items))]

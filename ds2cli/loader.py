@@ -1,0 +1,231 @@
+"""Loading a checkpoint into a Model: directory checks, config, the memory check, weights
+(converted or quantized layer by layer, or memory-mapped as `ds2 quantize` stored them), MLA
+weight absorption and RoPE row order, once, at load; then the tokenizer and generation_config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ds2cli import checkpoint, helpers, memory, qcheckpoint, rope
+from ds2cli.config import DeepseekV2Config, read_json_object
+from ds2cli.errors import ConfigError
+from ds2cli.hub import resolve_model_dir
+from ds2cli.linear import as_weight
+from ds2cli.model import Model
+from ds2cli.tokenizer import Tokenizer
+
+Progress = Callable[[int, int], None]  # (layers done, layers total)
+
+
+def bundled_model_dir() -> Path:
+    """ds2-tiny ships inside the package, so it is found wherever ds2cli is installed."""
+    return Path(__file__).resolve().parent / "models" / "ds2-tiny"
+
+
+def check_model_dir(path: str | Path) -> Path:
+    path = resolve_model_dir(path)  # a Hugging Face id (not a local path) -> its cached snapshot
+    if not path.exists():
+        raise ConfigError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a model directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return path
+
+
+def read_generation_config(model_dir: Path) -> dict:
+    """generation_config.json is optional; a broken one is an error, not silently ignored."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    return read_json_object(path, ConfigError)
+
+
+def names_by_layer(tensors, num_layers: int) -> list[list[str]]:
+    """Each layer's stored tensor names, found in one pass (a full V2 holds ~55k tensors).
+    fp8 scales travel with their weights (checkpoint.iter_tensors) and the MTP layers stored
+    after the decoder (DeepSeek-V3's num_nextn_predict_layers) are never read."""
+    layers: list[list[str]] = [[] for _ in range(num_layers)]
+    skipped = checkpoint.IGNORED_SUFFIXES + (checkpoint.SCALE_SUFFIX,)
+    for name in tensors:
+        parts = name.split(".", 3)
+        if parts[:2] == ["model", "layers"] and not name.endswith(skipped):
+            i = int(parts[2])                    # validate() has vouched for every layer index
+            if i < num_layers:
+                layers[i].append(name)
+    return layers
+
+
+def prepare_attention(t: dict, cfg: DeepseekV2Config) -> dict:
+    """Permute the RoPE rows to the original's de-interleaved order and split kv_b_proj into
+    the absorbed per-head W_UK / W_UV, once, at load."""
+    H, d, R, C, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                     cfg.kv_lora_rank, cfg.v_head_dim)
+    q_rows = np.concatenate([h * (d + R) + np.concatenate([np.arange(d), d + rope.rope_rows(cfg)])
+                             for h in range(H)])
+    q_name = "q_proj" if cfg.q_lora_rank is None else "q_b_proj"
+    w = {q_name: t.pop(q_name)[q_rows]}
+    if cfg.q_lora_rank is not None:
+        w["q_a_proj"], w["q_a_layernorm"] = t.pop("q_a_proj"), t.pop("q_a_layernorm")
+    kv_rows = np.concatenate([np.arange(C), C + rope.rope_rows(cfg)])
+    w["kv_a_proj_with_mqa"] = t.pop("kv_a_proj_with_mqa")[kv_rows]
+    w["kv_a_layernorm"] = t.pop("kv_a_layernorm")
+    kv_b = t.pop("kv_b_proj").reshape(H, d + v, C)                          # (H, d+v, C)
+    w["w_uk"] = np.ascontiguousarray(kv_b[:, :d])                           # (H, d, C)
+    w["w_uv"] = np.ascontiguousarray(kv_b[:, d:].transpose(0, 2, 1))        # (H, C, v)
+    w["o_proj"] = t.pop("o_proj")
+    return w
+
+
+def mlp_slots(cfg: DeepseekV2Config, i: int) -> tuple[dict, dict]:
+    """Layer i's fused MLP arrays, preallocated, and where each checkpoint tensor goes in them.
+
+    gate_proj fills the first half of a (2I, D) gate_up matrix and up_proj the second, so one
+    matmul computes both; every expert sits in one (E, 2I, D) / (E, D, I) pair. Each stored
+    tensor is converted to float32 straight into its slot: no per-layer float32 copy of the
+    experts exists beside the stacked arrays, which keeps the load's peak memory near the
+    weights' own size."""
+    D, w, slots = cfg.hidden_size, {}, {}
+
+    def fuse(prefix: str, gate_up: str, down: str, inter: int, lead: tuple = ()) -> None:
+        slots[prefix + "gate_proj"] = (w[gate_up], lead + (slice(0, inter),))
+        slots[prefix + "up_proj"] = (w[gate_up], lead + (slice(inter, 2 * inter),))
+        slots[prefix + "down_proj"] = (w[down], lead)
+
+    if not cfg.is_moe_layer(i):
+        inter = cfg.intermediate_size
+        w.update(gate_up=np.empty((2 * inter, D), np.float32), down_proj=np.empty((D, inter), np.float32))
+        fuse("", "gate_up", "down_proj", inter)
+        return w, slots
+    E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    w.update(experts_gate_up=np.empty((E, 2 * inter, D), np.float32),
+             experts_down=np.empty((E, D, inter), np.float32))
+    for e in range(E):
+        fuse(f"experts.{e}.", "experts_gate_up", "experts_down", inter, (e,))
+    if cfg.n_shared_experts:
+        shared = inter * cfg.n_shared_experts
+        w.update(shared_gate_up=np.empty((2 * shared, D), np.float32),
+                 shared_down=np.empty((D, shared), np.float32))
+        fuse("shared_experts.", "shared_gate_up", "shared_down", shared)
+    return w, slots
+
+
+def wrap_projections(layer: dict) -> dict:
+    """The matrices a prepared layer multiplies by (qcheckpoint.ROLES names them) become weight
+    objects (linear.Dense); norms, the router gate, w_uk and w_uv stay float32 arrays."""
+    for part in ("attn", "mlp"):
+        for key, w in layer[part].items():
+            if (part, key) in qcheckpoint.ROLE_OF:
+                layer[part][key] = as_weight(w)
+    return layer
+
+
+def strip(name: str, prefix: str) -> str:
+    # "model.layers.3.self_attn.kv_b_proj.weight" -> "kv_b_proj"
+    return name[len(prefix):].removesuffix(".weight").removeprefix("self_attn.").removeprefix("mlp.")
+
+
+def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int) -> dict:
+    prefix = f"model.layers.{i}."
+    mlp, slots = mlp_slots(cfg, i)
+    t = {}
+    for name, array in checkpoint.iter_tensors(tensors, names):
+        key = strip(name, prefix)
+        if key in slots:
+            dst, index = slots[key]
+            dst[index] = array                   # converts to float32 in place
+        else:
+            t[key] = np.ascontiguousarray(array, dtype=np.float32)
+    if "gate" in t:
+        mlp["gate"] = t.pop("gate")
+    if "gate.e_score_correction_bias" in t:  # DeepSeek-V3's router bias (E,)
+        mlp["e_score_correction_bias"] = t.pop("gate.e_score_correction_bias")
+    return wrap_projections({"input_layernorm": t.pop("input_layernorm"),
+                             "post_attention_layernorm": t.pop("post_attention_layernorm"),
+                             "attn": prepare_attention(t, cfg),
+                             "mlp": mlp,
+                             "is_moe": cfg.is_moe_layer(i)})
+
+
+def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None = None) -> dict:
+    """The embedding, final norm and lm_head (the embedding itself when tied), in qc's formats."""
+    top = {}
+    for key, name in (("embed_tokens", "model.embed_tokens.weight"), ("norm", "model.norm.weight"),
+                      ("lm_head", "lm_head.weight")):
+        if key == "lm_head" and cfg.tie_word_embeddings:
+            top[key] = top["embed_tokens"]
+            continue
+        (_, array), = checkpoint.iter_float32(tensors, [name])
+        top[key] = qcheckpoint.quantize_weight(array, qcheckpoint.format_for(qc, "", key, array.shape))
+    return top
+
+
+def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | None = None,
+                 qc: qcheckpoint.QuantConfig | None = None, tensors: dict | None = None) -> dict:
+    """A Hugging Face checkpoint's weights, prepared; with qc, each layer is quantized as soon as
+    it is loaded, so only one layer ever exists in float32. `tensors`: the validated headers."""
+    tensors = checkpoint.validate(cfg, model_dir) if tensors is None else tensors
+    top = load_top(tensors, cfg, qc)
+    layers = []
+    for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
+        layer = load_layer(tensors, names, cfg, i)
+        layers.append(qcheckpoint.quantize_layer(layer, qc) if qc else layer)
+        if progress:
+            progress(i + 1, cfg.num_hidden_layers)
+    return {**top, "layers": layers}
+
+
+def read_quant_config(model_dir: Path) -> qcheckpoint.QuantConfig | None:
+    return qcheckpoint.read_quant_config(read_json_object(model_dir / "config.json", ConfigError))
+
+
+def load(path: str | Path | None = None, progress: Progress | None = None, quantize: int | str | None = None,
+         context: int | None = None, memory_check: bool = True) -> Model:
+    """Load a checkpoint directory (default: the bundled ds2-tiny): config, weights with MLA
+    absorption precomputed, tokenizer and generation_config.
+
+    A float checkpoint loads as float32, or with `quantize=8|4` quantized layer by layer as it
+    loads (`"auto"`: float32 if it fits in memory, else the most precise format that does); a
+    checkpoint written by `ds2 quantize` is memory-mapped as it is stored. Before any weight is
+    read, what the model will hold (with a cache of `context` tokens) is checked against the
+    memory available (memory.py); `memory_check=False` skips that."""
+    model_dir = check_model_dir(bundled_model_dir() if path is None else path)
+    cfg = DeepseekV2Config.from_file(model_dir / "config.json")
+    stored = read_quant_config(model_dir)
+    if quantize not in (None, 8, 4, "auto"):
+        raise ConfigError(f"quantize must be 8, 4 or 'auto', got {quantize!r}")
+    if stored is not None and quantize not in (None, "auto", stored.bits):
+        raise ConfigError(f"{model_dir} is already a {stored.bits}-bit ds2 checkpoint; "
+                          f"it cannot be loaded as {quantize}-bit")
+    # headers first (cheap, and they name a broken checkpoint precisely), then the memory check,
+    # then the weights
+    tensors = checkpoint.validate(cfg, model_dir) if stored is None else validate_quantized(model_dir, cfg, stored)
+    if quantize == "auto":
+        quantize = None if stored is not None else memory.choose_auto(cfg, context, path=model_dir)
+    if memory_check:
+        memory.check(cfg, model_dir, stored, quantize, context)
+    tokenizer = Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
+    gen = read_generation_config(model_dir)
+    if stored is not None:
+        weights = qcheckpoint.load_weights(cfg, stored, tensors, progress)
+    else:
+        qc = qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None
+        weights = load_weights(model_dir, cfg, progress, qc, tensors)
+    model = Model(cfg, weights, tokenizer, gen, model_dir)
+    model.quantization = stored or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
+    if model.quantization is not None:
+        helpers.start_helpers()   # processes that share the decode steps' matvecs (helpers.py)
+    return model
+
+
+def validate_quantized(model_dir: Path, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig) -> dict:
+    tensors = checkpoint.read_headers(model_dir)
+    found = qcheckpoint.problems(cfg, qc, tensors)
+    if found:
+        shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+        raise checkpoint.CheckpointError(f"checkpoint {model_dir} does not match its config "
+                                         f"({len(found)} problem{'s' * (len(found) > 1)}): {shown}")
+    return tensors
