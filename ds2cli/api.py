@@ -14,9 +14,10 @@ from typing import Any
 
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk
-from ds2cli.sampling import SamplingParams
+from ds2cli.sampling import SamplingError, SamplingParams
 from ds2cli.tokenizer import Tokenizer
 
+ABORTED = "aborted"     # the engine's finish_reason for a generation the server ended (beside eos | stop | length)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16
 
@@ -53,6 +54,7 @@ class Defaults:
     params: SamplingParams
     max_tokens: int
     ctx: int
+    system: str | None = None   # --system: for chat requests that bring no system message
 
 
 # ---- request fields ----
@@ -112,14 +114,18 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _params(body: dict, defaults: Defaults) -> SamplingParams:
-    overrides = {name: _number(body, name) for name in ("temperature", "top_p", "min_p", "repetition_penalty")}
-    overrides["top_k"] = _number(body, "top_k", integer=True)
-    overrides["seed"] = _number(body, "seed", integer=True)
-    merged = {**dataclasses.asdict(defaults.params), **{k: v for k, v in overrides.items() if v is not None}}
+    given = {name: _number(body, name) for name in ("temperature", "top_p", "min_p", "repetition_penalty")}
+    given["top_k"] = _number(body, "top_k", integer=True)
+    given["seed"] = _number(body, "seed", integer=True)
+    if given["seed"] is not None and given["seed"] < -1:
+        raise ApiError(400, f"seed must be >= 0, or -1 for a random one; not {given['seed']}", param="seed")
+    merged = {**dataclasses.asdict(defaults.params), **{k: v for k, v in given.items() if v is not None}}
+    if given["seed"] == -1:     # random, as OpenAI clients and llama.cpp send it (over --seed too)
+        merged["seed"] = None
     try:
         return SamplingParams(**merged)
-    except Ds2Error as e:  # a value out of range; SamplingParams says which
-        raise ApiError(400, str(e)) from None
+    except SamplingError as e:  # a value of the request's out of range (the defaults were checked)
+        raise ApiError(400, f"{e.field} {e.rule}", param=e.field) from None
 
 
 def _max_tokens(body: dict, defaults: Defaults) -> int:
@@ -202,8 +208,11 @@ def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
 def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> Job:
     _unsupported(body)
     if chat:
+        messages = chat_messages(body)
+        if defaults.system and all(m["role"] != "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": defaults.system})
         try:
-            ids = tokenizer.encode_chat(chat_messages(body), add_generation_prompt=True)
+            ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
         except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
             raise ApiError(400, str(e), param="messages") from None
     else:
@@ -266,5 +275,6 @@ class Response:
 
 
 def finish_reason(last: Chunk) -> str:
-    """ds2's eos | stop | length -> OpenAI's stop | length."""
-    return "length" if last.finish_reason == "length" else "stop"
+    """ds2's eos | stop | length | aborted -> OpenAI's stop | length. A reply the server cut
+    short (a second Ctrl-C) is "length", which clients already read as "the text is incomplete"."""
+    return "length" if last.finish_reason in ("length", ABORTED) else "stop"

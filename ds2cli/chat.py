@@ -124,6 +124,7 @@ class ChatSession:
         except Ds2Error:  # the context is full or the chat template failed: this turn never happened
             self.messages.pop()
             raise
+        self.cut = None     # why the reply stopped short, once it has: for the caller to say
         keep = common_prefix(self.cached_ids, ids)
         keep = min(keep, len(ids) - 1)          # at least one token must run to get logits
         self.cache.truncate(keep)
@@ -135,6 +136,10 @@ class ChatSession:
                 pieces.append(chunk.text)
                 if chunk.finish_reason:
                     generated = chunk.tokens
+                    if chunk.finish_reason == "length" and len(generated) < max_new_tokens:
+                        self.cut = (f"the context of {self.cache.capacity} tokens is full: the reply was cut "
+                                    f"after {len(generated)} of the {max_new_tokens} tokens allowed (-n); "
+                                    f"a larger --ctx leaves more room")
                 yield chunk
         finally:
             # Runs on completion, Ctrl-C or an error alike: the history gets what was shown,

@@ -157,38 +157,62 @@ def _check_layout(path: Path, spans: list[tuple[int, int, str]], data_len: int) 
 
 def shard_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those named by the index, or model.safetensors."""
+    files, found = find_shards(model_dir)
+    if found:
+        raise CheckpointError(found[0])
+    return files
+
+
+def find_shards(model_dir: Path) -> tuple[list[Path], list[str]]:
+    """shard_files without raising: the files that exist, and what is wrong with the rest (an
+    index that names shards outside the model folder names none that may be read)."""
     index = model_dir / INDEX_NAME
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             files = sorted(set(weight_map.values()))
         except (OSError, *JSON_ERRORS, KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map)") from None
+            return [], [f"{index} is not a valid safetensors index (no weight_map)"]
         bad = [f for f in files if not isinstance(f, str) or Path(f).name != f]
         if bad:
-            raise CheckpointError(f"{index.name} names shard files outside the model folder: {bad[:3]}")
+            return [], [f"{index.name} names shard files outside the model folder: {bad[:3]}"]
         missing = [f for f in files if not (model_dir / f).is_file()]
-        if missing:
-            raise CheckpointError(f"{index.name} names shards that do not exist: {', '.join(missing)}")
-        return [model_dir / f for f in files]
+        found = [f"{index.name} names shards that do not exist: {', '.join(missing)}"] if missing else []
+        return [model_dir / f for f in files if f not in missing], found
     if (model_dir / SINGLE_NAME).is_file():
-        return [model_dir / SINGLE_NAME]
+        return [model_dir / SINGLE_NAME], []
     found = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
     if len(found) == 1:
-        return found
-    raise CheckpointError(f"no {SINGLE_NAME} or {INDEX_NAME} in {model_dir}")
+        return found, []
+    return [], [f"no {SINGLE_NAME} or {INDEX_NAME} in {model_dir}"]
 
 
 def read_headers(model_dir: Path) -> dict[str, TensorInfo]:
     """Every tensor of the checkpoint by name; a tensor held by two shards is an error."""
-    tensors: dict[str, TensorInfo] = {}
-    for path in shard_files(model_dir):
-        for name, info in read_header(path).items():
-            if name in tensors:
-                raise CheckpointError(f"tensor {name} appears in both {tensors[name].file.name} "
-                                      f"and {path.name}")
-            tensors[name] = info
+    tensors, found = read_readable_headers(model_dir)
+    if found:
+        raise CheckpointError(found[0])
     return tensors
+
+
+def read_readable_headers(model_dir: Path) -> tuple[dict[str, TensorInfo], list[str]]:
+    """read_headers without raising, for `ds2 inspect`, which reports a broken checkpoint rather
+    than stopping at it: the tensors of every shard that can be read, and one problem for each
+    shard that cannot (and for each tensor a second shard holds again)."""
+    files, found = find_shards(model_dir)
+    tensors: dict[str, TensorInfo] = {}
+    for path in files:
+        try:
+            header = read_header(path)
+        except CheckpointError as e:
+            found.append(str(e))
+            continue
+        for name, info in header.items():
+            if name in tensors:
+                found.append(f"tensor {name} appears in both {tensors[name].file.name} and {path.name}")
+            else:
+                tensors[name] = info
+    return tensors, found
 
 
 def expected_shapes(cfg: DeepseekV2Config) -> dict[str, tuple[int, ...]]:

@@ -4,30 +4,34 @@ No math here. stdout carries only generated text (or JSON); everything else goes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-import os
-import re
+import signal
 import sys
 import time
 from pathlib import Path
 
 import click
 import numpy as np
-from click.core import ParameterSource
 from rich.console import Console
 
 from ds2cli import __version__, console, memory
+from ds2cli.bench import bench
 from ds2cli.chat import ChatSession, read_messages
-from ds2cli.config import DeepseekV2Config
+from ds2cli.console import quiet_broken_pipe, write_out
+from ds2cli.describe import describe
+from ds2cli.tables import render
+from ds2cli.text import plural
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
-from ds2cli.describe import describe, plural, render
-from ds2cli.loader import bundled_model_dir, check_model_dir, load
+from ds2cli.loader import bundled_model_dir, check_model_dir
 from ds2cli.model import Model
-from ds2cli.repl import PROMPT, LineEditor, MessageReader, history_path
-from ds2cli.sampling import SamplingParams, make_sampler
+from ds2cli.options import (argument_text, chat_template_option, check_ctx, generation_options,
+                            load_model, max_new_tokens_for, memory_options, model_config, model_option,
+                            naming_ds2_model, sampler_for, strip_bom, thread_limits, unescape)
+from ds2cli.repl import CHAT_HELP, Repl
+from ds2cli.serve import serve
 
-DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_CHAT_CTX = 4096  # chat keeps one cache for the whole conversation; cap its default size
 PIPE_CLOSED_EXIT = 0     # every command, when the reader of stdout goes away (`| head`)
 
@@ -47,6 +51,13 @@ class Ds2Group(click.Group):
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:  # Ctrl-C while the options are parsed: as quiet as in a command
+            console.info("")
+            sys.exit(130)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -74,188 +85,6 @@ def main():
     """ds2: run DeepSeek-V2 family models on a CPU with a pure-NumPy engine.
 
     Without --model, ds2 runs the bundled demo model ds2-tiny."""
-
-
-def model_option(f):
-    return click.option("-m", "--model", "model_dir", envvar="DS2_MODEL", type=click.Path(path_type=Path),
-                        help="Checkpoint directory (Hugging Face layout) or Hugging Face id (org/name[@rev]); "
-                             "the environment variable DS2_MODEL sets it too. Default: the bundled ds2-tiny.")(f)
-
-
-def chat_template_option(extra: str = ""):
-    return click.option("--chat-template", "chat_template", type=click.Path(path_type=Path, dir_okay=False),
-                        help=f"A Jinja chat template file to use instead of the checkpoint's{extra}.")
-
-
-def threads_option(f):
-    return click.option("--threads", type=click.IntRange(min=1),
-                        help="Threads for the matrix products (BLAS and the low-bit kernels). Default: "
-                             "what the BLAS library picks (usually one per core).")(f)
-
-
-def sampling_options(ctx_help: str):
-    """The options generate and chat share. Values are range-checked by click, before any load."""
-    gen = "Default: generation_config.json's, else"
-    options = [
-        click.option("--temperature", "--temp", type=click.FloatRange(min=0),
-                     help=f"Sampling temperature; 0 = greedy. {gen} 0.7."),
-        click.option("--top-k", type=click.IntRange(min=0), help=f"Keep the k most likely tokens. {gen} 0 (off)."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
-                     help=f"Nucleus sampling: keep the most likely tokens up to this total probability. {gen} 1 (off)."),
-        click.option("--min-p", type=click.FloatRange(0, 1),
-                     help="Drop tokens below min-p x the top probability. Default: 0 (off)."),
-        click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True),
-                     help=f"Penalise tokens already seen. {gen} 1 (off)."),
-        click.option("--seed", type=int, help="Random seed: the same seed gives the same output. Default: random."),
-        click.option("-n", "--max-new-tokens", type=click.IntRange(min=1),
-                     help=f"Most tokens to generate. Default: generation_config.json's max_new_tokens, "
-                          f"else {DEFAULT_MAX_NEW_TOKENS}."),
-        click.option("--stop", multiple=True,
-                     help="Stop at this string (repeatable; not printed). Understands the escapes "
-                          "\\n \\t \\r \\\\ \\\" \\' and \\xNN, as llama-cli does."),
-        click.option("--ctx", type=click.IntRange(min=1), help=ctx_help),
-        click.option("--stats", is_flag=True, help="Print timings and cache use on stderr."),
-    ]
-
-    def decorate(f):
-        for option in reversed(options):
-            f = option(f)
-        return threads_option(f)
-    return decorate
-
-
-def model_from_env() -> bool:
-    ctx = click.get_current_context(silent=True)
-    return ctx is not None and ctx.get_parameter_source("model_dir") == ParameterSource.ENVIRONMENT
-
-
-@contextlib.contextmanager
-def naming_ds2_model():
-    """An error about the model directory says so when its path came from DS2_MODEL."""
-    try:
-        yield
-    except Ds2Error as e:
-        if not model_from_env():
-            raise
-        raise type(e)(f"{e} (the model directory was set by DS2_MODEL)") from None
-
-
-def model_config(model_dir: Path | None) -> tuple[Path, DeepseekV2Config]:
-    """The model directory and its config.json, read before any weight (it costs nothing), so
-    that options can be checked against the model before a long load."""
-    with naming_ds2_model():
-        path = check_model_dir(model_dir or bundled_model_dir())
-        return path, DeepseekV2Config.from_file(path / "config.json")
-
-
-def check_ctx(config: DeepseekV2Config, ctx: int | None) -> None:
-    limit = config.max_position_embeddings
-    if ctx is not None and ctx > limit:
-        raise click.BadParameter(f"{ctx} is larger than the model's max_position_embeddings ({limit}); "
-                                 f"refusing rather than running positions the model was never trained on",
-                                 param_hint="'--ctx'")
-
-
-def blas_threads(n: int | None):
-    """Limit the BLAS pool for the command's lifetime (threadpoolctl works after numpy's import,
-    where OMP_NUM_THREADS / OPENBLAS_NUM_THREADS would be read too late)."""
-    if n is None:
-        return contextlib.nullcontext()
-    from threadpoolctl import threadpool_limits
-    from ds2cli.cores import kernel_threads
-    stack = contextlib.ExitStack()
-    stack.enter_context(threadpool_limits(limits=n, user_api="blas"))
-    stack.enter_context(kernel_threads(n))   # the low-bit kernels' own threads
-    return stack
-
-
-def memory_options(f):
-    options = [
-        click.option("--quantize", type=click.Choice(["8", "4", "auto"]),
-                     help="Quantize a float checkpoint to 8 or 4 bits as it loads (auto: float32 if it "
-                          "fits in memory, else the most precise format that does)."),
-        click.option("--no-memory-check", is_flag=True,
-                     help="Load even when the model looks too big for the memory available."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
-
-
-def load_model(model_dir: Path | None, quantize: str | None = None, context: int | None = None,
-               memory_check: bool = True, chat_template: Path | None = None) -> tuple[Model, float]:
-    """Load with a progress bar; `quantize` as --quantize gives it ("8", "4", "auto" or None)."""
-    t0 = time.perf_counter()
-    progress = console.LoadProgress()
-    bits = quantize if quantize in (None, "auto") else int(quantize)
-    try:
-        with naming_ds2_model():
-            model = load(model_dir, progress=progress, quantize=bits, context=context, memory_check=memory_check)
-    finally:
-        progress.close()
-    if quantize == "auto":
-        console.info(f"--quantize auto: loaded as {memory.label(model.quantization)}")
-    if chat_template is not None:
-        model.tokenizer.set_chat_template(read_text_file(chat_template, "chat template"))
-    return model, time.perf_counter() - t0
-
-
-def read_text_file(path: Path, what: str) -> str:
-    try:
-        return strip_bom(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise Ds2Error(f"cannot read {what} {path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise Ds2Error(f"{what} {path} is not valid UTF-8 (byte {e.start})") from None
-
-
-def strip_bom(text: str) -> str:
-    """A UTF-8 byte-order mark (Windows editors write one) is not part of the prompt."""
-    return text[1:] if text.startswith("\ufeff") else text
-
-
-ENCODING_HINT = "pass --encoding to read it (e.g. --encoding latin-1), or use --prompt-file"
-
-
-def argument_text(value: str | None, what: str, encoding: str = "utf-8", hint: str = ENCODING_HINT) -> str | None:
-    """A command-line argument as text. Python hands over bytes that are not valid UTF-8 as lone
-    surrogates; they are re-read in `encoding` (--encoding), the way prompt files and stdin are."""
-    if value is None:
-        return None
-    try:
-        value.encode("utf-8")
-        return value
-    except UnicodeEncodeError:
-        pass
-    try:
-        return os.fsencode(value).decode(encoding)
-    except (UnicodeError, LookupError) as e:
-        byte = f" (byte {e.start})" if isinstance(e, UnicodeDecodeError) else ""
-        raise Ds2Error(f"the {what} is not valid {encoding}{byte}; {hint}") from None
-
-
-ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|[nrt0\\\\\"'])")
-ESCAPED = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
-
-
-def unescape(text: str) -> str:
-    """`--stop '\\n\\n'` means two newlines: the escapes llama-cli understands."""
-    return ESCAPE.sub(lambda m: chr(int(m[1][1:], 16)) if m[1][0] == "x" else ESCAPED[m[1]], text)
-
-
-def sampler_for(model: Model, opts: dict):
-    params = SamplingParams.from_generation_config(
-        model.generation_config, temperature=opts["temperature"], top_k=opts["top_k"],
-        top_p=opts["top_p"], min_p=opts["min_p"], repetition_penalty=opts["repetition_penalty"],
-        seed=opts["seed"])
-    return make_sampler(params)
-
-
-def max_new_tokens_for(model: Model, requested: int | None) -> int:
-    if requested is not None:
-        return requested
-    configured = model.generation_config.get("max_new_tokens")
-    return configured if isinstance(configured, int) and configured > 0 else DEFAULT_MAX_NEW_TOKENS
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str) -> str:
@@ -286,20 +115,6 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str) -> 
     return strip_bom(argument_text(prompt, "prompt argument", encoding))
 
 
-def write_out(text: str) -> None:
-    if text:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-
-def quiet_broken_pipe() -> None:
-    """The reader went away (`| head`): stop writing, and keep Python from complaining at exit."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
-
 
 GENERATE_CTX_HELP = ("Cache capacity in tokens. Default: prompt + max-new-tokens, at most the model's "
                      "max_position_embeddings; a larger value is refused.")
@@ -320,7 +135,7 @@ GENERATE_CTX_HELP = ("Cache capacity in tokens. Default: prompt + max-new-tokens
               help="Accept an empty prompt: generate from the bos token alone (raw completion only).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at eos tokens (only -n, --ctx or --stop end).")
 @click.option("--verbose-prompt", is_flag=True, help="Print the prompt as the model sees it, and its token ids, on stderr.")
-@sampling_options(GENERATE_CTX_HELP)
+@generation_options(GENERATE_CTX_HELP)
 @memory_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, system, chat_template, from_bos,
@@ -341,7 +156,7 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
     if not text and not from_bos:
         raise Ds2Error("the prompt is empty: give some text, or pass --from-bos to generate "
                        "from the bos token alone")
-    with blas_threads(opts["threads"]):
+    with thread_limits(opts["threads"]):
         model, load_s = load_model(model_dir, quantize, opts["ctx"], not no_memory_check, chat_template)
         run_generate(model, load_s, text, chat, system, ignore_eos, verbose_prompt, as_json, opts)
 
@@ -377,16 +192,21 @@ def run_generate(model: Model, load_s: float, text: str, chat: bool, system: str
     chunks = stream_generate(model, ids, cache, sampler, max_new, stops, eos_ids=() if ignore_eos else None)
     if chat:
         chunks = lstrip_reply(chunks)
-    pieces: list[str] = []
+    pieces: list[Chunk] = []
     try:
         last = run_generation(chunks, as_json, pieces)
     except KeyboardInterrupt:
         chunks.close()
+        # the timings of what ran: the prefill and the decode steps up to the last chunk shown
+        ran = pieces[-1] if pieces else Chunk("", prompt_tokens=len(ids))
+        interrupted = dataclasses.replace(ran, text="".join(c.text for c in pieces), finish_reason="interrupted",
+                                          generated_tokens=len(sampled))
         if as_json:
-            interrupted = Chunk("".join(pieces), None, "interrupted", len(ids), len(sampled))
             write_out(json.dumps(generation_json(interrupted, load_s), ensure_ascii=False) + "\n")
         else:
             write_out("\n")
+        if opts["stats"]:
+            console.info(console.stats_line(load_s, interrupted, cache))
         sys.exit(130)
     if as_json:
         write_out(json.dumps(generation_json(last, load_s), ensure_ascii=False) + "\n")
@@ -401,17 +221,17 @@ def show_prompt(tok, ids: list[int]) -> None:
     console.info("token ids: " + " ".join(map(str, ids)))
 
 
-def run_generation(chunks, as_json: bool, pieces: list[str]) -> Chunk:
+def run_generation(chunks, as_json: bool, pieces: list[Chunk]) -> Chunk:
     """Stream (or collect, for --json) the chunks into `pieces`; return the last one with the
     full text in it."""
     for chunk in chunks:
-        pieces.append(chunk.text)
+        pieces.append(chunk)
         if not as_json:
             write_out(chunk.text)
-    if not as_json and "".join(pieces) and not "".join(pieces).endswith("\n"):
+    text = "".join(c.text for c in pieces)
+    if not as_json and text and not text.endswith("\n"):
         write_out("\n")
-    chunk.text = "".join(pieces)
-    return chunk
+    return dataclasses.replace(chunk, text=text)
 
 
 def generation_json(last: Chunk, load_s: float) -> dict:
@@ -420,18 +240,6 @@ def generation_json(last: Chunk, load_s: float) -> dict:
             "timings": {"load_s": round(load_s, 4), "prefill_tok_per_s": round(last.prefill_tok_per_s, 2),
                         "decode_tok_per_s": round(last.decode_tok_per_s, 2)}}
 
-
-CHAT_HELP = """commands:
-  /clear         start a new conversation (the system message stays)
-  /system [TEXT] set the system message (without TEXT: show it)
-  /save PATH     save the conversation as JSON (ds2 chat --load PATH resumes it)
-  /help          this help
-  /exit, /quit   leave (Ctrl-D too; Ctrl-C clears the line or stops a reply)
-input:
-  a line holding only \""" starts a multi-line message; the next such line sends it
-  a bracketed paste (most terminals) arrives as one message, newlines kept
-  on a terminal: line editing, and Up/Down for the history kept in
-  $XDG_DATA_HOME/ds2/chat_history (default ~/.local/share/ds2/chat_history)"""
 
 CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation. Default: "
                  f"min(max_position_embeddings, {DEFAULT_CHAT_CTX}); a larger value is refused.")
@@ -443,7 +251,7 @@ CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation. Default
 @click.option("--load", "load_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Resume a conversation saved with /save.")
 @chat_template_option()
-@sampling_options(CHAT_CTX_HELP)
+@generation_options(CHAT_CTX_HELP)
 @memory_options
 def chat(model_dir, system, load_path, chat_template, quantize, no_memory_check, **opts):
     """Chat with the model in a REPL.
@@ -456,7 +264,7 @@ def chat(model_dir, system, load_path, chat_template, quantize, no_memory_check,
     model_dir, config = model_config(model_dir)
     check_ctx(config, opts["ctx"])
     messages = read_messages(load_path) if load_path is not None else None
-    with blas_threads(opts["threads"]):
+    with thread_limits(opts["threads"]):
         model, load_s = load_model(model_dir, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
                                    chat_template)
         capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
@@ -472,112 +280,6 @@ def chat(model_dir, system, load_path, chat_template, quantize, no_memory_check,
         failed_everything = repl.run()
     if failed_everything:
         sys.exit(1)
-
-
-class Repl:
-    """The chat loop: messages in, replies out, /commands, and the bookkeeping for leaving."""
-
-    def __init__(self, session: ChatSession, sampler, max_new: int, stop: list[str], stats: bool):
-        self.session, self.sampler, self.max_new, self.stop, self.stats = session, sampler, max_new, stop, stats
-        self.interactive = sys.stdin.isatty()
-        self.unsaved = False          # the conversation has turns no /save or --load holds
-        self.turns = self.failed = 0
-
-    def resume(self, messages: list[dict], path: Path) -> None:
-        self.session.load(messages)
-        console.info(f"(resumed {plural(len(messages), 'message')} from {path})")
-        last_user = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), None)
-        if last_user is not None:
-            for m in messages[last_user:]:
-                console.info((PROMPT if m["role"] == "user" else "") + m["content"])
-
-    def run(self) -> bool:
-        """Read and answer until /exit or end of input; True when every turn (of a piped chat) failed."""
-        if hasattr(sys.stdin, "reconfigure"):
-            # messages are UTF-8 as prompts are (whatever PYTHONIOENCODING or the locale say);
-            # bytes that are not are reported per message, not raised
-            sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
-        editor = LineEditor(self.interactive, history_path())
-        if self.interactive:
-            console.info("ds2 chat: /help for commands, \"\"\" for a multi-line message, Ctrl-D to leave")
-        try:
-            for text in MessageReader(editor, on_interrupt=lambda: console.info("")):
-                try:
-                    if not self.handle(text):
-                        break
-                except KeyboardInterrupt:   # Ctrl-C between a reply and the prompt: keep going
-                    console.info("")
-        finally:
-            editor.close()
-        if self.interactive and self.unsaved:
-            console.info("(leaving with unsaved turns: /save PATH keeps a conversation)")
-        return not self.interactive and self.turns > 0 and self.failed == self.turns
-
-    def handle(self, text: str) -> bool:
-        """One message or /command; False to leave."""
-        if text.startswith("/"):
-            return self.command(text)
-        if not text.strip():
-            return True
-        self.turns += 1
-        try:
-            text = argument_text(text, "message", hint="it was not sent")
-            last = chat_turn(self.session, text, self.sampler, self.max_new, self.stop)
-        except Ds2Error as e:
-            console.error(str(e))
-            self.failed += 1
-            return True
-        self.unsaved = True
-        if last is not None and self.stats:
-            console.info(console.stats_line(None, last, self.session.cache))
-        return True
-
-    def command(self, line: str) -> bool:
-        """Handle a /command; return False to leave the REPL."""
-        name, _, arg = line.partition(" ")
-        arg = arg.strip()
-        if name in ("/exit", "/quit") and not arg:
-            return False
-        if name == "/clear" and not arg:
-            self.session.clear()
-            self.unsaved = False
-            console.info("(new conversation)")
-        elif name == "/system" and arg:
-            self.session.set_system(arg)
-            console.info("(system message set)")
-        elif name == "/system":
-            current = next((m["content"] for m in self.session.messages if m["role"] == "system"), None)
-            console.info(f"(system message: {current})" if current is not None else "(no system message)")
-        elif name == "/save" and arg:
-            try:
-                self.session.save(Path(arg).expanduser())
-                self.unsaved = False
-                console.info(f"(saved {plural(len(self.session.messages), 'message')} to {arg})")
-            except Ds2Error as e:
-                console.error(str(e))
-        elif name == "/save":
-            console.info("usage: /save PATH   (writes the conversation as JSON; ds2 chat --load PATH resumes it)")
-        elif name == "/help" and not arg:
-            console.info(CHAT_HELP)
-        else:
-            console.error(f"unknown or incomplete command {line!r}; /help lists the commands")
-        return True
-
-
-def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop) -> Chunk | None:
-    chunks = session.reply(text, sampler, max_new, stop)
-    last = None
-    try:
-        for chunk in chunks:
-            write_out(chunk.text)
-            last = chunk
-    except KeyboardInterrupt:
-        chunks.close()
-        write_out("\n")
-        console.info("(reply interrupted; the conversation is kept)")
-        return None
-    write_out("\n")
-    return last
 
 
 class StdoutConsole(Console):
@@ -624,25 +326,24 @@ def quantize(src, dst, bits, force, as_json):
     t0 = time.perf_counter()
     try:
         summary = quantize_checkpoint(src, dst, int(bits), force=force, progress=progress)
+    except KeyboardInterrupt:
+        progress.close()
+        console.info("interrupted, nothing written")
+        sys.exit(130)
     finally:
         progress.close()
-    summary["seconds"] = round(time.perf_counter() - t0, 2)
-    if as_json:
-        write_out(json.dumps(summary) + "\n")
-    else:
-        console.info(f"wrote {summary['path']}: {memory.gb(summary['bytes'])} ({bits}-bit, "
-                     f"{summary['bytes'] / summary['float32_bytes']:.2f}x the float32 weights) "
-                     f"in {summary['seconds']:.1f}s")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)   # DST is complete: a late Ctrl-C changes nothing
+    try:
+        summary["seconds"] = round(time.perf_counter() - t0, 2)
+        if as_json:
+            write_out(json.dumps(summary) + "\n")
+        else:
+            console.info(f"wrote {summary['path']}: {memory.gb(summary['bytes'])} ({bits}-bit, "
+                         f"{summary['bytes'] / summary['float32_bytes']:.2f}x the float32 weights) "
+                         f"in {summary['seconds']:.1f}s")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
-# The benchmark is a tool of its own (synthesis, probes, accounting): it lives in bench.py.
-from ds2cli.bench import bench  # noqa: E402
-
-main.add_command(bench)
-
-# The OpenAI-compatible server (HTTP, queueing, prompt cache) lives in serve.py; it loads as
-# generate does, with the same --quantize and --no-memory-check (added here: serve.py cannot
-# import this module at import time, since this module imports it).
-from ds2cli.serve import serve  # noqa: E402
-
-main.add_command(memory_options(serve))
+main.add_command(bench)    # the benchmark: a tool of its own, in bench/
+main.add_command(serve)    # the OpenAI-compatible server: serve.py

@@ -1,9 +1,10 @@
-"""stderr helpers: errors, warnings, the stats line and the load progress bar. stdout is left
-to generated text."""
+"""Terminal output: stderr helpers (errors, warnings, the stats line, the load progress bar) and
+the one writer of stdout, which is left to generated text (or JSON)."""
 
 from __future__ import annotations
 
 import codecs
+import os
 import sys
 import time
 
@@ -76,3 +77,18 @@ class LoadProgress:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+
+def write_out(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def quiet_broken_pipe() -> None:
+    """The reader went away (`| head`): stop writing, and keep Python from complaining at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass

@@ -1,11 +1,15 @@
-"""What `ds2 inspect` reports: a checkpoint described as JSON-ready data, and its rich rendering.
+"""What `ds2 inspect` reports: a checkpoint described as JSON-ready data (tables.py renders it).
 
 `describe` reads config.json, the safetensors headers, tokenizer_config.json, tokenizer.json and
 generation_config.json, never tensor data (unless `check`), so it is instant on a 30 GB checkpoint.
 It loads the tokenizer exactly as `generate` would and renders the chat template once, so a
 checkpoint that `generate` refuses for its tokenizer does not pass inspect.
 Parameter counts come from the stored headers, not from the config, so they describe what is
-actually on disk; disagreements with the config are listed in `problems`, not raised.
+actually on disk; disagreements with the config are listed in `problems`, not raised. Two
+exceptions count what the config describes instead: a ds2 low-bit checkpoint (it stores prepared
+tensors, see qcheckpoint.py) and one with a shard that cannot be read (its tensors are unknown).
+Storage counts weights, not stored elements: a q4 byte holds two, and the scales of the low-bit
+formats (like fp8's block scales) are not parameters: their bytes are listed, with 0 parameters.
 
 Active parameters per token count what one token's forward pass multiplies by:
   everything stored
@@ -26,13 +30,11 @@ import itertools
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
 from ds2cli import checkpoint, memory, qcheckpoint, rope
 from ds2cli.checkpoint import TensorInfo
 from ds2cli.config import DeepseekV2Config, read_json_object
-from ds2cli.errors import Ds2Error
+from ds2cli.errors import CheckpointError, Ds2Error
 from ds2cli.loader import check_model_dir, read_generation_config
 from ds2cli.tokenizer import Tokenizer
 
@@ -44,25 +46,20 @@ PARAM_CATEGORIES = ("embeddings", "attention", "dense_mlp", "routed_experts", "s
 def describe(model_dir: str | Path, check: bool = False) -> dict:
     """The report for one checkpoint directory (JSON-serialisable).
 
-    Raises ConfigError for a missing or invalid config.json and CheckpointError for unreadable
-    safetensors headers; every other defect (tensors that disagree with the config, a broken
-    tokenizer or generation config, NaN/Inf weights found by `check`) is a string in `problems`.
+    Raises ConfigError for a missing or invalid config.json; every other defect (safetensors
+    files or headers that cannot be read, tensors that disagree with the config, a broken
+    tokenizer or generation config, NaN/Inf weights found by `check`) is a string in `problems`,
+    and the rest of the report is made of what can be read.
     With `check`, every tensor's values are scanned, one tensor at a time."""
     model_dir = check_model_dir(model_dir)
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
-    stored = checkpoint.read_headers(model_dir)
+    stored, qc, found, complete = read_checkpoint(model_dir, cfg)
     tensors = {n: t for n, t in stored.items() if not checkpoint.is_mtp(n, cfg)}  # what inference reads
-    qc, found = quantization_config(model_dir)
-    if qc is not None:
-        found += qcheckpoint.problems(cfg, qc, stored)
-    elif not found:
-        found = checkpoint.problems(cfg, stored)
     generation, gen_problems = _generation_config(model_dir)
     tok, tok_problems = tokenizer_section(model_dir, cfg, generation)
     tok["generation_config"] = (model_dir / "generation_config.json").is_file()
-    # a low-bit checkpoint stores prepared tensors: count the parameters its config describes
-    params = params_section(cfg, expected_tensors(cfg) if qc is not None else tensors)
-    storage = storage_section(model_dir, stored)
+    params = params_section(cfg, tensors if qc is None and complete else expected_tensors(cfg))
+    storage = storage_section(model_dir, stored, qc)
     mem = memory_section(cfg, params["total"])
     mem["formats"] = memory.fits(cfg, qc)
     return {
@@ -73,7 +70,7 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         "vocab_size": cfg.vocab_size,
         "total_params": params["total"],
         "active_params_per_token": params["active_per_token"],
-        "dtypes": {dtype: d["params"] for dtype, d in storage["dtypes"].items()},
+        "dtypes": {dtype: d["params"] for dtype, d in storage["dtypes"].items() if d["params"]},
         "moe_layers": cfg.moe_layers,
         "dense_layers": cfg.dense_layers,
         "latent_cache_bytes_per_token": mem["latent_cache_bytes_per_token"],
@@ -92,6 +89,21 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         "warnings": [],
         "problems": found + gen_problems + tok_problems + (nonfinite_problems(stored) if check else []),
     }
+
+
+def read_checkpoint(model_dir: Path, cfg: DeepseekV2Config) -> tuple[dict[str, TensorInfo],
+                                                                   qcheckpoint.QuantConfig | None, list[str], bool]:
+    """(the tensors of every readable shard, the ds2 quantization_config, problems, whether every
+    shard was read). The tensors are checked against the config only when every shard was read
+    and the layout is known: otherwise each tensor of an unreadable shard, or of the ds2 layout
+    read as Hugging Face's, would be one more problem that says nothing new."""
+    stored, found = checkpoint.read_readable_headers(model_dir)
+    complete = not found
+    qc, qc_problems = quantization_config(model_dir)
+    found += qc_problems
+    if not found:
+        found = checkpoint.problems(cfg, stored) if qc is None else qcheckpoint.problems(cfg, qc, stored)
+    return stored, qc, found, complete
 
 
 def quantization_config(model_dir: Path) -> tuple[qcheckpoint.QuantConfig | None, list[str]]:
@@ -250,12 +262,16 @@ def params_section(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo]) -> dic
 
 # ---- storage and memory ----
 
-def storage_section(model_dir: Path, tensors: dict[str, TensorInfo]) -> dict:
-    files = [{"name": p.name, "bytes": p.stat().st_size} for p in checkpoint.shard_files(model_dir)]
+def storage_section(model_dir: Path, tensors: dict[str, TensorInfo],
+                    qc: qcheckpoint.QuantConfig | None) -> dict:
+    """The files, and parameters and bytes by storage: the safetensors dtype, or for a ds2 low-bit
+    checkpoint its formats ("q4 (U8, 2 per byte)", "q8 scales (F32)": see qcheckpoint.stored_kind)."""
+    files = [{"name": p.name, "bytes": p.stat().st_size} for p in checkpoint.find_shards(model_dir)[0]]
     dtypes: dict[str, dict] = {}
-    for t in parameters(tensors).values():
-        d = dtypes.setdefault(t.dtype, {"params": 0, "bytes": 0})
-        d["params"] += t.numel
+    for name, t in parameters(tensors).items():
+        kind, weights_per_element = (t.dtype, 1) if qc is None else qcheckpoint.stored_kind(name, t.dtype)
+        d = dtypes.setdefault(kind, {"params": 0, "bytes": 0})
+        d["params"] += t.numel * weights_per_element
         d["bytes"] += t.nbytes
     return {"files": files,
             "total_bytes": sum(f["bytes"] for f in files),
@@ -329,7 +345,8 @@ def vocabulary(tokenizer_json: dict) -> dict[str, int]:
                if isinstance(e, list) and e and isinstance(e[0], str)}
     else:
         out = {}
-    for added in tokenizer_json.get("added_tokens") or []:
+    added_tokens = tokenizer_json.get("added_tokens")
+    for added in added_tokens if isinstance(added_tokens, list) else []:
         if not isinstance(added, dict):
             continue
         if isinstance(added.get("id"), int) and isinstance(added.get("content"), str):
@@ -390,201 +407,11 @@ def nonfinite_problems(tensors: dict[str, TensorInfo]) -> list[str]:
     fp8 = ((n, checkpoint.read_fp8(t).astype(np.float32)) for n, t in tensors.items()
            if t.dtype in checkpoint.FP8_DTYPES)
     problems = []
-    for name, a in itertools.chain(checkpoint.iter_float32(tensors, names), fp8):
-        nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
-        if nan or inf:
-            problems.append(f"tensor {name} has {nan} NaN and {inf} Inf values")
+    try:
+        for name, a in itertools.chain(checkpoint.iter_float32(tensors, names), fp8):
+            nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+            if nan or inf:
+                problems.append(f"tensor {name} has {nan} NaN and {inf} Inf values")
+    except CheckpointError as e:   # data the header promised but that cannot be read as it says
+        problems.append(f"{e} (the --check scan stopped there)")
     return problems
-
-
-# ---- rendering: formatting only ----
-
-def human_count(n: int | float) -> str:
-    """15_761_408 -> '15.8M'; three significant figures with K/M/B/T."""
-    return _scaled(n, ("", "K", "M", "B", "T"), "")
-
-
-def human_bytes(n: int | float) -> str:
-    """2_160_000_000 -> '2.16 GB' (decimal units, as disks and safetensors sizes are quoted)."""
-    return _scaled(n, ("B", "kB", "MB", "GB", "TB"), " ")
-
-
-def _scaled(n: int | float, units: tuple[str, ...], sep: str) -> str:
-    value = float(n)
-    for unit in units[:-1]:
-        if abs(value) < 999.5:
-            break
-        value /= 1000
-    else:
-        unit = units[-1]
-    if unit == units[0] and float(n).is_integer():
-        return f"{int(n)}{sep}{unit}"
-    return f"{value:.3g}{sep}{unit}"
-
-
-def plural(n: int, noun: str) -> str:
-    """plural(1, "file") -> "1 file"; plural(0, "file") -> "0 files"."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _show(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, list):
-        return ", ".join(map(str, value)) if value else "none"
-    return str(value)
-
-
-def _kv_table(title: str, rows: list[tuple[str, object]]) -> Table:
-    table = Table(title=title, title_justify="left", show_header=False)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")           # a long value wraps; it is never cut
-    for key, value in rows:
-        table.add_row(key, value if isinstance(value, str) else _show(value))
-    return table
-
-
-def _model_table(r: dict) -> Table:
-    m = r["model"]
-    rows = [("type", m["type"]), ("family", m["family"]), ("layers", m["layers"]),
-            ("hidden size", m["hidden_size"]), ("attention heads", m["heads"]),
-            ("vocabulary", m["vocab_size"]), ("context length", m["context_length"]),
-            ("rope theta", m["rope_theta"]), ("tied embeddings", m["tie_word_embeddings"])]
-    rs = m["rope_scaling"]
-    rows += [(f"yarn {k}", v) for k, v in rs.items() if k != "type"] if rs else [("rope scaling", "none")]
-    return _kv_table("Model", rows + [("softmax scale", m["softmax_scale"])])
-
-
-def _moe_table(r: dict) -> Table:
-    m = r["moe"]
-    if not m["n_routed_experts"]:
-        return _kv_table("MoE", [("experts", "none (dense model)"),
-                                 ("intermediate size", m["intermediate_size"])])
-    rows = [(k.replace("_", " "), v) for k, v in m.items()]
-    return _kv_table("MoE", rows)
-
-
-def _v3_table(r: dict) -> Table | None:
-    """fp8 storage and MTP layers, for a checkpoint that has either."""
-    f, m = r["fp8"], r["mtp"]
-    rows = []
-    if f:
-        block = "x".join(map(str, f["weight_block_size"] or [])) or "-"
-        rows += [("fp8 weights", f"{f['fmt']}, {block} blocks: {human_count(f['params'])} params "
-                                 f"in {f['tensors']} tensors"),
-                 ("fp8 scales", f"{f['scale_tensors']} weight_scale_inv ({human_bytes(f['scale_bytes'])})"),
-                 ("fp8 at load", f["dequantized_to"])]
-    if m["tensors"]:
-        rows.append(("MTP layers (ignored)", f"{_show(m['layers'])}: {human_count(m['params'])} params "
-                                             f"in {m['tensors']} tensors ({human_bytes(m['bytes'])}), not loaded"))
-    return _kv_table("DeepSeek-V3 storage", rows) if rows else None
-
-
-def _params_table(r: dict) -> Table:
-    """The stored categories, which add up to the total; then, apart, what one token uses."""
-    p = r["params"]
-    table = Table(title="Parameters", title_justify="left")
-    table.add_column("category", style="bold")
-    table.add_column("params", justify="right")
-    table.add_column("count", justify="right")
-    for key in PARAM_CATEGORIES:
-        if p[key] or key in ("embeddings", "lm_head"):
-            label = key.replace("_", " ")
-            if key == "lm_head" and p["tie_word_embeddings"]:
-                label += " (tied: the embedding matrix)"
-            table.add_row(label, human_count(p[key]), f"{p[key]:,}")
-    table.add_section()
-    table.add_row("total", human_count(p["total"]), f"{p['total']:,}", style="bold")
-    table.add_section()
-    table.add_row("active per token", human_count(p["active_per_token"]),
-                  f"{p['active_per_token']:,}", style="bold")
-    if p["routed_experts"]:
-        table.add_row("  of which routed experts", human_count(p["routed_experts_active"]),
-                      f"{p['routed_experts_active']:,}")
-    return table
-
-
-def _storage_table(r: dict, max_files: int = 8) -> Table:
-    s = r["storage"]
-    table = Table(title="Storage", title_justify="left")
-    table.add_column("file / dtype", style="bold")
-    table.add_column("params", justify="right")
-    table.add_column("size", justify="right")
-    for f in s["files"][:max_files]:
-        table.add_row(f["name"], "", human_bytes(f["bytes"]))
-    if len(s["files"]) > max_files:
-        table.add_row(f"... and {len(s['files']) - max_files} more files", "", "")
-    for dtype, d in s["dtypes"].items():
-        table.add_row(dtype, human_count(d["params"]), human_bytes(d["bytes"]))
-    table.add_row(f"total ({plural(len(s['files']), 'file')}, {plural(s['n_tensors'], 'tensor')})", "",
-                  human_bytes(s["total_bytes"]), style="bold")
-    return table
-
-
-def _memory_table(r: dict) -> Table:
-    m = r["memory"]
-    n = m["context_length"]
-    forms = [(f"{f['format']}: weights, RAM at {f['context']} tokens",
-              f"{human_bytes(f['weight_bytes'])}, {human_bytes(f['ram_bytes'])}"
-              + ("" if f["fits"] is None else " (fits now)" if f["fits"] else " (does NOT fit now)"))
-             for f in m["formats"]]
-    available = m["formats"][0]["available_bytes"] if m["formats"] else None
-    return _kv_table("Memory", [
-        *forms,
-        ("available now", "unknown" if available is None else human_bytes(available)),
-        ("latent cache per token", human_bytes(m["latent_cache_bytes_per_token"])),
-        ("MHA cache per token", human_bytes(m["mha_cache_bytes_per_token"])),
-        ("MHA / latent", f"{m['mha_to_latent_ratio']:.1f}x"),
-        (f"latent cache at {n} tokens", human_bytes(m["latent_cache_bytes_at_context"])),
-        (f"MHA cache at {n} tokens", human_bytes(m["mha_cache_bytes_at_context"]))])
-
-
-def _tokenizer_table(r: dict) -> Table:
-    t = r["tokenizer"]
-    if not (t["tokenizer_json"] or t["tokenizer_config"]):
-        return _kv_table("Tokenizer", [("files", "absent (no tokenizer.json, tokenizer_config.json)")])
-    return _kv_table("Tokenizer", [
-        ("tokenizer.json", "present" if t["tokenizer_json"] else "absent"),
-        ("tokenizer_config.json", "present" if t["tokenizer_config"] else "absent"),
-        ("vocabulary", t["vocab_size"]),
-        ("bos", f"{t['bos_token']} ({_show(t['bos_token_id'])})" if t["bos_token"] else "-"),
-        ("eos", f"{t['eos_token']} ({_show(t['eos_token_id'])})" if t["eos_token"] else "-"),
-        ("add bos token", t["add_bos_token"]),
-        ("chat template", t["chat_template"]),
-        ("generation_config.json", "present" if t.get("generation_config") else "absent"),
-        ("eos ids (generation_config)", t["generation_eos_token_ids"] if t.get("generation_config") else "-"),
-        ("eos ids (config)", t["config_eos_token_ids"])])
-
-
-def _scales(spec: dict) -> str:
-    if spec["scale_group"] == "row":
-        return f"{spec['scales']}, one per output row"
-    return f"{spec['scales']}, one per {spec['group_size']} output rows of a column"
-
-
-def render(report: dict, console: Console) -> None:
-    """One table per section, then the problems in red. Warnings are left to the caller
-    (`ds2 inspect` prints them to stderr), so they are not printed twice."""
-    mla = [(k.replace("_", " "), v) for k, v in report["mla"].items()]
-    tables = [_model_table(report), _kv_table("MLA", mla), _moe_table(report), _v3_table(report),
-              _params_table(report), _storage_table(report), _memory_table(report), _tokenizer_table(report)]
-    if report["quantization"]:
-        q = report["quantization"]
-        tables.insert(6, _kv_table("Quantization (ds2)", [
-            ("bits", q["bits"]),
-            *((f"{name} scales", _scales(spec)) for name, spec in q["format_specs"].items()),
-            *((role.replace("_", " "), fmt) for role, fmt in q["formats"].items()),
-            ("bytes on disk", human_bytes(q["file_bytes"]))]))
-    # the path on a line of its own, never cut to fit a table's column
-    console.print(f"checkpoint {report['path']}", soft_wrap=True, markup=False, highlight=False)
-    for table in tables:
-        if table is not None:
-            console.print(table)
-    if report["problems"]:
-        console.print(f"{plural(len(report['problems']), 'problem')}:", style="bold red", highlight=False)
-    for problem in report["problems"]:
-        console.print(f"  {problem}", style="red", markup=False, highlight=False)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -37,12 +39,23 @@ def remove_stale_partials(target: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def existing_ancestor(path: Path) -> Path:
+    """The nearest directory at or above `path` that exists (where its file system is asked)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 @contextlib.contextmanager
 def building(target: Path, replace: bool) -> Iterator[Path]:
     """Yield an empty hidden sibling of `target` to build in. On success it becomes `target`:
     an existing `target` is replaced (moved aside first, removed last) when `replace`, else kept
     and the new build discarded (another process finished the same work first). On any error
-    or interrupt the partial directory is removed."""
+    or interrupt the partial directory is removed, and so are the parent directories made for
+    it: nothing is left behind. A Ctrl-C during the final renames is too late to stop them, and
+    is not raised: the build is complete."""
+    made = [p for p in [target.parent, *target.parent.parents] if not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(target)
     partial = target.parent / f".{target.name}.partial-{os.getpid()}"
@@ -50,16 +63,37 @@ def building(target: Path, replace: bool) -> Iterator[Path]:
     partial.mkdir()
     try:
         yield partial
-        if target.exists() and not replace:
-            shutil.rmtree(partial)
-            return
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            target.rename(old)
-        partial.rename(target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with interrupts_deferred():
+            commit(partial, target, replace)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
+        for directory in made:                   # deepest first; only if still empty
+            with contextlib.suppress(OSError):
+                directory.rmdir()
         raise
+
+
+def commit(partial: Path, target: Path, replace: bool) -> None:
+    if target.exists() and not replace:
+        shutil.rmtree(partial)
+        return
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        target.rename(old)
+    partial.rename(target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """SIGINT is noted, not raised, for the block (on the main thread; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

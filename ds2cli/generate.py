@@ -17,7 +17,9 @@ from ds2cli.sampling import Sampler
 
 @dataclasses.dataclass
 class Chunk:
-    """One step of generation: `text` is what may be printed now (never half a character)."""
+    """One step of generation: `text` is what may be printed now (never half a character).
+    Every chunk carries the counts and timings so far, so an interrupted generation can still
+    report what ran; the last one has the finish reason and every generated id."""
     text: str
     token: int | None = None
     finish_reason: str | None = None      # "eos" | "stop" | "length" on the last chunk
@@ -105,12 +107,13 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
             reason = "eos"
             break
         text, hit = stops.feed(decoder.push(token))
+        so_far = (None, len(prompt_ids), len(generated), prefill_s, time.perf_counter() - t1)
         if hit:
             reason = "stop"
-            yield Chunk(text, token)
+            yield Chunk(text, token, *so_far)
             break
         if text:
-            yield Chunk(text, token)
+            yield Chunk(text, token, *so_far)
         if len(generated) == max_new_tokens or cache.free == 0:
             break
         logits = check_logits(model.forward([token], cache))

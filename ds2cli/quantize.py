@@ -58,8 +58,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool
     check_destination(src, dst, force)
     tensors = checkpoint.validate(cfg, src)
     size = memory.weight_bytes(cfg, qc)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    files.check_free_disk(dst.parent, size + DISK_MARGIN, f"the {bits}-bit checkpoint", QuantizeError)
+    files.check_free_disk(files.existing_ancestor(dst.parent), size + DISK_MARGIN, f"the {bits}-bit checkpoint",
+                          QuantizeError)
     try:
         with files.building(dst, replace=True) as partial:
             written = write_all(src, partial, raw, cfg, qc, tensors, progress)

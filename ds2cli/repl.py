@@ -1,4 +1,5 @@
-"""The terminal side of `ds2 chat`: reading messages, with a line editor where there is one.
+"""The terminal side of `ds2 chat`: the chat loop (messages in, replies out, /commands), and
+reading messages, with a line editor where there is one.
 
 On a terminal, the standard library's `readline` gives line editing, a history that persists in
 the user's data directory, and bracketed paste (a pasted block arrives as one message). A line
@@ -13,6 +14,14 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
+from ds2cli import console
+from ds2cli.chat import ChatSession
+from ds2cli.console import write_out
+from ds2cli.text import plural
+from ds2cli.errors import Ds2Error
+from ds2cli.generate import Chunk
+from ds2cli.options import argument_text
 
 PROMPT, CONTINUATION = ">>> ", "... "
 MULTILINE_FENCE = '"""'
@@ -113,3 +122,123 @@ class MessageReader:
             if line.strip() == MULTILINE_FENCE:
                 return "\n".join(lines)
             lines.append(line)
+
+
+CHAT_HELP = """commands:
+  /clear         start a new conversation (the system message stays)
+  /system [TEXT] set the system message (without TEXT: show it)
+  /save PATH     save the conversation as JSON (ds2 chat --load PATH resumes it)
+  /help          this help
+  /exit, /quit   leave (Ctrl-D too; Ctrl-C clears the line or stops a reply)
+input:
+  a line holding only \""" starts a multi-line message; the next such line sends it
+  a bracketed paste (most terminals) arrives as one message, newlines kept
+  on a terminal: line editing, and Up/Down for the history kept in
+  $XDG_DATA_HOME/ds2/chat_history (default ~/.local/share/ds2/chat_history)"""
+
+class Repl:
+    """The chat loop: messages in, replies out, /commands, and the bookkeeping for leaving."""
+
+    def __init__(self, session: ChatSession, sampler, max_new: int, stop: list[str], stats: bool):
+        self.session, self.sampler, self.max_new, self.stop, self.stats = session, sampler, max_new, stop, stats
+        self.interactive = sys.stdin.isatty()
+        self.unsaved = False          # the conversation has turns no /save or --load holds
+        self.turns = self.failed = 0
+
+    def resume(self, messages: list[dict], path: Path) -> None:
+        self.session.load(messages)
+        console.info(f"(resumed {plural(len(messages), 'message')} from {path})")
+        last_user = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), None)
+        if last_user is not None:
+            for m in messages[last_user:]:
+                console.info((PROMPT if m["role"] == "user" else "") + m["content"])
+
+    def run(self) -> bool:
+        """Read and answer until /exit or end of input; True when every turn (of a piped chat) failed."""
+        if hasattr(sys.stdin, "reconfigure"):
+            # messages are UTF-8 as prompts are (whatever PYTHONIOENCODING or the locale say);
+            # bytes that are not are reported per message, not raised
+            sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
+        editor = LineEditor(self.interactive, history_path())
+        if self.interactive:
+            console.info("ds2 chat: /help for commands, \"\"\" for a multi-line message, Ctrl-D to leave")
+        try:
+            for text in MessageReader(editor, on_interrupt=lambda: console.info("")):
+                try:
+                    if not self.handle(text):
+                        break
+                except KeyboardInterrupt:   # Ctrl-C between a reply and the prompt: keep going
+                    console.info("")
+        finally:
+            editor.close()
+        if self.interactive and self.unsaved:
+            console.info("(leaving with unsaved turns: /save PATH keeps a conversation)")
+        return not self.interactive and self.turns > 0 and self.failed == self.turns
+
+    def handle(self, text: str) -> bool:
+        """One message or /command; False to leave."""
+        if text.startswith("/"):
+            return self.command(text)
+        if not text.strip():
+            return True
+        self.turns += 1
+        try:
+            text = argument_text(text, "message", hint="it was not sent")
+            last = chat_turn(self.session, text, self.sampler, self.max_new, self.stop)
+        except Ds2Error as e:
+            console.error(str(e))
+            self.failed += 1
+            return True
+        self.unsaved = True
+        if last is not None and self.stats:
+            console.info(console.stats_line(None, last, self.session.cache))
+        return True
+
+    def command(self, line: str) -> bool:
+        """Handle a /command; return False to leave the REPL."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit") and not arg:
+            return False
+        if name == "/clear" and not arg:
+            self.session.clear()
+            self.unsaved = False
+            console.info("(new conversation)")
+        elif name == "/system" and arg:
+            self.session.set_system(arg)
+            console.info("(system message set)")
+        elif name == "/system":
+            current = next((m["content"] for m in self.session.messages if m["role"] == "system"), None)
+            console.info(f"(system message: {current})" if current is not None else "(no system message)")
+        elif name == "/save" and arg:
+            try:
+                self.session.save(Path(arg).expanduser())
+                self.unsaved = False
+                console.info(f"(saved {plural(len(self.session.messages), 'message')} to {arg})")
+            except Ds2Error as e:
+                console.error(str(e))
+        elif name == "/save":
+            console.info("usage: /save PATH   (writes the conversation as JSON; ds2 chat --load PATH resumes it)")
+        elif name == "/help" and not arg:
+            console.info(CHAT_HELP)
+        else:
+            console.error(f"unknown or incomplete command {line!r}; /help lists the commands")
+        return True
+
+
+def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop) -> Chunk | None:
+    chunks = session.reply(text, sampler, max_new, stop)
+    last = None
+    try:
+        for chunk in chunks:
+            write_out(chunk.text)
+            last = chunk
+    except KeyboardInterrupt:
+        chunks.close()
+        write_out("\n")
+        console.info("(reply interrupted; the conversation is kept)")
+        return None
+    write_out("\n")
+    if session.cut:
+        console.warn(session.cut)
+    return last

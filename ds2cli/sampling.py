@@ -12,6 +12,14 @@ from ds2cli.errors import Ds2Error
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
 
 
+class SamplingError(Ds2Error):
+    """A sampling value out of range: `field` is its SamplingParams name, `rule` what it must be."""
+
+    def __init__(self, field: str, label: str, rule: str):
+        super().__init__(f"{label} {rule}")
+        self.field, self.rule = field, rule
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.7
@@ -22,15 +30,15 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        checks = [(self.temperature >= 0, "temperature must be >= 0"),
-                  (self.top_k >= 0, "top-k must be >= 0"),
-                  (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
-                  (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
-                  (self.repetition_penalty > 0, "repetition penalty must be > 0"),
-                  (self.seed is None or self.seed >= 0, "seed must be >= 0")]  # numpy's generators refuse < 0
-        for ok, message in checks:
+        checks = [("temperature", "temperature", self.temperature >= 0, "must be >= 0"),
+                  ("top_k", "top-k", self.top_k >= 0, "must be >= 0"),
+                  ("top_p", "top-p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+                  ("min_p", "min-p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+                  ("repetition_penalty", "repetition penalty", self.repetition_penalty > 0, "must be > 0"),
+                  ("seed", "seed", self.seed is None or self.seed >= 0, "must be >= 0")]  # numpy refuses < 0
+        for field, label, ok, rule in checks:
             if not ok:
-                raise Ds2Error(message)
+                raise SamplingError(field, label, rule)
 
     @staticmethod
     def from_generation_config(gen: dict, **overrides) -> "SamplingParams":

@@ -34,6 +34,7 @@ from ds2cli.config import JSON_ERRORS, json_error
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.model import Model
+from ds2cli.options import check_ctx, load_model, max_new_tokens_for, memory_options, model_config
 from ds2cli.prompt_cache import PromptCache
 from ds2cli.sampling import SamplingParams, make_sampler
 
@@ -509,13 +510,12 @@ def serve_forever(server: Server, state: State) -> None:
 @click.option("--seed", type=int, help="Default seed for requests that give none.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1),
               help="Default max_tokens. Default: generation_config.json, else 256.")
+@memory_options
 def serve(model_dir, host, port, ctx, api_key, prompt_cache_mb, max_queue, max_new_tokens, quantize,
           no_memory_check, **sampling):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
     Listens on 127.0.0.1:8000 unless told otherwise; Ctrl-C (or SIGTERM) stops it gracefully."""
-    from ds2cli.cli import check_ctx, load_model, max_new_tokens_for, model_config  # cli.py registers this command
-
     path, config = model_config(model_dir)          # config.json only: --ctx is checked before any load
     check_ctx(config, ctx)
     model, load_s = load_model(path, quantize, ctx or DEFAULT_CTX, not no_memory_check)

@@ -3,6 +3,7 @@ made here from the config, and the synthetic checkpoint it writes."""
 
 import json
 import math
+import re
 import sys
 from collections import namedtuple
 
@@ -13,9 +14,12 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 import ds2cli
-from ds2cli import bench as bench_module
 from ds2cli import checkpoint
-from ds2cli.bench import BenchError, bench, lite_config, synthesise
+from ds2cli.bench import bench, compare_hf, formats, synthetic
+from ds2cli.bench import probes as probes_module
+from ds2cli.bench import report as report_module
+from ds2cli.bench.settings import BenchError
+from ds2cli.bench.synthetic import lite_config, synthesise
 from ds2cli.config import DeepseekV2Config
 from ds2cli.loader import bundled_model_dir
 
@@ -28,8 +32,8 @@ def run_bench(*args):
 
 def small_probes(mp):
     """Probe matrices of a few MB: the tests check the accounting, not this machine."""
-    mp.setattr(bench_module, "MATVEC_N", 1024)
-    mp.setattr(bench_module, "GEMM_SHAPES", {"prefill": (64, 256, 256), "expert": (8, 256, 352)})
+    mp.setattr(probes_module, "MATVEC_N", 1024)
+    mp.setattr(probes_module, "GEMM_SHAPES", {"prefill": (64, 256, 256), "expert": (8, 256, 352)})
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,7 @@ def test_every_figure_is_there_positive_and_finite(report):
         assert set(s) == {"min", "median", "max", "runs"}
         assert s["min"] <= s["median"] <= s["max"]
     assert all(len(s["runs"]) == 1 for s in measured)
-    assert all(len(s["runs"]) == bench_module.PROBE_RUNS for s in probes)
+    assert all(len(s["runs"]) == probes_module.PROBE_RUNS for s in probes)
     for key in ("gflop", "gemm_ratio", "routed_experts", "weight_bytes", "weight_gb_per_s", "matvec_ratio"):
         assert all(key in p for p in report["prefill"])
     for key in ("routed_experts_per_step", "weight_bytes_per_token", "cache_bytes_per_token",
@@ -158,9 +162,46 @@ def test_bad_options_are_one_line_errors():
         assert "\n" not in str(result.exception)
 
 
+def test_default_counts_are_cut_to_the_positions_the_model_holds(monkeypatch):
+    """ds2-tiny holds 1024 positions and the default contexts reach 4096: with no -c, bench cuts
+    them to fit and says so in one line, before loading; counts the user gave are still refused."""
+    small_probes(monkeypatch)
+    result = run_bench("--repeats", "1", "--decode-steps", "2", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["settings"] == {"repeats": 1, "prompt_lengths": [16, 512],
+                                                     "contexts": [128, 1022], "decode_steps": 2}
+    err = result.stderr.splitlines()
+    [note] = [k for k, line in enumerate(err) if "max_position_embeddings" in line]
+    assert "1024" in err[note] and "--contexts 128,1022" in err[note] and "--prompt-lengths" not in err[note]
+    assert note < err.index("load 1/1")
+    result = run_bench("--contexts", "128,1024,4096")
+    assert isinstance(result.exception, BenchError) and "--contexts 4096" in str(result.exception)
+
+
+def test_piped_table_keeps_every_row_on_one_line(monkeypatch):
+    """Piped, rich would wrap at 80 columns and split cells over lines: every row's cells stand
+    on one line of the output, in order."""
+    small_probes(monkeypatch)
+    rows = []
+
+    def recorded(report):
+        rows.extend(real_rows(report))
+        return rows
+
+    real_rows = report_module.table_rows
+    monkeypatch.setattr(report_module, "table_rows", recorded)
+    result = run_bench(*[a for a in TINY_ARGS if a != "--json"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(rows) == 9       # probes 3, load, prefill 2, decode 2, peak RSS
+    for row in rows:
+        cells = r"\s+".join(re.escape(cell) for cell in row if cell)
+        assert any(re.search(cells, line) for line in lines), row
+
+
 def test_compare_hf_is_skipped_with_a_note_without_torch(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail, installed or not
-    assert bench_module.compare_hf(bundled_model_dir(), [4], [8], 1, 1) is None
+    assert compare_hf.compare_hf(bundled_model_dir(), [4], [8], 1, 1) is None
     err = capsys.readouterr().err
     assert "--compare-hf skipped: torch is not importable" in err and err.count("\n") == 1
 
@@ -206,7 +247,7 @@ def test_interrupted_synthesis_leaves_nothing_to_reuse(tmp_path, monkeypatch):
     def fail(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bench_module, "write_shard", fail)
+    monkeypatch.setattr(synthetic, "write_shard", fail)
     with pytest.raises(KeyboardInterrupt):
         synthesise(tmp_path / "small", small_config())
     assert list(tmp_path.iterdir()) == []
@@ -220,7 +261,7 @@ def test_stale_partial_folders_are_removed(tmp_path):
 
 
 def test_not_enough_disk_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_module.shutil, "disk_usage", lambda path: namedtuple("U", "free")(10**6))
+    monkeypatch.setattr(synthetic.shutil, "disk_usage", lambda path: namedtuple("U", "free")(10**6))
     with pytest.raises(BenchError, match="not enough disk"):
         synthesise(tmp_path / "small", small_config())
     assert list(tmp_path.iterdir()) == []
@@ -234,7 +275,7 @@ def test_default_target_is_the_synthetic_lite_slice(tmp_path, monkeypatch):
         made.append(config)
         return synthesise(target, small_config())
 
-    monkeypatch.setattr(bench_module, "synthesise", fake_synthesise)
+    monkeypatch.setattr(synthetic, "synthesise", fake_synthesise)
     small_probes(monkeypatch)
     args = ["--layers", "2", "--repeats", "1", "--contexts", "8", "--prompt-lengths", "4", "--decode-steps", "1",
             "--json"]
@@ -264,7 +305,7 @@ def test_format_ratios_are_taken_within_each_round(report):
     # round 2 runs on a machine half as fast; q8 is 0.9x f32 within each round
     runs = {"f32": [scaled(report, 1.0, base_rss), scaled(report, 0.5, base_rss)],
             "q8": [scaled(report, 0.9, base_rss // 2), scaled(report, 0.45, base_rss // 4)]}
-    out = bench_module.format_ratios(runs)
+    out = formats.format_ratios(runs)
     row = next(k for k in out["q8"]["ratios"] if k.startswith("tg @"))
     assert out["q8"]["ratios"][row] == pytest.approx(0.9)
     assert out["q8"]["ratio_range"][row] == pytest.approx([0.9, 0.9])
@@ -276,7 +317,7 @@ def test_format_ratios_are_taken_within_each_round(report):
         base_rss // 2 / report["model"]["float32_weight_bytes"])
     from rich.console import Console
     console = Console(record=True, width=200)
-    bench_module.render_formats({"formats": runs, "comparison": out}, console)
+    report_module.render_formats({"formats": runs, "comparison": out}, console)
     text = console.export_text()
     assert "0.90x (0.90-0.90)" in text and "medians of 2 rounds" in text
 
@@ -289,9 +330,9 @@ def test_side_by_side_pairs_samples_of_every_format_in_one_process(report, tmp_p
     quantize_checkpoint(bundled_model_dir(), q8, 8)
     targets = {"f32": bundled_model_dir(), "q8": q8}
     loaded = []
-    real_load = bench_module.load
-    monkeypatch.setattr(bench_module, "load", lambda path, **kw: loaded.append(path) or real_load(path, **kw))
-    out = bench_module.side_by_side(targets, 3, [8], [8, 24], 2)
+    real_load = formats.load
+    monkeypatch.setattr(formats, "load", lambda path, **kw: loaded.append(path) or real_load(path, **kw))
+    out = formats.side_by_side(targets, 3, [8], [8, 24], 2)
     assert loaded == [bundled_model_dir(), q8]           # each format once, all in this process
     assert out["samples"] == 3 and set(out["rows"]) == {"pp8 tok/s", "tg @ 8 tok/s", "tg @ 24 tok/s"}
     for row in out["rows"].values():
@@ -309,13 +350,13 @@ def test_side_by_side_pairs_samples_of_every_format_in_one_process(report, tmp_p
     runs = {name: [report] for name in targets}
     from rich.console import Console
     console = Console(record=True, width=400)
-    bench_module.render_formats({"formats": runs, "comparison": comparison, "side_by_side": out}, console)
+    report_module.render_formats({"formats": runs, "comparison": comparison, "side_by_side": out}, console)
     text = " ".join(console.export_text().split())
     r = out["rows"]["pp8 tok/s"]["q8"]
     assert f"{r['ratio']:.2f}x ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})" in text
     assert f"{r['tok_per_s']['median']:.2f}" in text and "100.00" not in text   # its figures too
     assert "0.10x (0.10-0.10)" in text and "medians of 3 samples of every format" in text
     # formats that would not fit in memory together are not loaded side by side
-    monkeypatch.setattr(bench_module.memory, "available_bytes", lambda: 10**6)
+    monkeypatch.setattr(formats.memory, "available_bytes", lambda: 10**6)
     loaded.clear()
-    assert bench_module.side_by_side(targets, 3, [8], [8], 2) is None and loaded == []
+    assert formats.side_by_side(targets, 3, [8], [8], 2) is None and loaded == []

@@ -99,6 +99,26 @@ UP, LEFT, CTRL_C, CTRL_D = "\x1b[A", "\x1b[D", "\x03", "\x04"
 PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
 
 
+# the system calls a process blocks in to wait for input: select, pselect6, poll, ppoll
+WAIT_CALLS = {"x86_64": {23, 270, 7, 271}, "aarch64": {72, 73}, "riscv64": {72, 73}}
+
+
+def waiting_for_input(pid: int) -> bool:
+    """Whether the process's main thread sleeps in select() or poll(), as readline waits."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] != "S":
+                return False
+        with open(f"/proc/{pid}/syscall") as f:
+            call = f.read().split()[0]
+        if call.isdigit() and os.uname().machine in WAIT_CALLS:
+            return int(call) in WAIT_CALLS[os.uname().machine]
+        with open(f"/proc/{pid}/wchan") as f:
+            return any(name in f.read() for name in ("poll", "select"))
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def controlling_terminal():
     """In the child: a new session whose controlling terminal is the pty on stdin, so that
     Ctrl-C there is a SIGINT, as in a real terminal."""
@@ -119,7 +139,7 @@ class Terminal:
         os.close(slave)
         self.seen = ""
 
-    def expect(self, pattern: str, timeout: float = 30) -> str:
+    def expect(self, pattern: str, timeout: float = 60) -> str:
         """Read until `pattern` (a regex) appears in what the terminal shows after the last match."""
         deadline = time.monotonic() + timeout
         while not re.search(pattern, self.seen):
@@ -137,7 +157,18 @@ class Terminal:
     def send(self, keys: str) -> None:
         os.write(self.master, keys.encode())
 
-    def wait(self, timeout: float = 20) -> int:
+    def wait_for_keys(self, timeout: float = 60) -> None:
+        """Until the child is blocked waiting for a key. CPython's readline sees a SIGINT only
+        when it interrupts that wait (its select()): one that lands while readline still handles
+        the last key (and writes its echo), or before it waits at a fresh prompt, is missed
+        until the next key."""
+        deadline = time.monotonic() + timeout
+        while not waiting_for_input(self.proc.pid):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"ds2 never waited for a key; the terminal shows {self.seen!r}")
+            time.sleep(0.01)
+
+    def wait(self, timeout: float = 60) -> int:
         """The exit code, reading what the child still writes so that it never blocks."""
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < deadline:
@@ -177,14 +208,12 @@ def test_line_editing_history_ctrl_c_and_ctrl_d(terminal, tmp_path):
     assert "2 + 3 = 5." in t.expect(PROMPT)
     t.send("typed, then regretted")
     t.expect("regretted")
-    # the echo is written while readline still handles the last key; a SIGINT then is missed
-    # until the next key (CPython's readline only checks signals when its wait is interrupted)
-    time.sleep(0.5)
+    t.wait_for_keys()                                         # the echo comes before the wait
     t.send(CTRL_C)                                            # clears the line, does not leave
     t.expect(PROMPT)
     t.send(UP + "\r")                                         # the previous message again
     assert "2 + 3 = 5." in t.expect(PROMPT)
-    time.sleep(0.3)                                           # as before a Ctrl-C at a fresh prompt
+    t.wait_for_keys()                                         # as before a Ctrl-C at a fresh prompt
     t.send(CTRL_D)
     assert "unsaved" in t.expect(r"unsaved turns.*\n")
     assert t.wait() == 0
@@ -219,13 +248,13 @@ def test_ctrl_c_during_a_reply_then_at_the_prompt_keeps_the_conversation(termina
     t.send(CTRL_C)
     t.expect(r"reply interrupted")
     t.expect(PROMPT)
-    time.sleep(0.5)   # CPython's readline misses a SIGINT that lands before it waits for keys
+    t.wait_for_keys()
     t.send(CTRL_C)                                            # a second Ctrl-C: still here
     t.expect(PROMPT)
     t.send(f"/save {saved}\r")
     t.expect(r"saved 2 messages")
     t.expect(PROMPT)
-    time.sleep(0.3)                                           # as before a Ctrl-C at a fresh prompt
+    t.wait_for_keys()                                         # as before a Ctrl-C at a fresh prompt
     t.send(CTRL_D)
     assert t.wait() == 0
     assert "unsaved" not in t.seen
@@ -256,7 +285,7 @@ def test_prompts_go_to_stderr_when_stdout_is_a_file(terminal, tmp_path):
         t.send("/help\r")
         t.expect(r"/exit, /quit")
         t.expect(r">>> ")
-        time.sleep(0.3)                                       # as before a Ctrl-C at a fresh prompt
+        t.wait_for_keys()                                     # as before a Ctrl-C at a fresh prompt
         t.send(CTRL_D)
         assert t.wait() == 0
     assert out.read_text() == "2 + 3 = 5.\n"                  # replies only

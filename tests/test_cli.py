@@ -244,7 +244,7 @@ def test_threads_limits_blas_while_generating(monkeypatch):
 
 
 def test_stop_understands_escapes():
-    from ds2cli.cli import unescape
+    from ds2cli.options import unescape
     assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb\\n") == "a\tb\\n"
     assert unescape(r"\x41\q\"") == 'A\\q"' and unescape("\\") == "\\"
     free = json.loads(run("generate", "ROMEO:\n", "--temp", "0", "-n", "40", "--json").stdout)["text"]
@@ -286,3 +286,47 @@ def test_context_clipping_max_new_tokens_is_said_once():
                         f"asked for (-n): generation stops there\n")
     r = run("generate", "ROMEO:", "--temp", "0", "--ctx", "12", "-n", str(room), "--json", "--ignore-eos")
     assert r.stderr == "" and json.loads(r.stdout)["generated_tokens"] == room
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(monkeypatch, as_json):
+    """An interrupted generation still says how fast its prefill and decode steps ran: --json's
+    object and the --stats line carry real figures, not zeros."""
+    import ds2cli.cli as cli_module
+    real = cli_module.sampler_for
+
+    def sampler_for(model, opts):
+        sample, calls = real(model, opts), []
+
+        def interrupting(logits, history):
+            calls.append(1)
+            if len(calls) == 7:
+                raise KeyboardInterrupt      # as a Ctrl-C would, between two decode steps
+            return sample(logits, history)
+        return interrupting
+    monkeypatch.setattr(cli_module, "sampler_for", sampler_for)
+    args = ["generate", "--chat", "Count from 3 to 9.", "--temp", "0", "--stats", "--ignore-eos", "-n", "50"]
+    r = run(*args, *(["--json"] if as_json else []))
+    assert r.exit_code == 130
+    stats = [line for line in r.stderr.splitlines() if line.startswith("[load")]
+    assert len(stats) == 1
+    prefill, decode = re.search(r"prefill \d+ tok, ([\d.]+) tok/s \| decode 6 tok, ([\d.]+) tok/s", stats[0]).groups()
+    assert float(prefill) > 0 and float(decode) > 0
+    if as_json:
+        out = json.loads(r.stdout)
+        assert out["finish_reason"] == "interrupted" and out["generated_tokens"] == 6
+        assert out["text"].startswith("3, 4")
+        assert out["timings"]["prefill_tok_per_s"] > 0 and out["timings"]["decode_tok_per_s"] > 0
+    else:
+        assert r.stdout.startswith("3, 4")
+
+
+def test_chat_says_when_the_context_cuts_a_reply():
+    """A reply stopped by a full context (not by -n, eos or a stop) is reported on stderr, after
+    the reply's own line, as generate warns of it up front."""
+    r = run("chat", "--ctx", "30", "--temp", "0", input="Count from 3 to 9.\n")
+    assert r.exit_code == 0 and r.stdout == "3, 4, 5, 6, 7, \n"
+    warning, = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert "context of 30 tokens is full" in warning and "cut after 16 of the 256 tokens" in warning
+    r = run("chat", "--ctx", "100", "--temp", "0", input="Count from 3 to 9.\n")
+    assert r.exit_code == 0 and r.stdout == "3, 4, 5, 6, 7, 8, 9.\n" and "warning" not in r.stderr

@@ -94,7 +94,24 @@ def test_stacked_experts_index_like_arrays():
     assert len(m) == 3 and m[1].shape == (64, 32)
     np.testing.assert_array_equal(m[1].dequantize(), m.dequantize()[1])
     d = Dense(w)
-    np.testing.assert_array_equal(d[2].matmul(w[0, :5, :]), w[0, :5, :] @ w[2].T)
+    np.testing.assert_array_equal(d[2].w, w[2])                     # expert 2's weight, as stored
+    x = w[0, :5, :]
+    got = d[2].matmul(x)
+    assert got.shape == (5, 64) and got.dtype == np.float32
+    # x @ w[2].T, up to float32 rounding: Dense and `@` may call different BLAS kernels
+    assert_within_dot_rounding(got, x, w[2])
+
+
+def assert_within_dot_rounding(got, x, w):
+    """got == x @ w.T up to the float32 rounding of its dot products, whatever their order:
+    |got - exact| <= gamma_n * (|x| @ |w|.T), gamma_n = n*u / (1 - n*u), n the dot length and u
+    float32's unit roundoff (plus float64's own, for the reference)."""
+    n = x.shape[-1]
+    gamma = sum(n * u / (1 - n * u) for u in (2.0 ** -24, 2.0 ** -53))
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    exact, scale = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+    err = np.abs(got.astype(np.float64) - exact)
+    assert np.all(err <= gamma * scale), f"worst excess {(err - gamma * scale).max():.2e}"
 
 
 def test_four_bit_needs_an_even_input_width_else_the_matrix_stays_float():
@@ -271,14 +288,22 @@ def test_the_cores_take_the_next_item_when_they_are_free():
     """Workers.map hands items out one at a time: a core held up by a long item leaves the rest
     to the other cores, rather than owning every other item from the start."""
     import threading
-    import time
     pool = cores.Workers(2)
     pool.held = 1                    # as in a low-bit forward pass: items go to both cores
-    ran = {}
+    ran, done, lock, rest_done = {}, set(), threading.Lock(), threading.Event()
 
     def run(k: int) -> int:
         ran[k] = threading.get_ident()
-        time.sleep(0.5 if k == 0 else 0.01)     # sleeping releases the GIL, as NumPy's kernels do
+        if k == 0:
+            # held up until items 1..5 are done: by the other core, if it takes the next item
+            # when free (a core that owned some of them from the start would leave this wait
+            # to its deadline, then run them itself, and the check below fails)
+            rest_done.wait(60)
+        else:
+            with lock:
+                done.add(k)
+                if len(done) == 5:
+                    rest_done.set()
         return k * k
 
     assert pool.lanes == 2
@@ -289,21 +314,27 @@ def test_the_cores_take_the_next_item_when_they_are_free():
 
 def test_an_item_that_fails_stops_the_other_cores_after_their_current_one():
     """Ctrl-C (or any error) in one core's item: the others take no new items, and map raises."""
-    import time
+    import threading
     pool = cores.Workers(2)
     pool.held = 1
     started = []
+    # the pool's one thread is busy until item 0 has begun, so this thread's core takes item 0
+    # and the pool's core item 1 (and further items, if the failure did not stop it)
+    item0_began, other_began, failed = threading.Event(), threading.Event(), threading.Event()
+    pool.pool.submit(item0_began.wait, 60)
 
     def run(k: int) -> int:
         started.append(k)
         if k == 0:
-            time.sleep(0.05)
+            item0_began.set()
+            other_began.wait(60)     # the other core is in the middle of an item
             raise KeyboardInterrupt
-        time.sleep(0.02)
+        other_began.set()
+        failed.wait(60)              # its current item ends only once map has raised
         return k
 
     with pytest.raises(KeyboardInterrupt):
         pool.map(run, range(50))
-    time.sleep(0.3)                  # the other core's item ends; it must not start more
+    failed.set()
+    pool.pool.shutdown(wait=True)    # the other core's item ends; it must not start more
     assert len(started) < 10
-    pool.pool.shutdown()

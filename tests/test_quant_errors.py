@@ -2,6 +2,8 @@
 code, nothing half-written left behind, and `ds2 inspect` listing every problem."""
 
 import errno
+import os
+import signal
 import json
 import shutil
 
@@ -257,3 +259,36 @@ def test_bench_refuses_what_cannot_fit_before_synthesising(tmp_path):
     assert "needs 6" in line and "as float32" in line and leftovers(tmp_path) == []
     line = one_error_line(run("bench", "--layers", "27", "--formats", "8", env=env))
     assert "as 8-bit" in line and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("at", ["a layer", "the commit"])
+def test_ctrl_c_in_quantize_says_nothing_was_written_and_leaves_nothing(tmp_path, monkeypatch, at):
+    """Interrupted while writing a layer: one line says so, exit 130, and neither DST, its
+    partial directory nor the parent directories made for it remain. A Ctrl-C that lands while
+    the finished directory is renamed into place comes too late to undo it: the run completes."""
+    from ds2cli import files, qcheckpoint
+    dst = tmp_path / "made" / "for" / "q8"
+    if at == "a layer":
+        calls, real = [], qcheckpoint.write_safetensors
+
+        def write(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGINT)      # a real SIGINT, raised at the next bytecode
+            return real(*args, **kwargs)
+        monkeypatch.setattr(qcheckpoint, "write_safetensors", write)
+    else:
+        real_commit = files.commit
+
+        def commit(*args):
+            os.kill(os.getpid(), signal.SIGINT)
+            return real_commit(*args)
+        monkeypatch.setattr(files, "commit", commit)
+    r = run("quantize", bundled_model_dir(), dst, "--bits", "8")
+    if at == "a layer":
+        assert r.exit_code == 130, r.output
+        assert "interrupted, nothing written" in r.stderr and "wrote" not in r.stderr
+        assert leftovers(tmp_path) == []
+    else:
+        assert r.exit_code == 0 and "wrote" in r.stderr
+        assert (dst / "config.json").is_file() and leftovers(dst.parent) == ["q8"]

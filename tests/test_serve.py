@@ -342,7 +342,7 @@ def test_internal_errors_are_one_line_without_traceback(server, monkeypatch):
     assert events[1]["error"]["message"] == "the model produced non-finite logits" and events[2] == "[DONE]"
 
 
-def logged(lines, text, timeout=10):
+def logged(lines, text, timeout=60):
     """Whether a log line containing `text` appears (it is written just after the response)."""
     deadline = time.monotonic() + timeout
     while not any(text in line for line in lines):
@@ -370,17 +370,25 @@ def test_requests_queue_in_order_and_beyond_the_queue_get_503(model):
             waiter = threading.Thread(target=lambda: results.append(
                 request(port, "POST", "/v1/completions", {"prompt": "What", "max_tokens": 2, "temperature": 0})))
             waiter.start()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while state.engine.waiting() < 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
             status, payload, r = request(port, "POST", "/v1/completions", {"prompt": "What", "max_tokens": 2})
             assert status == 503 and payload["error"]["code"] == "queue_full" and r.getheader("Retry-After")
             assert results == []                        # the queued one waits for its turn
-        waiter.join(10)
+        waiter.join(60)
         assert results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] == 2
 
 
-def test_a_client_that_hangs_up_mid_stream_stops_its_generation(model):
+def test_a_client_that_hangs_up_mid_stream_stops_its_generation(model, monkeypatch):
+    # decode steps wait until the client has hung up: the generation cannot run ahead of it
+    hung_up, forward = threading.Event(), model.forward
+
+    def held_forward(token_ids, *args, **kwargs):
+        if len(token_ids) == 1:
+            hung_up.wait(60)
+        return forward(token_ids, *args, **kwargs)
+    monkeypatch.setattr(model, "forward", held_forward)
     with running(model) as (port, state, lines):
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         body = json.dumps({"prompt": ROMEO, "max_tokens": 1000, "temperature": 0, "stream": True}).encode()
@@ -391,6 +399,7 @@ def test_a_client_that_hangs_up_mid_stream_stops_its_generation(model):
             pass
         s.shutdown(socket.SHUT_RDWR)
         s.close()
+        hung_up.set()
         assert logged(lines, "client gone"), lines
         gone = [line for line in lines if "client gone" in line]
         chunks = int(re.search(r"client gone after (\d+) chunks", gone[0]).group(1))
@@ -403,6 +412,9 @@ def test_a_client_that_hangs_up_mid_stream_stops_its_generation(model):
         status, payload, _ = request(port, "POST", "/v1/completions", {"prompt": ROMEO, "max_tokens": 5})
         usage = payload["usage"]
         assert status == 200 and usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+        deadline = time.monotonic() + 60                # its log line comes just after the response
+        while len(lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not logged(lines, "connection error", timeout=0.5) and len(lines) == 2
 
 
@@ -435,7 +447,7 @@ def test_sigterm_stops_accepting_finishes_the_running_request_and_exits_0():
         proc.send_signal(signal.SIGTERM)
         rest = r.read().decode()
         assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
-        assert proc.wait(20) == 0
+        assert proc.wait(60) == 0
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=5)
         log = proc.stderr.read()
@@ -449,10 +461,13 @@ def test_a_second_sigint_cuts_the_running_request_and_still_exits_0():
         # before the second signal; this seed runs to 1000 (ds2 generate --quantize 8 --seed 0)
         r = start_stream(port, 1000, temperature=1.0, seed=0)
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.2)
+        seen = []                                           # the first signal is handled: stopping
+        while not (seen and "stopping" in seen[-1]):
+            seen.append(proc.stderr.readline())
+            assert seen[-1], f"ds2 serve ended before stopping: {seen}"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(20) == 0
-        log = proc.stderr.read()
+        assert proc.wait(60) == 0
+        log = "".join(seen) + proc.stderr.read()
         with pytest.raises(http.client.IncompleteRead):    # cut: no final chunk, no [DONE]
             r.read()
     assert "(aborted)" in log and "stopped" in log and "Traceback" not in log
@@ -462,7 +477,7 @@ def test_a_second_sigint_after_the_last_request_still_exits_0():
     # later signals land while the server shuts down (nothing left to cut): still a clean stop
     with serve_process("--quantize", "8") as (proc, port):
         start_stream(port, 5).read()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < deadline:   # Ctrl-C, again and again
             proc.send_signal(signal.SIGINT)
             time.sleep(0.05)

@@ -1,0 +1,133 @@
+"""The click command `ds2 bench`: parse the options, check them against the model before anything
+is synthesised or loaded, call the run (or the format comparison), render its report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from ds2cli import console, memory
+from ds2cli.bench.formats import compare_formats
+from ds2cli.bench.measure import run_bench
+from ds2cli.bench.report import render, render_formats, stdout_console
+from ds2cli.bench.settings import BenchError, cache_tokens, check_settings, clip_counts
+from ds2cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
+from ds2cli.config import DeepseekV2Config
+from ds2cli.loader import check_model_dir, read_quant_config
+from ds2cli.qcheckpoint import QuantConfig
+
+
+
+def parse_counts(ctx, param, value: str) -> list[int]:
+    """click callback: "128,1024,4096" -> [128, 1024, 4096]."""
+    try:
+        counts = sorted({int(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated whole numbers, got {value!r}") from None
+    if not counts or counts[0] < 1:
+        raise click.BadParameter(f"expected positive token counts, got {value!r}")
+    return counts
+
+
+def parse_formats(ctx, param, value: str | None) -> list[int | None] | None:
+    """click callback: "f32,8,4" -> [None, 8, 4]."""
+    if value is None:
+        return None
+    names = {"f32": None, "float32": None, "8": 8, "q8": 8, "4": 4, "q4": 4}
+    chosen = [v.strip().lower() for v in value.split(",") if v.strip()]
+    unknown = [v for v in chosen if v not in names]
+    if unknown or not chosen:
+        raise click.BadParameter(f"expected formats among f32, 8, 4 (comma-separated), got {value!r}")
+    return list(dict.fromkeys(names[v] for v in chosen))
+
+
+def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: list[int],
+                 steps: int) -> tuple[list[int], list[int]]:
+    """The default token counts cut to the positions the model holds, said in one line on stderr
+    (ds2-tiny holds 1024, the default contexts reach 4096). Counts the user gave stay as given,
+    for check_settings to refuse: they asked for that run, not for a smaller one."""
+    ctx, limit = click.get_current_context(), cfg.max_position_embeddings
+    asked = {"prompt_lengths": (prompt_lengths, limit), "contexts": (contexts, limit - steps)}
+    fitted, cuts = {}, []
+    for name, (counts, most) in asked.items():
+        given = ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+        fitted[name] = counts if given else clip_counts(counts, most)
+        if fitted[name] != counts:
+            cuts.append(f"--{name.replace('_', '-')} {','.join(map(str, fitted[name]))}")
+    if cuts:
+        console.info(f"the model holds {limit} positions (max_position_embeddings): the defaults are cut to "
+                     + " and ".join(cuts))
+    return fitted["prompt_lengths"], fitted["contexts"]
+
+
+@click.command("bench")
+@click.option("-m", "--model", "model_dir", type=click.Path(path_type=Path),
+              help="Benchmark this checkpoint directory instead of the synthetic DeepSeek-V2-Lite slice.")
+@click.option("--layers", type=click.IntRange(1, LITE_LAYERS),
+              help=f"Layers of the synthetic DeepSeek-V2-Lite slice.  [default: {DEFAULT_LAYERS}]")
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), envvar="DS2_BENCH_DIR",
+              show_envvar=True, help="Where synthetic checkpoints are kept.  [default: ~/.cache/ds2/bench]")
+@click.option("-r", "--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs of each measurement (min, median and max are reported).")
+@click.option("-p", "--prompt-lengths", default="16,512", show_default=True, callback=parse_counts,
+              help="Prefill sizes in tokens, comma-separated (the default is cut to the positions "
+                   "the model holds).")
+@click.option("-c", "--contexts", default="128,1024,4096", show_default=True, callback=parse_counts,
+              help="Cached tokens to decode after, comma-separated (the default is cut to the "
+                   "positions the model holds).")
+@click.option("-n", "--decode-steps", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Single-token steps timed at each context.")
+@click.option("--compare-hf", is_flag=True,
+              help="Also time Hugging Face transformers on the same checkpoint (where torch and "
+                   "transformers are installed).")
+@click.option("--quantize", type=click.Choice(["8", "4"]),
+              help="Quantize the float checkpoint to 8 or 4 bits in memory as it loads.")
+@click.option("--formats", callback=parse_formats,
+              help="Compare formats, e.g. f32,8,4: f32 loads the float checkpoint, 8 and 4 load ds2 "
+                   "quantize copies kept beside it (made once). -r sets the rounds; each round runs "
+                   "every format once, in turn, each in its own process (load, memory and the figures); "
+                   "then, where they fit in memory together, one process holds them all and times -r "
+                   "samples of each, interleaved, for the speed ratios.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object with every figure instead of the table.")
+def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
+          quantize, formats, as_json):
+    """Measure load, prefill and decode speed, and compare them with what this machine's memory
+    bandwidth and float32 GEMM can do.
+
+    Without --model, the first run synthesises a checkpoint with DeepSeek-V2-Lite's exact layer
+    shapes, --layers deep, with random bf16 weights (about 1.1 GB of disk a layer), and later
+    runs reuse it. Progress goes to stderr; the table (or --json) to stdout."""
+    if model_dir is not None and layers is not None:
+        raise BenchError("--layers sets the depth of the synthetic checkpoint; it cannot be used with --model")
+    if formats and (quantize or compare_hf):
+        raise click.UsageError("--formats runs each format itself; it cannot be combined with --quantize or --compare-hf")
+    if model_dir is None:
+        cfg = DeepseekV2Config.from_dict(lite_config(layers or DEFAULT_LAYERS))
+    else:
+        model_dir = check_model_dir(model_dir)
+        cfg = DeepseekV2Config.from_file(model_dir / "config.json")
+    prompt_lengths, contexts = fit_defaults(cfg, prompt_lengths, contexts, decode_steps)
+    check_settings(cfg, prompt_lengths, contexts, decode_steps)
+    bench_dir = (cache_dir or Path("~/.cache/ds2/bench")).expanduser()
+    context = cache_tokens(prompt_lengths, contexts, decode_steps)
+    # refuse what cannot fit before synthesising or quantizing anything
+    stored = None if model_dir is None else read_quant_config(model_dir)
+    for bits in formats or [int(quantize) if quantize else None]:
+        memory.check(cfg, model_dir or synthetic_path(bench_dir, cfg.num_hidden_layers),
+                     stored or (QuantConfig.recipe(bits) if bits and formats else None),
+                     None if formats else bits, context)
+    path = model_dir or synthetic_model(bench_dir, layers or DEFAULT_LAYERS)
+    if formats:
+        report = compare_formats(path, bench_dir, formats, repeats, prompt_lengths, contexts, decode_steps)
+    else:
+        report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
+                           int(quantize) if quantize else None)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        (render_formats if formats else render)(report, stdout_console())
+

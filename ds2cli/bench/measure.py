@@ -1,0 +1,151 @@
+"""Timing the model: load, prefill and decode runs with their repeats, and the peak RSS against
+what must be resident; run_bench puts them into one report. The probes run once at the start and
+again, shorter, beside each measured point, whose ratios are taken against those: a shared
+machine's speed drifts mid-run."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ds2cli import console, helpers, memory
+from ds2cli.bench.accounting import forward_weight_bytes, prefill_flops, total_params, weight_nbytes
+from ds2cli.bench.compare_hf import compare_hf
+from ds2cli.bench.probes import machine_info, probe_beside, probe_machine
+from ds2cli.bench.settings import cache_tokens
+from ds2cli.bench.timing import seconds, summary
+from ds2cli.loader import load
+from ds2cli.model import Model
+
+FILL_CHUNK = 512            # the decode cache is filled by prefilling this many real tokens at a time
+
+
+def time_load(path: Path, repeats: int, quantize: int | None = None,
+              context: int | None = None) -> tuple[Model, dict]:
+    samples, model = [], None
+    for r in range(repeats):
+        model = None  # free the previous copy first: two might not fit side by side
+        gc.collect()
+        console.info(f"load {r + 1}/{repeats}")
+        progress = console.LoadProgress()
+        try:
+            t0 = time.perf_counter()
+            model = load(path, progress=progress, quantize=quantize, context=context)
+            samples.append(time.perf_counter() - t0)
+        finally:
+            progress.close()
+    return model, summary(samples)
+
+
+def bench_prefill(model: Model, tokens: int, repeats: int, rng) -> dict:
+    """Prompt processing: `tokens` random ids into a fresh cache. Held against the GEMM probe
+    (FLOPs) and, since a short prompt is bound by reading the experts its tokens picked, the
+    matvec probe (bytes)."""
+    console.info(f"prefill {tokens} tokens x {repeats}")
+    probes = probe_beside()
+    samples, routes = [], []
+    for _ in range(repeats):
+        ids = rng.integers(model.config.vocab_size, size=tokens)
+        cache = model.new_cache(tokens)
+        samples.append(tokens / seconds(lambda: model.forward(ids, cache, trace=routes)))
+    routed = sum(len(np.unique(idx)) for idx in routes) / repeats
+    weight_bytes = forward_weight_bytes(model, routed, tokens)
+    tok_per_s, gflop = summary(samples), prefill_flops(model, tokens) / 1e9
+    gflop_per_s = summary([gflop * s / tokens for s in samples])
+    gb_per_s = weight_bytes * tok_per_s["median"] / tokens / 1e9
+    return {"tokens": tokens, "tok_per_s": tok_per_s, "gflop": gflop, "gflop_per_s": gflop_per_s,
+            "routed_experts": routed, "weight_bytes": weight_bytes, "weight_gb_per_s": gb_per_s,
+            "probes": probes, "gemm_ratio": gflop_per_s["median"] / probes["gemm_gflop_per_s"]["median"],
+            "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"]}
+
+
+def fill_cache(model: Model, cache, ids: np.ndarray) -> None:
+    """Prefill `ids` after what the cache holds, FILL_CHUNK tokens at a time, up to len(ids)."""
+    while cache.length < len(ids):
+        model.forward(ids[cache.length:cache.length + FILL_CHUNK], cache)
+
+
+def bench_decode(model: Model, contexts: list[int], steps: int, repeats: int, rng) -> list[dict]:
+    """Token generation at each context: one cache is filled context by context with real
+    (random-id) tokens, so the latents attended to are what a model produces."""
+    cache = model.new_cache(max(contexts) + steps)
+    prompt = rng.integers(model.config.vocab_size, size=max(contexts))
+    points = []
+    for context in sorted(contexts):
+        console.info(f"fill the cache to {context} tokens, then decode {steps} x {repeats}")
+        fill_cache(model, cache, prompt[:context])
+        points.append(decode_point(model, cache, context, steps, repeats, rng))
+    return points
+
+
+def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rng) -> dict:
+    probes = probe_beside()
+    samples, routes = [], []
+    for _ in range(repeats):
+        ids = rng.integers(model.config.vocab_size, size=steps)
+        cache.truncate(context)
+        t0 = time.perf_counter()
+        for token in ids:
+            model.forward(token[None], cache, trace=routes)
+        samples.append(steps / (time.perf_counter() - t0))
+    cache.truncate(context)
+    routed = sum(len(np.unique(idx)) for idx in routes) / (steps * repeats)
+    weight_bytes = forward_weight_bytes(model, routed)
+    cache_bytes = cache.bytes_per_token * (context + (steps + 1) / 2)  # step j reads context + j + 1
+    tok_per_s = summary(samples)
+    gb_per_s = (weight_bytes + cache_bytes) * tok_per_s["median"] / 1e9
+    return {"context": context, "tok_per_s": tok_per_s, "routed_experts_per_step": routed,
+            "weight_bytes_per_token": weight_bytes, "cache_bytes_per_token": cache_bytes,
+            "bytes_per_token": weight_bytes + cache_bytes, "gb_per_s": gb_per_s,
+            "probes": probes, "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"]}
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def memory_section(model: Model, cache_tokens: int) -> dict:
+    """Peak RSS so far against what must be resident: the weights as stored (memory-mapped ones
+    count once their pages are touched) and the largest cache; and against the float32 weights.
+    The peak includes what the decode helper processes hold that this one does not map
+    (helpers.helper_private_bytes), so pages split between the processes count once and in full."""
+    weights = weight_nbytes(model)
+    cache = cache_tokens * model.new_cache(1).bytes_per_token
+    private = helpers.helper_private_bytes()
+    rss = peak_rss_bytes() + private
+    return {"peak_rss_bytes": rss, "helper_private_bytes": private, "weight_bytes": weights, "cache_bytes": cache,
+            "float32_weight_bytes": 4 * total_params(model), "rss_ratio": rss / (weights + cache)}
+
+
+def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[int], contexts: list[int],
+              steps: int, hf: bool, quantize: int | None = None) -> dict:
+    rng = np.random.default_rng(0)
+    probes = probe_machine()
+    model, load_s = time_load(path, repeats, quantize, context=cache_tokens(prompt_lengths, contexts, steps))
+    warm = min(prompt_lengths)  # one untimed forward first, as llama-bench does
+    model.forward(rng.integers(model.config.vocab_size, size=warm), model.new_cache(warm))
+    prefill = [bench_prefill(model, tokens, repeats, rng) for tokens in prompt_lengths]
+    decode = bench_decode(model, contexts, steps, repeats, rng)
+    cfg = model.config
+    report = {
+        "model": {"path": str(path), "synthetic": synthetic, "num_hidden_layers": cfg.num_hidden_layers,
+                  "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                  "params": total_params(model), "format": memory.label(model.quantization),
+                  "weight_bytes": weight_nbytes(model), "float32_weight_bytes": 4 * total_params(model)},
+        "machine": machine_info(),
+        "settings": {"repeats": repeats, "prompt_lengths": prompt_lengths, "contexts": contexts,
+                     "decode_steps": steps},
+        "probes": probes, "load_s": load_s, "prefill": prefill, "decode": decode,
+        "memory": memory_section(model, cache_tokens(prompt_lengths, contexts, steps)),
+    }
+    if hf:
+        del model  # transformers' copy must not sit beside ours
+        gc.collect()
+        report["compare_hf"] = compare_hf(path, prompt_lengths, contexts, steps, repeats)
+    return report

@@ -1,0 +1,256 @@
+"""The options the commands share, defined once and validated once, and the model loading
+that follows them: generate, chat and serve take the same model, sampling and thread options
+(bench the model and thread options). Everything here is checked before any weight is loaded:
+a bad value is a usage error (exit 2), named by its option."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import time
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from ds2cli import console, memory
+from ds2cli.cores import kernel_threads
+from ds2cli.config import DeepseekV2Config
+from ds2cli.errors import Ds2Error
+from ds2cli.loader import bundled_model_dir, check_model_dir, load
+from ds2cli.model import Model
+from ds2cli.sampling import SamplingParams, make_sampler
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that refuses nan and inf (click's own lets `nan` through every bound)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+class Seed(click.ParamType):
+    """A seed: an integer >= 0, or -1 for a random one (as llama.cpp and API clients mean it)."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            seed = value
+        else:
+            try:
+                seed = int(str(value).strip(), 10)
+            except ValueError:
+                self.fail(f"{value!r} is not a valid integer.", param, ctx)
+        if seed < -1:
+            self.fail(f"{seed} is not a seed: give an integer >= 0, or -1 for a random one.", param, ctx)
+        return None if seed == -1 else seed
+
+    def get_metavar(self, param, *args, **kwargs) -> str:
+        return "INTEGER"
+
+    def __repr__(self) -> str:
+        return "SEED"
+
+
+def model_option(f):
+    return click.option("-m", "--model", "model_dir", envvar="DS2_MODEL", type=click.Path(path_type=Path),
+                        help="Checkpoint directory (Hugging Face layout) or Hugging Face id (org/name[@rev]); "
+                             "the environment variable DS2_MODEL sets it too. Default: the bundled ds2-tiny.")(f)
+
+
+def chat_template_option(extra: str = ""):
+    return click.option("--chat-template", "chat_template", type=click.Path(path_type=Path, dir_okay=False),
+                        help=f"A Jinja chat template file to use instead of the checkpoint's{extra}.")
+
+
+def threads_option(f):
+    return click.option("--threads", type=click.IntRange(min=1),
+                        help="Threads for the matrix products (BLAS and the low-bit kernels). Default: "
+                             "what the BLAS library picks (usually one per core).")(f)
+
+
+def sampling_options(f):
+    """The sampling options of generate, chat and serve (serve: the defaults of requests that do
+    not say), with -n and --threads. Values are range-checked by click, before any load."""
+    gen = "Default: generation_config.json's, else"
+    options = [
+        click.option("--temperature", "--temp", type=FiniteFloatRange(min=0),
+                     help=f"Sampling temperature; 0 = greedy. {gen} 0.7."),
+        click.option("--top-k", type=click.IntRange(min=0), help=f"Keep the k most likely tokens. {gen} 0 (off)."),
+        click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True),
+                     help=f"Nucleus sampling: keep the most likely tokens up to this total probability. {gen} 1 (off)."),
+        click.option("--min-p", type=FiniteFloatRange(0, 1),
+                     help="Drop tokens below min-p x the top probability. Default: 0 (off)."),
+        click.option("--repetition-penalty", type=FiniteFloatRange(min=0, min_open=True),
+                     help=f"Penalise tokens already seen. {gen} 1 (off)."),
+        click.option("--seed", type=Seed(), help="Random seed: the same seed gives the same output; "
+                                                 "-1 = random. Default: random."),
+        click.option("-n", "--max-new-tokens", type=click.IntRange(min=1),
+                     help=f"Most tokens to generate. Default: generation_config.json's max_new_tokens, "
+                          f"else {DEFAULT_MAX_NEW_TOKENS}."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return threads_option(f)
+
+
+def generation_options(ctx_help: str):
+    """generate's and chat's: the sampling options, then --stop, --ctx and --stats."""
+    options = [
+        click.option("--stop", multiple=True,
+                     help="Stop at this string (repeatable; not printed). Understands the escapes "
+                          "\\n \\t \\r \\\\ \\\" \\' and \\xNN, as llama-cli does."),
+        click.option("--ctx", type=click.IntRange(min=1), help=ctx_help),
+        click.option("--stats", is_flag=True, help="Print timings and cache use on stderr."),
+    ]
+
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return sampling_options(f)
+    return decorate
+
+
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
+def sampling_params(model: Model, opts: dict) -> SamplingParams:
+    """The options given, over generation_config.json's defaults."""
+    return SamplingParams.from_generation_config(model.generation_config, **{k: opts[k] for k in SAMPLING})
+
+
+def model_from_env() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source("model_dir") == ParameterSource.ENVIRONMENT
+
+
+@contextlib.contextmanager
+def naming_ds2_model():
+    """An error about the model directory says so when its path came from DS2_MODEL."""
+    try:
+        yield
+    except Ds2Error as e:
+        if not model_from_env():
+            raise
+        raise type(e)(f"{e} (the model directory was set by DS2_MODEL)") from None
+
+
+def model_config(model_dir: Path | None) -> tuple[Path, DeepseekV2Config]:
+    """The model directory and its config.json, read before any weight (it costs nothing), so
+    that options can be checked against the model before a long load."""
+    with naming_ds2_model():
+        path = check_model_dir(model_dir or bundled_model_dir())
+        return path, DeepseekV2Config.from_file(path / "config.json")
+
+
+def check_ctx(config: DeepseekV2Config, ctx: int | None) -> None:
+    limit = config.max_position_embeddings
+    if ctx is not None and ctx > limit:
+        raise click.BadParameter(f"{ctx} is larger than the model's max_position_embeddings ({limit}); "
+                                 f"refusing rather than running positions the model was never trained on",
+                                 param_hint="'--ctx'")
+
+
+def thread_limits(n: int | None):
+    """Limit the BLAS pool for the command's lifetime (threadpoolctl works after numpy's import,
+    where OMP_NUM_THREADS / OPENBLAS_NUM_THREADS would be read too late)."""
+    if n is None:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits   # imported when used: it costs 30 ms
+    stack = contextlib.ExitStack()
+    stack.enter_context(threadpool_limits(limits=n, user_api="blas"))
+    stack.enter_context(kernel_threads(n))   # the low-bit kernels' own threads
+    return stack
+
+
+def memory_options(f):
+    options = [
+        click.option("--quantize", type=click.Choice(["8", "4", "auto"]),
+                     help="Quantize a float checkpoint to 8 or 4 bits as it loads (auto: float32 if it "
+                          "fits in memory, else the most precise format that does)."),
+        click.option("--no-memory-check", is_flag=True,
+                     help="Load even when the model looks too big for the memory available."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def load_model(model_dir: Path | None, quantize: str | None = None, context: int | None = None,
+               memory_check: bool = True, chat_template: Path | None = None) -> tuple[Model, float]:
+    """Load with a progress bar; `quantize` as --quantize gives it ("8", "4", "auto" or None)."""
+    t0 = time.perf_counter()
+    progress = console.LoadProgress()
+    bits = quantize if quantize in (None, "auto") else int(quantize)
+    try:
+        with naming_ds2_model():
+            model = load(model_dir, progress=progress, quantize=bits, context=context, memory_check=memory_check)
+    finally:
+        progress.close()
+    if quantize == "auto":
+        console.info(f"--quantize auto: loaded as {memory.label(model.quantization)}")
+    if chat_template is not None:
+        model.tokenizer.set_chat_template(read_text_file(chat_template, "chat template"))
+    return model, time.perf_counter() - t0
+
+
+def read_text_file(path: Path, what: str) -> str:
+    try:
+        return strip_bom(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise Ds2Error(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise Ds2Error(f"{what} {path} is not valid UTF-8 (byte {e.start})") from None
+
+
+def strip_bom(text: str) -> str:
+    """A UTF-8 byte-order mark (Windows editors write one) is not part of the prompt."""
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+ENCODING_HINT = "pass --encoding to read it (e.g. --encoding latin-1), or use --prompt-file"
+
+
+def argument_text(value: str | None, what: str, encoding: str = "utf-8", hint: str = ENCODING_HINT) -> str | None:
+    """A command-line argument as text. Python hands over bytes that are not valid UTF-8 as lone
+    surrogates; they are re-read in `encoding` (--encoding), the way prompt files and stdin are."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        pass
+    try:
+        return os.fsencode(value).decode(encoding)
+    except (UnicodeError, LookupError) as e:
+        byte = f" (byte {e.start})" if isinstance(e, UnicodeDecodeError) else ""
+        raise Ds2Error(f"the {what} is not valid {encoding}{byte}; {hint}") from None
+
+
+ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|[nrt0\\\\\"'])")
+ESCAPED = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
+
+
+def unescape(text: str) -> str:
+    """`--stop '\\n\\n'` means two newlines: the escapes llama-cli understands."""
+    return ESCAPE.sub(lambda m: chr(int(m[1][1:], 16)) if m[1][0] == "x" else ESCAPED[m[1]], text)
+
+
+def sampler_for(model: Model, opts: dict):
+    return make_sampler(sampling_params(model, opts))
+
+
+def max_new_tokens_for(model: Model, requested: int | None) -> int:
+    if requested is not None:
+        return requested
+    configured = model.generation_config.get("max_new_tokens")
+    return configured if isinstance(configured, int) and configured > 0 else DEFAULT_MAX_NEW_TOKENS

@@ -1,0 +1,173 @@
+"""`ds2 inspect`'s report (describe.py) as rich tables: formatting only, every figure comes from
+the report."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ds2cli.describe import PARAM_CATEGORIES
+from ds2cli.text import human_bytes, human_count, plural
+
+
+def _show(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) if value else "none"
+    return str(value)
+
+
+def _kv_table(title: str, rows: list[tuple[str, object]]) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")           # a long value wraps; it is never cut
+    for key, value in rows:
+        table.add_row(key, value if isinstance(value, str) else _show(value))
+    return table
+
+
+def _model_table(r: dict) -> Table:
+    m = r["model"]
+    rows = [("type", m["type"]), ("family", m["family"]), ("layers", m["layers"]),
+            ("hidden size", m["hidden_size"]), ("attention heads", m["heads"]),
+            ("vocabulary", m["vocab_size"]), ("context length", m["context_length"]),
+            ("rope theta", m["rope_theta"]), ("tied embeddings", m["tie_word_embeddings"])]
+    rs = m["rope_scaling"]
+    rows += [(f"yarn {k}", v) for k, v in rs.items() if k != "type"] if rs else [("rope scaling", "none")]
+    return _kv_table("Model", rows + [("softmax scale", m["softmax_scale"])])
+
+
+def _moe_table(r: dict) -> Table:
+    m = r["moe"]
+    if not m["n_routed_experts"]:
+        return _kv_table("MoE", [("experts", "none (dense model)"),
+                                 ("intermediate size", m["intermediate_size"])])
+    rows = [(k.replace("_", " "), v) for k, v in m.items()]
+    return _kv_table("MoE", rows)
+
+
+def _v3_table(r: dict) -> Table | None:
+    """fp8 storage and MTP layers, for a checkpoint that has either."""
+    f, m = r["fp8"], r["mtp"]
+    rows = []
+    if f:
+        block = "x".join(map(str, f["weight_block_size"] or [])) or "-"
+        rows += [("fp8 weights", f"{f['fmt']}, {block} blocks: {human_count(f['params'])} params "
+                                 f"in {f['tensors']} tensors"),
+                 ("fp8 scales", f"{f['scale_tensors']} weight_scale_inv ({human_bytes(f['scale_bytes'])})"),
+                 ("fp8 at load", f["dequantized_to"])]
+    if m["tensors"]:
+        rows.append(("MTP layers (ignored)", f"{_show(m['layers'])}: {human_count(m['params'])} params "
+                                             f"in {m['tensors']} tensors ({human_bytes(m['bytes'])}), not loaded"))
+    return _kv_table("DeepSeek-V3 storage", rows) if rows else None
+
+
+def _params_table(r: dict) -> Table:
+    """The stored categories, which add up to the total; then, apart, what one token uses."""
+    p = r["params"]
+    table = Table(title="Parameters", title_justify="left")
+    table.add_column("category", style="bold")
+    table.add_column("params", justify="right")
+    table.add_column("count", justify="right")
+    for key in PARAM_CATEGORIES:
+        if p[key] or key in ("embeddings", "lm_head"):
+            label = key.replace("_", " ")
+            if key == "lm_head" and p["tie_word_embeddings"]:
+                label += " (tied: the embedding matrix)"
+            table.add_row(label, human_count(p[key]), f"{p[key]:,}")
+    table.add_section()
+    table.add_row("total", human_count(p["total"]), f"{p['total']:,}", style="bold")
+    table.add_section()
+    table.add_row("active per token", human_count(p["active_per_token"]),
+                  f"{p['active_per_token']:,}", style="bold")
+    if p["routed_experts"]:
+        table.add_row("  of which routed experts", human_count(p["routed_experts_active"]),
+                      f"{p['routed_experts_active']:,}")
+    return table
+
+
+def _storage_table(r: dict, max_files: int = 8) -> Table:
+    s = r["storage"]
+    table = Table(title="Storage", title_justify="left")
+    table.add_column("file / dtype", style="bold")
+    table.add_column("params", justify="right")
+    table.add_column("size", justify="right")
+    for f in s["files"][:max_files]:
+        table.add_row(f["name"], "", human_bytes(f["bytes"]))
+    if len(s["files"]) > max_files:
+        table.add_row(f"... and {len(s['files']) - max_files} more files", "", "")
+    for dtype, d in s["dtypes"].items():
+        table.add_row(dtype, human_count(d["params"]), human_bytes(d["bytes"]))
+    table.add_row(f"total ({plural(len(s['files']), 'file')}, {plural(s['n_tensors'], 'tensor')})", "",
+                  human_bytes(s["total_bytes"]), style="bold")
+    return table
+
+
+def _memory_table(r: dict) -> Table:
+    m = r["memory"]
+    n = m["context_length"]
+    forms = [(f"{f['format']}: weights, RAM at {f['context']} tokens",
+              f"{human_bytes(f['weight_bytes'])}, {human_bytes(f['ram_bytes'])}"
+              + ("" if f["fits"] is None else " (fits now)" if f["fits"] else " (does NOT fit now)"))
+             for f in m["formats"]]
+    available = m["formats"][0]["available_bytes"] if m["formats"] else None
+    return _kv_table("Memory", [
+        *forms,
+        ("available now", "unknown" if available is None else human_bytes(available)),
+        ("latent cache per token", human_bytes(m["latent_cache_bytes_per_token"])),
+        ("MHA cache per token", human_bytes(m["mha_cache_bytes_per_token"])),
+        ("MHA / latent", f"{m['mha_to_latent_ratio']:.1f}x"),
+        (f"latent cache at {n} tokens", human_bytes(m["latent_cache_bytes_at_context"])),
+        (f"MHA cache at {n} tokens", human_bytes(m["mha_cache_bytes_at_context"]))])
+
+
+def _tokenizer_table(r: dict) -> Table:
+    t = r["tokenizer"]
+    if not (t["tokenizer_json"] or t["tokenizer_config"]):
+        return _kv_table("Tokenizer", [("files", "absent (no tokenizer.json, tokenizer_config.json)")])
+    return _kv_table("Tokenizer", [
+        ("tokenizer.json", "present" if t["tokenizer_json"] else "absent"),
+        ("tokenizer_config.json", "present" if t["tokenizer_config"] else "absent"),
+        ("vocabulary", t["vocab_size"]),
+        ("bos", f"{t['bos_token']} ({_show(t['bos_token_id'])})" if t["bos_token"] else "-"),
+        ("eos", f"{t['eos_token']} ({_show(t['eos_token_id'])})" if t["eos_token"] else "-"),
+        ("add bos token", t["add_bos_token"]),
+        ("chat template", t["chat_template"]),
+        ("generation_config.json", "present" if t.get("generation_config") else "absent"),
+        ("eos ids (generation_config)", t["generation_eos_token_ids"] if t.get("generation_config") else "-"),
+        ("eos ids (config)", t["config_eos_token_ids"])])
+
+
+def _scales(spec: dict) -> str:
+    if spec["scale_group"] == "row":
+        return f"{spec['scales']}, one per output row"
+    return f"{spec['scales']}, one per {spec['group_size']} output rows of a column"
+
+
+def render(report: dict, console: Console) -> None:
+    """One table per section, then the problems in red. Warnings are left to the caller
+    (`ds2 inspect` prints them to stderr), so they are not printed twice."""
+    mla = [(k.replace("_", " "), v) for k, v in report["mla"].items()]
+    tables = [_model_table(report), _kv_table("MLA", mla), _moe_table(report), _v3_table(report),
+              _params_table(report), _storage_table(report), _memory_table(report), _tokenizer_table(report)]
+    if report["quantization"]:
+        q = report["quantization"]
+        tables.insert(6, _kv_table("Quantization (ds2)", [
+            ("bits", q["bits"]),
+            *((f"{name} scales", _scales(spec)) for name, spec in q["format_specs"].items()),
+            *((role.replace("_", " "), fmt) for role, fmt in q["formats"].items()),
+            ("bytes on disk", human_bytes(q["file_bytes"]))]))
+    # the path on a line of its own, never cut to fit a table's column
+    console.print(f"checkpoint {report['path']}", soft_wrap=True, markup=False, highlight=False)
+    for table in tables:
+        if table is not None:
+            console.print(table)
+    if report["problems"]:
+        console.print(f"{plural(len(report['problems']), 'problem')}:", style="bold red", highlight=False)
+    for problem in report["problems"]:
+        console.print(f"  {problem}", style="red", markup=False, highlight=False)

@@ -1,0 +1,49 @@
+"""Numbers and words in messages for people: plurals, "a" or "an", human units. No terminal,
+no dependencies, so library modules may word their errors with it as well as the CLI."""
+
+from __future__ import annotations
+
+import re
+
+
+def plural(n: int, noun: str) -> str:
+    """plural(1, "file") -> "1 file"; plural(0, "file") -> "0 files"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def article(word: object) -> str:
+    """The indefinite article before `word`: article(8) -> "an" ("an 8-bit copy"), article("4.2 GB")
+    -> "a". A number goes by how it is read: "an" before eight, eleven and eighteen, whether alone
+    or leading the thousands, millions... (8, 80-89, 800-899, 11, 18, 8000, 11000, 18 GB); a word
+    goes by its first letter (a vowel: "an")."""
+    text = str(word).strip()
+    digits = re.match(r"[\d,]+", text)
+    if digits is None:
+        return "an" if text[:1].lower() in ("a", "e", "i", "o", "u") else "a"
+    lead = int(digits.group().replace(",", "") or 0)
+    while lead >= 1000:                         # 18_000 is read "eighteen thousand"
+        lead //= 1000
+    return "an" if str(lead).startswith("8") or lead in (11, 18) else "a"
+
+
+def human_count(n: int | float) -> str:
+    """15_761_408 -> '15.8M'; three significant figures with K/M/B/T."""
+    return _scaled(n, ("", "K", "M", "B", "T"), "")
+
+
+def human_bytes(n: int | float) -> str:
+    """2_160_000_000 -> '2.16 GB' (decimal units, as disks and safetensors sizes are quoted)."""
+    return _scaled(n, ("B", "kB", "MB", "GB", "TB"), " ")
+
+
+def _scaled(n: int | float, units: tuple[str, ...], sep: str) -> str:
+    value = float(n)
+    for unit in units[:-1]:
+        if abs(value) < 999.5:
+            break
+        value /= 1000
+    else:
+        unit = units[-1]
+    if unit == units[0] and float(n).is_integer():
+        return f"{int(n)}{sep}{unit}"
+    return f"{value:.3g}{sep}{unit}"

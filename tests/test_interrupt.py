@@ -1,0 +1,74 @@
+"""Ctrl-C at any moment once ds2's own code runs: exit 130, at most one line on stderr, no
+traceback. Each interrupt is delivered deterministically: an import hook (or a patched function)
+sends SIGINT to the process at a chosen point, rather than a timer racing the start-up."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ds2cli.loader import bundled_model_dir
+
+# Runs `ds2 ARGS...` as the console script does, with SIGINT sent when module WHEN is first
+# imported (a meta-path finder sees the import before the module exists), or when the dotted
+# function WHEN is first called.
+DRIVER = textwrap.dedent("""
+    import importlib, os, signal, sys
+    when, args = sys.argv[1], sys.argv[2:]
+
+    def interrupt():
+        os.kill(os.getpid(), signal.SIGINT)
+
+    class Hook:
+        def find_spec(self, name, path=None, target=None):
+            if name == when:
+                sys.meta_path.remove(self)
+                interrupt()
+            return None
+
+    if ":" in when:      # module:function, patched before ds2 starts (ds2's imports then bind it)
+        module, function = when.split(":")
+        mod = importlib.import_module(module)
+        real = getattr(mod, function)
+        def patched(*a, **k):
+            interrupt()
+            return real(*a, **k)
+        setattr(mod, function, patched)
+    else:
+        sys.meta_path.insert(0, Hook())
+    sys.argv = ["ds2", *args]
+    from ds2cli.__main__ import main
+    main()
+""")
+
+
+def run_interrupted(when: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", DRIVER, when, *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def assert_quiet_130(p: subprocess.CompletedProcess) -> None:
+    assert p.returncode == 130, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) <= 1, p.stderr
+    assert p.stdout == ""
+
+
+@pytest.mark.parametrize("module", ["numpy", "jinja2", "tokenizers", "click", "rich.console",
+                                    "ds2cli.cli", "ds2cli.loader", "safetensors"])
+def test_ctrl_c_while_importing_exits_130_quietly(module):
+    assert_quiet_130(run_interrupted(module, "generate", "hi"))
+
+
+@pytest.mark.parametrize("when", ["ml_dtypes", "ds2cli.quantize", "ds2cli.checkpoint:read_headers"])
+def test_ctrl_c_while_quantize_starts_exits_130_quietly(when, tmp_path):
+    p = run_interrupted(when, "quantize", str(bundled_model_dir()), str(tmp_path / "out"), "--bits", "8")
+    assert_quiet_130(p)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("when", ["ds2cli.loader:check_model_dir", "ds2cli.memory:check",
+                                  "ds2cli.checkpoint:iter_tensors"])
+def test_ctrl_c_while_loading_exits_130_quietly(when):
+    assert_quiet_130(run_interrupted(when, "generate", "hi"))
