@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from ds2cli.config import JSON_ERRORS, DeepseekV2Config
 from ds2cli.errors import CheckpointError
+from ds2cli.text import plural
 
 # safetensors dtype name -> bytes per element (every dtype the format defines)
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -207,11 +208,15 @@ def read_readable_headers(model_dir: Path) -> tuple[dict[str, TensorInfo], list[
         except CheckpointError as e:
             found.append(str(e))
             continue
+        again: dict[str, list[str]] = {}        # earlier shard -> the names this one holds again
         for name, info in header.items():
             if name in tensors:
-                found.append(f"tensor {name} appears in both {tensors[name].file.name} and {path.name}")
+                again.setdefault(tensors[name].file.name, []).append(name)
             else:
                 tensors[name] = info
+        found += [f"tensor {names[0]} appears in both {earlier} and {path.name}"
+                  + (f" (and {plural(len(names) - 1, 'more tensor')})" if len(names) > 1 else "")
+                  for earlier, names in again.items()]
     return tensors, found
 
 

@@ -27,8 +27,8 @@ from ds2cli.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.loader import bundled_model_dir, check_model_dir
 from ds2cli.model import Model
 from ds2cli.options import (argument_text, chat_template_option, check_ctx, generation_options,
-                            load_model, max_new_tokens_for, memory_options, model_config, model_option,
-                            naming_ds2_model, sampler_for, strip_bom, thread_limits, unescape)
+                            load_model, max_new_tokens_for, memory_options, model_config, model_from_env,
+                            model_option, naming_ds2_model, sampler_for, strip_bom, thread_limits, unescape)
 from ds2cli.repl import CHAT_HELP, Repl
 from ds2cli.serve import serve
 
@@ -296,6 +296,8 @@ class StdoutConsole(Console):
 @click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data).")
 def inspect(directory, model_dir, as_json, check):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics."""
+    if directory is not None and model_dir is not None and not model_from_env():
+        raise click.UsageError("give the checkpoint as DIRECTORY or with -m/--model, not both")
     with naming_ds2_model() if directory is None else contextlib.nullcontext():
         report = describe(check_model_dir(directory or model_dir or bundled_model_dir()), check=check)
     if as_json:

@@ -92,13 +92,13 @@ class QuantConfig:
             raise QuantError(f"config.json: quantization_config version {d.get('version')!r} is not "
                              f"one ds2 reads (it writes version {VERSION}){hint}")
         bits, formats, specs = d.get("bits"), d.get("formats"), d.get("format_specs")
-        if bits not in RECIPES:
+        if not isinstance(bits, int) or bits not in RECIPES:
             raise QuantError(f"config.json: quantization_config bits must be 8 or 4, got {bits!r}")
         if not isinstance(formats, dict) or set(formats) != set(ROLES):
             raise QuantError(f"config.json: quantization_config formats must name exactly the roles "
                              f"{', '.join(ROLES)}")
         for role, name in formats.items():
-            if name != "f32" and name not in FORMATS:
+            if name != "f32" and (not isinstance(name, str) or name not in FORMATS):
                 raise QuantError(f"config.json: quantization_config gives {role} the unknown format "
                                  f"{name!r} (ds2 knows {', '.join(FORMATS)}, f32)")
         qc = QuantConfig(bits, dict(formats))
@@ -177,8 +177,24 @@ def stored_tensors(name: str, shape: tuple[int, ...], f: quant.Format | None) ->
     if f is None:
         yield name + ".weight", shape, "F32"
     else:
-        yield name + ".qweight", f.qweight_shape(shape), "I8" if f.bits == 8 else "U8"
+        yield name + ".qweight", f.qweight_shape(shape), SAFETENSORS_DTYPES[f.qweight_dtype]
         yield name + ".scales", f.scales_shape(shape), SAFETENSORS_DTYPES[f.scale_dtype]
+
+
+def stored_kind(name: str, dtype: str) -> tuple[str, int]:
+    """How `ds2 inspect` names the storage of a tensor of a ds2 checkpoint, and the weights each of
+    its elements holds: ("q4 (U8, 2 per byte)", 2) for a q4 qweight, ("q8 (I8)", 1) for a q8 one,
+    ("q8 scales (F32)", 0) for scales (they are not parameters), (dtype, 1) for a float tensor."""
+    suffix = name.rsplit(".", 1)[-1]
+    for f in FORMATS.values():
+        qweight, scales = SAFETENSORS_DTYPES[f.qweight_dtype], SAFETENSORS_DTYPES[f.scale_dtype]
+        per_byte = 8 // f.bits
+        if suffix == "qweight" and dtype == qweight:
+            return (f"{f.name} ({qweight}, {per_byte} per byte)" if per_byte > 1 else f"{f.name} ({qweight})",
+                    per_byte)
+        if suffix == "scales" and dtype == scales:
+            return f"{f.name} scales ({scales})", 0
+    return dtype, 1
 
 
 def format_for(qc: QuantConfig | None, part: str, key: str, shape: tuple[int, ...]) -> quant.Format | None:

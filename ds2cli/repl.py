@@ -12,6 +12,7 @@ is the only way out besides /exit. Prompts go to stderr when stdout is not a ter
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -63,15 +64,40 @@ class LineEditor:
             raise EOFError
         return clean_line(line)
 
+    def history_length(self) -> int:
+        return self.readline.get_current_history_length() if self.readline is not None else 0
+
+    def collapse_history(self, since: int, entry: str) -> None:
+        """The lines readline kept since `since` (a multi-line message and its fences) become
+        one entry, the message itself: Up brings it back whole."""
+        if self.readline is None:
+            return
+        while self.readline.get_current_history_length() > since:
+            self.readline.remove_history_item(self.readline.get_current_history_length() - 1)
+        self.readline.add_history(entry)
+
     def close(self) -> None:
-        """Save the history; a data directory that cannot be written is not worth an error."""
+        """Save the history; a data directory that cannot be written is not worth an error.
+        Written by ds2 rather than readline, one entry a line with its newlines escaped, so a
+        multi-line message comes back as one entry (readline would split it into lines)."""
         if self.readline is None or self.history is None:
             return
+        n = self.readline.get_current_history_length()
+        entries = [self.readline.get_history_item(i) for i in range(max(1, n - HISTORY_LENGTH + 1), n + 1)]
         try:
             self.history.parent.mkdir(parents=True, exist_ok=True)
-            self.readline.write_history_file(str(self.history))
+            self.history.write_text("".join(escape_entry(e) + "\n" for e in entries if e is not None),
+                                    encoding="utf-8", errors="surrogateescape")
         except OSError:
             pass
+
+
+def escape_entry(entry: str) -> str:
+    return entry.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def unescape_entry(line: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1] if m[1] == "\\" else m[0], line)
 
 
 def _readline(history: Path | None):
@@ -83,9 +109,11 @@ def _readline(history: Path | None):
         # GNU readline: a paste arrives as one string (newlines kept) instead of line by line
         readline.parse_and_bind("set enable-bracketed-paste on")
     readline.set_history_length(HISTORY_LENGTH)
+    readline.clear_history()
     if history is not None:
         try:
-            readline.read_history_file(str(history))
+            for line in history.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
+                readline.add_history(unescape_entry(line))
         except OSError:
             pass
     return readline
@@ -102,9 +130,11 @@ class MessageReader:
     def __iter__(self):
         while True:
             try:
+                mark = self.editor.history_length()
                 line = self.editor.read(PROMPT)
                 if line.strip() == MULTILINE_FENCE:
                     line = self._block()
+                    self.editor.collapse_history(mark, line)
             except KeyboardInterrupt:
                 self.on_interrupt()
                 continue

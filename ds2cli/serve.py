@@ -1,8 +1,8 @@
 """`ds2 serve`: an OpenAI-compatible HTTP server on the standard library's ThreadingHTTPServer.
 
-One engine, batch 1: requests take turns in arrival order (`Engine`), each on its own handler
-thread, which streams its tokens as it generates them; beyond a bounded queue a request gets 503
-at once. Every request starts from the longest token prefix the prompt cache holds.
+The HTTP layer: routing, keys, bodies, server-sent events, one log line per request, and the
+command with its graceful stop. Each request runs on its own handler thread, which parses it
+(api.py), waits for its turn at the engine (engine.py) and streams the chunks as they come.
 
 Why http.server rather than an ASGI stack: a CPU engine serves one request at a time, so the
 server needs blocking threads, not an event loop; and this keeps ds2 free of new dependencies.
@@ -10,8 +10,6 @@ server needs blocking threads, not an event loop; and this keeps ds2 free of new
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import hmac
 import ipaddress
 import json
@@ -22,21 +20,19 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import click
-import numpy as np
 
 from ds2cli import __version__, console
-from ds2cli.api import ApiError, Defaults, Job, Response, parse_job
+from ds2cli.api import ApiError, Defaults, Response, parse_job
 from ds2cli.config import JSON_ERRORS, json_error
+from ds2cli.engine import ClientGone, Engine, Refused
 from ds2cli.errors import Ds2Error
-from ds2cli.generate import Chunk, lstrip_reply, stream_generate
-from ds2cli.model import Model
-from ds2cli.options import check_ctx, load_model, max_new_tokens_for, memory_options, model_config
-from ds2cli.prompt_cache import PromptCache
-from ds2cli.sampling import SamplingParams, make_sampler
+from ds2cli.generate import Chunk
+from ds2cli.options import (argument_text, chat_template_option, check_ctx, load_model, max_new_tokens_for,
+                            memory_options, model_config, model_option, sampling_options, sampling_params,
+                            thread_limits)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024    # a request body beyond this gets 413 (a 160k-token prompt fits)
 DEFAULT_CTX = 4096                  # per-request context (cache capacity), as ds2 chat
@@ -44,78 +40,6 @@ DEFAULT_QUEUE = 16                  # requests that may wait while one runs
 DEFAULT_PROMPT_CACHE_MB = 1024
 IDLE_TIMEOUT_S = 120                # a connection that sends nothing for this long is closed
 LINGER_S = 1.0                      # after a 413, how long to swallow the unread body before closing
-
-
-class ClientGone(Exception):
-    """The client hung up (or the server is aborting): stop generating, write nothing more."""
-
-
-class Engine:
-    """The model and its prompt cache, used by one request at a time, in arrival order."""
-
-    def __init__(self, model: Model, ctx: int, cache_budget_bytes: int, max_queue: int):
-        self.model, self.ctx, self.max_queue = model, ctx, max_queue
-        cache_bytes = model.new_cache(1).bytes_per_token * ctx
-        self.prompt_cache = PromptCache(lambda: model.new_cache(ctx), cache_bytes, cache_budget_bytes)
-        self.line: collections.deque = collections.deque()   # line[0] runs, the rest wait
-        self.cond = threading.Condition()
-        self.closing = False
-
-    @contextlib.contextmanager
-    def turn(self, gone):
-        """Wait for this request's turn (503 when the queue is full or the server is stopping)."""
-        ticket = object()
-        with self.cond:
-            if self.closing:
-                raise ApiError(503, "the server is shutting down", code="shutting_down")
-            if len(self.line) > self.max_queue:
-                raise ApiError(503, f"the server is busy: {len(self.line) - 1} requests are already "
-                                    f"waiting (queue limit {self.max_queue}); retry later", code="queue_full")
-            self.line.append(ticket)
-            try:
-                while self.line[0] is not ticket:
-                    self.cond.wait(0.25)
-                    if self.closing:
-                        raise ApiError(503, "the server is shutting down", code="shutting_down")
-                    if gone():
-                        raise ClientGone()
-            except BaseException:
-                self.line.remove(ticket)
-                self.cond.notify_all()
-                raise
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.line.popleft()
-                self.cond.notify_all()
-
-    def waiting(self) -> int:
-        return max(0, len(self.line) - 1)
-
-    def close(self) -> None:
-        """Refuse new requests and send the waiting ones away; the running one goes on."""
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-
-    def generate(self, job: Job):
-        """Chunks for `job` (call within turn()), starting from the longest cached prefix, which
-        it records in job.cached. Closed early (a client gone), the cache still returns to the
-        pool, holding the prompt."""
-        cache, job.cached = self.prompt_cache.take(job.ids)
-        keep = job.cached
-        chunks = stream_generate(self.model, job.ids[keep:], cache, make_sampler(job.params),
-                                 job.max_tokens, job.stop, context=job.ids[:keep])
-        generated = []
-        try:
-            with np.errstate(all="ignore"):  # non-finite logits are reported as GenerationError
-                for chunk in (lstrip_reply(chunks) if job.chat else chunks):
-                    generated = chunk.tokens if chunk.finish_reason else generated
-                    yield chunk
-        finally:
-            chunks.close()
-            self.prompt_cache.put(job.ids + generated, cache)
 
 
 class State:
@@ -126,10 +50,14 @@ class State:
         self.engine, self.model_id, self.defaults, self.api_key = engine, model_id, defaults, api_key
         self.sink = sink                    # where log lines go (tests collect them); default stderr
         self.created = int(time.time())
-        self.abort = threading.Event()      # a second signal: cut the running generation
         self.active = 0                     # requests being handled, for a graceful stop
         self.active_cond = threading.Condition()
         self.log_lock = threading.Lock()
+
+    def wait_handlers(self) -> None:
+        with self.active_cond:
+            while self.active > 0:
+                self.active_cond.wait(0.2)
 
     def log(self, line: str) -> None:
         # request paths and error messages come from clients: no control characters reach a terminal
@@ -220,11 +148,13 @@ class Handler(BaseHTTPRequestHandler):
             handler()
         except ApiError as e:
             self.fail(e)
+        except Refused as e:    # the queue is full, or the server is stopping
+            self.fail(ApiError(503, str(e), code=e.code))
         except Ds2Error as e:  # the model failed mid-request (e.g. non-finite logits)
             self.fail(ApiError(500, str(e)))
         except (ClientGone, ConnectionError, TimeoutError):  # BrokenPipeError is a ConnectionError
             self.status, self.close_connection = self.status or 499, True
-            self.note = f"client gone after {self.tokens} chunks" + (" (aborted)" if state.abort.is_set() else "")
+            self.note = f"client gone after {self.tokens} chunks"
         except Exception as e:  # never a traceback to the client or the log: one line each
             self.fail(ApiError(500, f"internal error: {type(e).__name__}: {' '.join(str(e).split())}"))
         finally:
@@ -252,7 +182,7 @@ class Handler(BaseHTTPRequestHandler):
         status = 503 if engine.closing else 200
         self.send_json(status, {"status": "shutting down" if engine.closing else "ok",
                                 "model": self.server.state.model_id,
-                                "running": len(engine.line) > 0, "waiting": engine.waiting()})
+                                "running": engine.running() > 0, "waiting": engine.waiting()})
 
     def models(self) -> None:
         self.send_json(200, {"object": "list", "data": [self.model_object()]})
@@ -275,13 +205,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def complete(self, chat: bool) -> None:
         state = self.server.state
-        model = state.engine.model
+        engine, model = state.engine, state.engine.model
+        engine.check_open()     # while stopping, 503 before the body is read
         job = parse_job(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
         self.note = f"prompt {len(job.ids)} tok"
         response = Response(job, state.model_id)
-        with state.engine.turn(self.client_gone):
-            with contextlib.closing(state.engine.generate(job)) as chunks:
-                last = (self.stream if job.stream else self.collect)(response, chunks)
+        with engine.admit(job, self.client_gone) as chunks:
+            last = (self.stream if job.stream else self.collect)(response, chunks)
         self.note = (f"prompt {len(job.ids)} tok, {job.cached} cached | gen {last.generated_tokens} tok, "
                      f"{last.decode_tok_per_s:.1f} tok/s | {last.finish_reason}")
 
@@ -315,7 +245,7 @@ class Handler(BaseHTTPRequestHandler):
         return chunk
 
     def check_alive(self) -> None:
-        if self.server.state.abort.is_set() or self.client_gone():
+        if self.client_gone():
             raise ClientGone()
 
     def client_gone(self) -> bool:
@@ -461,36 +391,47 @@ def is_loopback(host: str) -> bool:
 
 
 def serve_forever(server: Server, state: State) -> None:
-    """Serve until SIGINT/SIGTERM; then stop accepting, send waiting requests away, let the running
-    one finish (a second signal cuts it at the next token), and return."""
+    """serve_until() a first SIGINT/SIGTERM; a second one aborts the running request. Signals
+    that come after are ignored: the work is done, and a late Ctrl-C arriving while Python shuts
+    down (where it would kill the process with the signal) must not turn a clean stop into a failure."""
     stop = threading.Event()
 
     def on_signal(signum, frame):
         if stop.is_set():
-            state.abort.set()
+            state.engine.abort()
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
-    thread.start()
     try:
-        while not stop.wait(0.2):
-            pass
-        state.log("ds2 serve: stopping (a second Ctrl-C cuts the running request)")
-        server.shutdown()
-        server.server_close()       # the listening socket: new connections are refused from now on
-        state.engine.close()
-        with state.active_cond:
-            while state.active > 0:
-                state.active_cond.wait(0.2)
-    finally:
+        serve_until(server, state, stop)
+    except BaseException:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        raise
+    for s in previous:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def serve_until(server: Server, state: State, stop: threading.Event) -> None:
+    """Serve until `stop` is set; then refuse new requests (503, /health too) and send waiting
+    ones away while the running one finishes, still accepting connections to say so; then close
+    the listening socket, let the handlers write their last answers, and return."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+    thread.start()
+    while not stop.wait(0.2):   # a timeout, so that the main thread runs its signal handlers
+        pass
+    state.log("ds2 serve: stopping (a second Ctrl-C ends the running request at its next token)")
+    state.engine.close()
+    state.engine.wait_idle()
+    server.shutdown()
+    server.server_close()       # the listening socket: new connections are refused from now on
+    state.wait_handlers()
 
 
 @click.command()
-@click.option("-m", "--model", "model_dir", envvar="DS2_MODEL", type=click.Path(path_type=Path),
-              help="Checkpoint directory or Hugging Face id. Default: the bundled ds2-tiny.")
+@model_option
+@click.option("--alias", metavar="NAME", help="The model id the server reports (in /v1/models, responses and "
+              "the log). Default: what -m was given, else ds2-tiny.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="Port to listen on (0 = any free port).")
@@ -501,45 +442,48 @@ def serve_forever(server: Server, state: State) -> None:
               help="Memory for latent caches of recent conversations (0 = no reuse).")
 @click.option("--queue", "max_queue", default=DEFAULT_QUEUE, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait while one runs; beyond, 503.")
-@click.option("--temperature", type=float,
-              help="Default temperature (0 = greedy). Default: generation_config.json, else 0.7.")
-@click.option("--top-k", type=int, help="Default top-k (0 = off).")
-@click.option("--top-p", type=float, help="Default nucleus threshold (1 = off).")
-@click.option("--min-p", type=float, help="Default min-p (0 = off).")
-@click.option("--repetition-penalty", type=float, help="Default repetition penalty (1 = off).")
-@click.option("--seed", type=int, help="Default seed for requests that give none.")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1),
-              help="Default max_tokens. Default: generation_config.json, else 256.")
+@click.option("--system", metavar="TEXT", help="A default system message, for chat requests that bring "
+              "no system (or developer) message.")
+@chat_template_option()
+@sampling_options
 @memory_options
-def serve(model_dir, host, port, ctx, api_key, prompt_cache_mb, max_queue, max_new_tokens, quantize,
-          no_memory_check, **sampling):
+def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue, system, chat_template,
+          quantize, no_memory_check, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
-    Listens on 127.0.0.1:8000 unless told otherwise; Ctrl-C (or SIGTERM) stops it gracefully."""
+    Listens on 127.0.0.1:8000 unless told otherwise. The sampling options and -n are the defaults
+    of requests that do not give them. Ctrl-C (or SIGTERM) stops gracefully: the running request
+    finishes (a second one ends it at its next token)."""
+    system = argument_text(system, "--system argument", hint="give it in UTF-8") or None
     path, config = model_config(model_dir)          # config.json only: --ctx is checked before any load
     check_ctx(config, ctx)
-    model, load_s = load_model(path, quantize, ctx or DEFAULT_CTX, not no_memory_check)
-    ctx = ctx or min(model.config.max_position_embeddings, DEFAULT_CTX)
-    params = SamplingParams.from_generation_config(model.generation_config, **sampling)
-    defaults = Defaults(params, max_new_tokens_for(model, max_new_tokens), ctx)
-    engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue)
-    model_id = str(model_dir) if model_dir is not None else "ds2-tiny"
-    state = State(engine, model_id, defaults, api_key or None)
+    with thread_limits(opts["threads"]):
+        model, load_s = load_model(path, quantize, ctx or DEFAULT_CTX, not no_memory_check, chat_template)
+        ctx = ctx or min(model.config.max_position_embeddings, DEFAULT_CTX)
+        defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
+                            ctx, system)
+        engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue)
+        model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
+        state = State(engine, model_id, defaults, api_key or None)
+        server = listen(host, port, state)
+        slots = engine.prompt_cache.slots
+        state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | prompt cache "
+                  f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)} | queue {max_queue}")
+        serve_forever(server, state)
+    state.log("ds2 serve: stopped")
+
+
+def listen(host: str, port: int, state: State) -> Server:
     try:
         server = Server((host, port), state)
     except OSError as e:
         raise Ds2Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    host_shown, port_shown = server.server_address[:2]
-    if state.api_key is None and not is_loopback(host_shown):
-        console.warn(f"listening on {host_shown} without --api-key: anyone who can reach this machine "
-                     f"can use the model")
-    url_host = f"[{host_shown}]" if ":" in host_shown else host_shown
-    slots = engine.prompt_cache.slots
-    state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on http://{url_host}:{port_shown} | ctx {ctx} | "
-              f"prompt cache {prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)} | queue {max_queue}")
-    serve_forever(server, state)
-    # the work is done: a late second Ctrl-C, arriving while Python shuts down (where it would
-    # kill the process with the signal), must not turn a clean stop into a failure
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-    state.log("ds2 serve: stopped")
+    if state.api_key is None and not is_loopback(server.server_address[0]):
+        console.warn(f"listening on {server.server_address[0]} without --api-key: anyone who can reach this "
+                     f"machine can use the model")
+    return server
+
+
+def url(server: Server) -> str:
+    host, port = server.server_address[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -56,7 +56,8 @@ def _v3_table(r: dict) -> Table | None:
     f, m = r["fp8"], r["mtp"]
     rows = []
     if f:
-        block = "x".join(map(str, f["weight_block_size"] or [])) or "-"
+        size = f["weight_block_size"]           # as config.json gives it: checked against the tensors
+        block = "x".join(map(str, size)) if isinstance(size, list) and size else _show(size)
         rows += [("fp8 weights", f"{f['fmt']}, {block} blocks: {human_count(f['params'])} params "
                                  f"in {f['tensors']} tensors"),
                  ("fp8 scales", f"{f['scale_tensors']} weight_scale_inv ({human_bytes(f['scale_bytes'])})"),
@@ -101,8 +102,8 @@ def _storage_table(r: dict, max_files: int = 8) -> Table:
         table.add_row(f["name"], "", human_bytes(f["bytes"]))
     if len(s["files"]) > max_files:
         table.add_row(f"... and {len(s['files']) - max_files} more files", "", "")
-    for dtype, d in s["dtypes"].items():
-        table.add_row(dtype, human_count(d["params"]), human_bytes(d["bytes"]))
+    for dtype, d in s["dtypes"].items():        # scales hold no parameters: "-"
+        table.add_row(dtype, human_count(d["params"]) if d["params"] else "-", human_bytes(d["bytes"]))
     table.add_row(f"total ({plural(len(s['files']), 'file')}, {plural(s['n_tensors'], 'tensor')})", "",
                   human_bytes(s["total_bytes"]), style="bold")
     return table

@@ -289,3 +289,31 @@ def test_prompts_go_to_stderr_when_stdout_is_a_file(terminal, tmp_path):
         t.send(CTRL_D)
         assert t.wait() == 0
     assert out.read_text() == "2 + 3 = 5.\n"                  # replies only
+
+
+def test_a_multi_line_message_is_one_history_entry(terminal, tmp_path):
+    """The lines between two \"\"\" fences go into the history as the one message they sent (no
+    fence lines), survive the history file, and Up sends the whole message again."""
+    t = terminal()
+    t.expect(PROMPT, timeout=STARTUP)
+    t.send('"""\r')
+    t.expect(r"\.\.\. $")
+    t.send("What is\r")
+    t.expect(r"\.\.\. $")
+    t.send('17 + 25?\r')
+    t.expect(r"\.\.\. $")
+    t.send('"""\r')
+    first = t.expect(PROMPT)
+    t.send("/exit\r")
+    assert t.wait() == 0
+    history = (tmp_path / "data" / "ds2" / "chat_history").read_text().splitlines()
+    assert history[-2:] == ["What is\\n17 + 25?", "/exit"], history
+
+    t = terminal()
+    t.expect(PROMPT, timeout=STARTUP)
+    t.send(UP + UP + "\r")                                    # past /exit, the message itself
+    again = t.expect(PROMPT)
+    reply = [line for line in first.splitlines() if "=" in line or "42" in line]
+    assert reply and reply[-1].strip() in again, (first, again)
+    t.send("/exit\r")
+    assert t.wait() == 0

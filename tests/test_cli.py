@@ -330,3 +330,35 @@ def test_chat_says_when_the_context_cuts_a_reply():
     assert "context of 30 tokens is full" in warning and "cut after 16 of the 256 tokens" in warning
     r = run("chat", "--ctx", "100", "--temp", "0", input="Count from 3 to 9.\n")
     assert r.exit_code == 0 and r.stdout == "3, 4, 5, 6, 7, 8, 9.\n" and "warning" not in r.stderr
+
+
+def test_inspect_refuses_a_directory_and_a_different_model_option(tmp_path):
+    """`ds2 inspect DIR -m OTHER` names two checkpoints: a usage error, as generate's two prompts
+    are, rather than silently reporting on one of them. DS2_MODEL is only a default: DIR wins."""
+    from ds2cli.loader import bundled_model_dir
+    r = run("inspect", str(bundled_model_dir()), "-m", str(tmp_path))
+    assert r.exit_code == 2 and "not both" in r.stderr and r.stdout == ""
+    r = CliRunner(env={"DS2_MODEL": str(tmp_path)}).invoke(main, ["inspect", "--json", str(bundled_model_dir())])
+    assert r.exit_code == 0 and json.loads(r.stdout)["num_hidden_layers"] == 6
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
+@pytest.mark.parametrize("args", [["--temperature", "nan"], ["--temp", "inf"], ["--top-p", "nan"],
+                                  ["--min-p", "-inf"], ["--repetition-penalty", "nan"], ["--seed", "-5"],
+                                  ["--seed", "x"]])
+def test_non_finite_values_and_negative_seeds_are_usage_errors(command, args, monkeypatch):
+    import ds2cli.options as options_module
+
+    def load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+    monkeypatch.setattr(options_module, "load", load)
+    r = run(*command, *args)
+    assert r.exit_code == 2 and args[0] in r.stderr and "Traceback" not in r.output, r.output
+
+
+def test_seed_minus_one_means_a_random_seed():
+    """-1 is "random", as in llama.cpp: two runs differ, where a fixed seed repeats itself."""
+    outs = {run("generate", "ROMEO:", "-n", "24", "--temp", "1.5", "--seed", "-1").stdout for _ in range(4)}
+    assert len(outs) > 1
+    fixed = {run("generate", "ROMEO:", "-n", "24", "--temp", "1.5", "--seed", "7").stdout for _ in range(2)}
+    assert len(fixed) == 1
