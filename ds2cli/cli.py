@@ -13,7 +13,6 @@ from pathlib import Path
 
 import click
 import numpy as np
-from rich.console import Console
 
 from ds2cli import __version__, console, memory
 from ds2cli.bench import bench
@@ -282,13 +281,6 @@ def chat(model_dir, system, load_path, chat_template, quantize, no_memory_check,
         sys.exit(1)
 
 
-class StdoutConsole(Console):
-    """rich exits 1 by itself on a closed pipe; ds2 ends every command the same way instead."""
-
-    def on_broken_pipe(self) -> None:
-        raise BrokenPipeError
-
-
 @main.command()
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
 @model_option
@@ -303,7 +295,7 @@ def inspect(directory, model_dir, as_json, check):
     if as_json:
         write_out(json.dumps(report, ensure_ascii=False) + "\n")
     else:
-        render(report, StdoutConsole())
+        render(report, console.stdout_console())
     for warning in report.get("warnings", []):
         console.warn(warning)
     if report["problems"]:

@@ -92,3 +92,17 @@ def quiet_broken_pipe() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):
         pass
+
+
+class StdoutConsole(Console):
+    """rich exits 1 by itself on a closed pipe; ds2 ends every command the same way instead."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
+def stdout_console(piped_width: int | None = None) -> Console:
+    """Rich's console for stdout; with `piped_width`, the width it takes when stdout is not a
+    terminal (rich would otherwise wrap at 80 columns)."""
+    out = StdoutConsole()
+    return out if piped_width is None or out.is_terminal else StdoutConsole(width=piped_width)

@@ -20,6 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+# A pass of at most this many tokens (a decode step, a verification pass, a short prompt) splits
+# each low-bit product's rows across the cores, helper processes included, and every product
+# with 2..FEW_TOKENS rows takes the few-token kernel (quant.QuantMatrix.matmul_few); a longer
+# pass shares whole items (experts, heads) across the cores instead.
+FEW_TOKENS = 64
+
 
 class Workers:
     """The cores a kernel splits its row blocks over: the calling thread plus a small pool."""
@@ -32,7 +38,7 @@ class Workers:
         self.free: dict[str, list[np.ndarray]] = {}
         self.local = threading.local()   # .inside: this thread already runs one of several parts
         self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (forward_pass)
-        self.decoding = 0                # > 0 while that pass is a one-token step
+        self.few = 0                     # > 0 while that pass has at most FEW_TOKENS tokens
         self.helpers = None              # the helper processes (helpers.py) while they run
 
     @contextlib.contextmanager
@@ -90,14 +96,14 @@ class Workers:
             self.local.inside = False
 
     def helpers_running(self) -> bool:
-        """Helper processes take the other cores' rows of a decode step's matvecs (helpers.py)."""
+        """Helper processes take the other cores' rows of a few-token pass's products (helpers.py)."""
         return self.helpers is not None and self.helpers.wanted()
 
     @property
     def lanes(self) -> int:
         """How many items `map` runs at once here: one a core in a low-bit forward pass, else 1
-        (in a decode step with helper processes, each matvec is split across them instead)."""
-        if self.pool is None or not self.held or self.inside or (self.decoding and self.helpers_running()):
+        (in a pass of few tokens with helper processes, each product is split across them instead)."""
+        if self.pool is None or not self.held or self.inside or (self.few and self.helpers_running()):
             return 1
         return self.n
 
@@ -157,15 +163,15 @@ def forward_pass(low_bit: bool, tokens: int):
     if not low_bit or pool.n < 2:
         yield
         return
-    decoding = tokens == 1
+    few = tokens <= FEW_TOKENS
     with blas_threads(1):
         pool.held += 1
-        pool.decoding += decoding
+        pool.few += few
         try:
             yield
         finally:
             pool.held -= 1
-            pool.decoding -= decoding
+            pool.few -= few
 
 
 @contextlib.contextmanager

@@ -8,8 +8,9 @@ Parameter counts come from the stored headers, not from the config, so they desc
 actually on disk; disagreements with the config are listed in `problems`, not raised. Two
 exceptions count what the config describes instead: a ds2 low-bit checkpoint (it stores prepared
 tensors, see qcheckpoint.py) and one with a shard that cannot be read (its tensors are unknown).
-Storage counts weights, not stored elements: a q4 byte holds two, and the scales of the low-bit
-formats (like fp8's block scales) are not parameters: their bytes are listed, with 0 parameters.
+Storage counts weights, not stored elements (a q4 byte holds two); the scales of ds2's low-bit
+formats hold no parameters, so storage lists their bytes with 0 parameters and `dtypes` leaves
+them out.
 
 Active parameters per token count what one token's forward pass multiplies by:
   everything stored
@@ -91,8 +92,8 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
     }
 
 
-def read_checkpoint(model_dir: Path, cfg: DeepseekV2Config) -> tuple[dict[str, TensorInfo],
-                                                                   qcheckpoint.QuantConfig | None, list[str], bool]:
+def read_checkpoint(model_dir: Path, cfg: DeepseekV2Config
+                    ) -> tuple[dict[str, TensorInfo], qcheckpoint.QuantConfig | None, list[str], bool]:
     """(the tensors of every readable shard, the ds2 quantization_config, problems, whether every
     shard was read). The tensors are checked against the config only when every shard was read
     and the layout is known: otherwise each tensor of an unreadable shard, or of the ds2 layout
@@ -402,8 +403,8 @@ def nonfinite_problems(tensors: dict[str, TensorInfo]) -> list[str]:
     non-finite logits they cause), read one tensor at a time. fp8 weights are scanned as stored
     (their scales are scanned as tensors of their own), so a missing or mis-shaped scale stays a
     problem of its own in the report, not a failure of the scan."""
-    names = [n for n, t in tensors.items()   # other fp8 formats: an unsupported dtype, reported as such
-             if t.dtype.startswith(("F", "BF")) and not t.dtype.startswith("F8_")]
+    # F8_E4M3 is read below; another fp8 dtype is unsupported, a problem of its own already
+    names = [n for n, t in tensors.items() if t.dtype.startswith(("F", "BF")) and not t.dtype.startswith("F8_")]
     fp8 = ((n, checkpoint.read_fp8(t).astype(np.float32)) for n, t in tensors.items()
            if t.dtype in checkpoint.FP8_DTYPES)
     problems = []

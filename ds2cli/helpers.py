@@ -34,9 +34,10 @@ from ds2cli import cores
 
 _matrices: list[weakref.ref] = []    # a matrix's key -> the matrix, in this and every helper
 _helpers_failed = False               # a helper died or could not start: threads from then on
-JOB = struct.Struct("<qqqqqqq")       # seq, key, expert (-1: none), rows a, b, in, out
+JOB = struct.Struct("<qqqqqqqq")      # seq, key, expert (-1: none), rows a, b, in, out, k
 DONE = struct.Struct("<qq")           # seq, 1 if the rows are in shared memory, 0 if not
-HELPER_VALUES = 1 << 20               # float32 values of shared memory a helper: x, then y
+HELPER_VALUES = 1 << 23               # float32 values of shared memory a helper: x, then y (32 MB
+                                      # reserved, touched only as far as a product's k rows reach)
 HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
 HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec is taken as stuck
 
@@ -111,19 +112,20 @@ class Helpers:
         global _helpers_failed
         key, expert = m.key
         inp, out = len(x), len(y)
-        if key >= self.horizon or inp + out > HELPER_VALUES or not self.lock.acquire(blocking=False):
+        k = x.size // inp        # x (in,) or (in, k), y (out,) or (out, k): k rows at once
+        if key >= self.horizon or (inp + out) * k > HELPER_VALUES or not self.lock.acquire(blocking=False):
             return False
         try:
             self.seq += 1
             sent = []
             for h, (a, b) in zip(self.procs, spans[1:]):
-                h.values[:inp] = x
-                os.write(h.jobs, JOB.pack(self.seq, key, expert, a, b, inp, out))
+                h.values[:inp * k] = x.reshape(-1)
+                os.write(h.jobs, JOB.pack(self.seq, key, expert, a, b, inp, out, k))
                 sent.append((h, a, b))
             span(x, y, *spans[0])
             for h, a, b in sent:
                 if self.wait(h):
-                    y[a:b] = h.values[inp + a:inp + b]
+                    y[a:b] = h.values[k * (inp + a):k * (inp + b)].reshape(y[a:b].shape)
                 else:
                     span(x, y, a, b)
             for a, b in spans[1 + len(sent):]:
@@ -213,13 +215,14 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, values: np
     for c in cores.blas_controllers():
         c.set_num_threads(1)
     while (job := receive(jobs, JOB.size)) is not None:
-        seq, key, expert, a, b, inp, out = JOB.unpack(job)
+        seq, key, expert, a, b, inp, out, k = JOB.unpack(job)
         ok = 0
         try:
             m = _matrices[key]() if key < len(_matrices) else None   # a QuantMatrix (quant.py)
             if m is not None:
                 m = m[expert] if expert >= 0 else m
-                m.span(values[:inp], values[inp:inp + out], a, b)
+                x, y = values[:inp * k], values[inp * k:(inp + out) * k]
+                m.span(*((x, y) if k == 1 else (x.reshape(inp, k), y.reshape(out, k))), a, b)
                 ok = 1
         except Exception:    # noqa: BLE001 - any failure: the parent runs the rows itself
             ok = 0
@@ -266,10 +269,11 @@ def helper_private_bytes() -> int:
 
 
 def helpers_for() -> Helpers | None:
-    """The helper processes, if this matvec is a decode step's (Helpers.matvec declines a
-    matrix they do not know)."""
+    """The helper processes, if this product is in a pass of few tokens (a decode step, a
+    verification pass, a short prompt: cores.FEW_TOKENS); Helpers.matvec declines a matrix they
+    do not know."""
     pool = cores.workers()
-    if pool.helpers is None or not (pool.held and pool.decoding) or pool.inside or not helpers_wanted():
+    if pool.helpers is None or not (pool.held and pool.few) or pool.inside or not helpers_wanted():
         return None
     return pool.helpers
 

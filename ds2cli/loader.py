@@ -15,6 +15,7 @@ from ds2cli.errors import ConfigError
 from ds2cli.hub import resolve_model_dir
 from ds2cli.linear import as_weight
 from ds2cli.model import Model
+from ds2cli.text import article
 from ds2cli.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (layers done, layers total)
@@ -198,7 +199,7 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     if quantize not in (None, 8, 4, "auto"):
         raise ConfigError(f"quantize must be 8, 4 or 'auto', got {quantize!r}")
     if stored is not None and quantize not in (None, "auto", stored.bits):
-        raise ConfigError(f"{model_dir} is already a {stored.bits}-bit ds2 checkpoint; "
+        raise ConfigError(f"{model_dir} is already {article(stored.bits)} {stored.bits}-bit ds2 checkpoint; "
                           f"it cannot be loaded as {quantize}-bit")
     # headers first (cheap, and they name a broken checkpoint precisely), then the memory check,
     # then the weights

@@ -43,7 +43,7 @@ import ml_dtypes
 import numpy as np
 
 from ds2cli import helpers
-from ds2cli.cores import split_rows, workers
+from ds2cli.cores import FEW_TOKENS, split_rows, workers
 from ds2cli.errors import Ds2Error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -184,8 +184,12 @@ def dequantize(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarr
 
 def dequantize_block(qweight: np.ndarray, scales: np.ndarray, r0: int, f: Format, out: np.ndarray) -> None:
     """Rows r0 .. r0 + len(qweight) of a matrix whose scales are `scales`, into out."""
-    rows = qweight.shape[0]
-    w = unpack(qweight, f, out)                                             # (rows, in)
+    dequantize_scale(unpack(qweight, f, out), scales, r0, f)
+
+
+def dequantize_scale(w: np.ndarray, scales: np.ndarray, r0: int, f: Format) -> None:
+    """Scale the signed integers w (rows r0 .. r0 + len(w), as float32) in place."""
+    rows = w.shape[0]
     if f.group_size is None:
         w *= scales[r0:r0 + rows, None]
         return
@@ -280,6 +284,8 @@ class QuantMatrix:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         if len(x) == 1:
             return self.matvec(x[0])[None]                                  # (1, out)
+        if len(x) <= FEW_TOKENS:
+            return self.matmul_few(x)
         return self.matmul_many(x)
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
@@ -300,9 +306,68 @@ class QuantMatrix:
         pool.run(lambda a, b: self.span(x, y, a, b), spans)
         return y
 
+    def matmul_few(self, x: np.ndarray) -> np.ndarray:
+        """x (k, in) @ W.T for a few tokens (2 <= k <= FEW_TOKENS): decode's kernel with k columns.
+        Row blocks that fit in L2 are widened into a reused buffer, as for one token, and each
+        block is multiplied by all k rows in one small GEMM, so a weight is dequantized once for
+        the k tokens; the rows are split across the cores (the helper processes included)."""
+        out, inp = self.shape
+        if out * inp <= SMALL_MATRIX:
+            with workers().buffer(out * inp, slot="chunk") as buf:
+                return x @ dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)).T
+        xt = np.ascontiguousarray(x.T)                                      # (in, k)
+        yt = np.empty((out, len(x)), np.float32)                            # (out, k)
+        pool = workers()
+        spans = split_rows(out, pool.parts, self.f.row_align)
+        procs = helpers.helpers_for() if len(spans) > 1 else None
+        try:
+            if procs is not None and procs.matvec(self, xt, yt, spans, self.span):
+                return yt.T                                                 # (k, out)
+        except helpers.HelperGone:
+            pass
+        pool.run(lambda a, b: self.span(xt, yt, a, b), spans)
+        return yt.T                                                         # (k, out)
+
     def span(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
-        """y[a:b] = (W @ x)[a:b], rows a..b of a matvec, on this thread."""
-        (self._span_q8 if self.f.group_size is None else self._span_q4)(x, y, a, b)
+        """y[a:b] = (W @ x)[a:b] on this thread: rows a..b of a matvec (x (in,), y (out,)) or of
+        a few-token product (x (in, k), y (out, k))."""
+        if x.ndim == 2:
+            (self._span_q8_rows if self.f.group_size is None else self._span_q4_rows)(x, y, a, b)
+        else:
+            (self._span_q8 if self.f.group_size is None else self._span_q4)(x, y, a, b)
+
+    def _span_q8_rows(self, xt: np.ndarray, yt: np.ndarray, a: int, b: int) -> None:
+        """yt[a:b] = s * (q @ xt): one cast and one GEMM (block, in) x (in, k) a row block."""
+        inp = self.shape[1]
+        block = row_block(inp, self.f)
+        with workers().buffer(block * inp) as buf:
+            for r0 in range(a, b, block):
+                r1 = min(b, r0 + block)
+                w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
+                np.copyto(w, self.qweight[r0:r1], casting="unsafe")
+                np.matmul(w, xt, out=yt[r0:r1])                             # (block, k)
+        yt[a:b] *= self.scales[a:b, None]
+
+    def _span_q4_rows(self, xt: np.ndarray, yt: np.ndarray, a: int, b: int) -> None:
+        """yt[a:b] for q4 rows a..b: a block is widened to q - 8, scaled in place group by group
+        (for k tokens one multiply a weight costs less than scaling k activations per group),
+        then multiplied by all k rows in one GEMM."""
+        inp = self.shape[1]
+        half, g = inp // 2, self.f.group_size
+        block = row_block(inp, self.f)
+        chunk = 4 * block
+        pool = workers()
+        with pool.buffer(block * inp) as buf, pool.buffer(chunk * inp // 4 + 1, "nibbles") as scratch:
+            for c0 in range(a, b, chunk):
+                c1 = min(b, c0 + chunk)
+                nibbles = split_nibbles(self.qweight[c0:c1], scratch, signed=True)  # (2, rows, in/2)
+                for r0 in range(c0, c1, block):
+                    r1 = min(c1, r0 + block)
+                    w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
+                    np.copyto(w.reshape(r1 - r0, 2, half), nibbles[:, r0 - c0:r1 - c0].transpose(1, 0, 2),
+                              casting="unsafe")
+                    dequantize_scale(w, self.scales, r0, self.f)
+                    np.matmul(w, xt, out=yt[r0:r1])                         # (block, k)
 
     # Two threads that both call NumPy often pass the GIL back and forth, and each hand-over waits
     # for a wake-up; so the kernels make few, long calls: a q8 block is one cast and one gemv.

@@ -57,7 +57,7 @@ def _v3_table(r: dict) -> Table | None:
     rows = []
     if f:
         size = f["weight_block_size"]           # as config.json gives it: checked against the tensors
-        block = "x".join(map(str, size)) if isinstance(size, list) and size else _show(size)
+        block = ("x".join(map(str, size)) if isinstance(size, list) else _show(size)) or "-"
         rows += [("fp8 weights", f"{f['fmt']}, {block} blocks: {human_count(f['params'])} params "
                                  f"in {f['tensors']} tensors"),
                  ("fp8 scales", f"{f['scale_tensors']} weight_scale_inv ({human_bytes(f['scale_bytes'])})"),

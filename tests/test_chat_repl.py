@@ -99,23 +99,28 @@ UP, LEFT, CTRL_C, CTRL_D = "\x1b[A", "\x1b[D", "\x03", "\x04"
 PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
 
 
-# the system calls a process blocks in to wait for input: select, pselect6, poll, ppoll
+# the system calls a process blocks in to wait for input: select, pselect6, poll, ppoll (as
+# readline waits), and read (as input() reads stdin without readline, when stdout is no terminal)
 WAIT_CALLS = {"x86_64": {23, 270, 7, 271}, "aarch64": {72, 73}, "riscv64": {72, 73}}
+READ_CALL = {"x86_64": 0, "aarch64": 63, "riscv64": 63}
 
 
 def waiting_for_input(pid: int) -> bool:
-    """Whether the process's main thread sleeps in select() or poll(), as readline waits."""
+    """Whether the process's main thread sleeps waiting for input: in select() or poll(), or
+    in read() of stdin."""
+    machine = os.uname().machine
     try:
         with open(f"/proc/{pid}/stat") as f:
             if f.read().rpartition(")")[2].split()[0] != "S":
                 return False
         with open(f"/proc/{pid}/syscall") as f:
-            call = f.read().split()[0]
-        if call.isdigit() and os.uname().machine in WAIT_CALLS:
-            return int(call) in WAIT_CALLS[os.uname().machine]
+            call = f.read().split()
+        if call[0].isdigit() and machine in WAIT_CALLS:
+            return int(call[0]) in WAIT_CALLS[machine] or (int(call[0]) == READ_CALL[machine]
+                                                           and int(call[1], 16) == 0)
         with open(f"/proc/{pid}/wchan") as f:
-            return any(name in f.read() for name in ("poll", "select"))
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+            return any(name in f.read() for name in ("poll", "select", "wait_woken", "n_tty_read"))
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
         return False
 
 

@@ -10,18 +10,22 @@ import shutil
 import struct
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (lets safetensors.numpy round-trip bf16)
+import ml_dtypes  # lets safetensors.numpy round-trip bf16, and writes an fp8 dtype ds2 does not read
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from rich.console import Console
 from safetensors.numpy import load_file, save_file
 
 from ds2cli import checkpoint, rope
 from ds2cli.checkpoint import TensorInfo, expected_shapes
+from ds2cli.cli import main
 from ds2cli.config import DeepseekV2Config
-from ds2cli.describe import describe, human_bytes, human_count, params_section, render
+from ds2cli.describe import describe, params_section
 from ds2cli.errors import CheckpointError, ConfigError
 from ds2cli.loader import bundled_model_dir
+from ds2cli.tables import render
+from ds2cli.text import article, human_bytes, human_count
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 TINY = bundled_model_dir()
@@ -31,15 +35,20 @@ IDS = [p.name for p in MODEL_DIRS]
 
 # ---- independent readers: no ds2cli code ----
 
+def raw_header(path: Path) -> dict[str, dict]:
+    """{name: {"dtype", "shape", ...}} of one safetensors file, parsed by hand."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
 def raw_headers(model_dir: Path) -> dict[str, dict]:
-    """{name: {"dtype", "shape", ...}} over every *.safetensors file, parsed by hand."""
+    """raw_header over every *.safetensors file."""
     out = {}
     for path in sorted(model_dir.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        out.update(header)
+        out.update(raw_header(path))
     return out
 
 
@@ -378,15 +387,14 @@ def test_plurals(tmp_path):
     assert "total (0 files, 1 tensor)" in out.getvalue() and "2 problems:" in out.getvalue()
 
 
-def test_unusable_input_raises(tmp_path):
+def test_without_a_usable_config_there_is_no_report(tmp_path):
+    """Only config.json is needed for a report: everything else broken is a problem in it
+    (see the tests of broken checkpoints below)."""
     with pytest.raises(ConfigError):
         describe(tmp_path / "nowhere")
     with pytest.raises(ConfigError):
         describe(tmp_path)                                          # no config.json
     model_dir = copy_checkpoint(REFERENCE / "plain_rope_tied_fp16", tmp_path)
-    (model_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken")
-    with pytest.raises(CheckpointError):
-        describe(model_dir)
     (model_dir / "config.json").write_text(json.dumps({**raw_config(model_dir), "hidden_size": "big"}))
     with pytest.raises(ConfigError):
         describe(model_dir)
@@ -437,3 +445,184 @@ def test_render_lists_problems_in_red_and_leaves_warnings_to_the_cli(reports):
     assert "\x1b[1;31m1 problem:" in text
     assert "\x1b[31m  missing tensor model.norm.weight [256]\x1b[0m" in text
     assert "NaN" not in text                                        # the CLI prints warnings
+
+
+# ---- broken checkpoints: `ds2 inspect` reports them (JSON or tables) and exits 1 ----
+
+def inspect(*args):
+    return CliRunner().invoke(main, ["inspect", *map(str, args)])
+
+
+def truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def edit_index(model_dir: Path, edit) -> None:
+    edit_json(model_dir / checkpoint.INDEX_NAME, lambda index: edit(index["weight_map"]))
+
+
+SHARD_1, SHARD_2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+
+
+def duplicate_shard_1(model_dir: Path) -> None:
+    shutil.copy(model_dir / SHARD_1, model_dir / "model-extra.safetensors")
+    edit_index(model_dir, lambda weights: weights.update({"extra": "model-extra.safetensors"}))
+
+
+BROKEN = {  # how a copy of ds2-tiny is broken, and the one problem inspect lists for it
+    "truncated_shard": (lambda d: truncate(d / SHARD_1, 4_000_000),
+                        f"{SHARD_1}: tensor model.embed_tokens.weight offsets [2097152, 4194304] lie outside"),
+    "header_not_json": (lambda d: (d / SHARD_2).write_bytes(b"\x07\x00\x00\x00\x00\x00\x00\x00{broken"),
+                        f"{SHARD_2}: header is not valid JSON: not a safetensors file"),
+    "header_past_the_end": (lambda d: truncate(d / SHARD_2, 100),
+                            "is larger than the file (100 bytes): truncated or not a safetensors file"),
+    "empty_shard": (lambda d: truncate(d / SHARD_2, 0), f"{SHARD_2}: truncated safetensors file (0 bytes)"),
+    "missing_shard": (lambda d: (d / SHARD_2).unlink(), f"names shards that do not exist: {SHARD_2}"),
+    "index_not_json": (lambda d: (d / checkpoint.INDEX_NAME).write_text("{"),
+                       "is not a valid safetensors index (no weight_map)"),
+    "index_outside": (lambda d: edit_index(d, lambda weights: weights.update(x="../x.safetensors")),
+                      "names shard files outside the model folder: ['../x.safetensors']"),
+    "no_weights": (lambda d: [p.unlink() for p in (d / SHARD_1, d / SHARD_2, d / checkpoint.INDEX_NAME)],
+                   "no model.safetensors or model.safetensors.index.json in"),
+    "duplicate_shard": (duplicate_shard_1, f"tensor lm_head.weight appears in both {SHARD_1} and "
+                                           f"model-extra.safetensors (and 63 more tensors)"),
+    "added_tokens_not_a_list": (lambda d: edit_json(d / "tokenizer.json", lambda t: t.update(added_tokens=5)),
+                                "tokenizer.json is not a valid tokenizer.json"),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_inspect_reports_a_broken_checkpoint(tmp_path, name):
+    """The report is printed whole, with the defect as its one problem (not one per tensor of an
+    unreadable shard), and inspect exits 1 naming it; the parameters the config describes are
+    counted even when the headers cannot all be read."""
+    breaks, message = BROKEN[name]
+    model_dir = copy_checkpoint(TINY, tmp_path)
+    breaks(model_dir)
+    result = inspect("--json", model_dir)
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert len(report["problems"]) == 1 and message in report["problems"][0], report["problems"]
+    assert report["total_params"] == describe(TINY)["total_params"]
+    assert result.stderr.startswith("error: the checkpoint has 1 problem (listed above); first: ")
+    tables = inspect(model_dir)
+    assert tables.exit_code == 1
+    for title in ("Model", "Parameters", "Storage", "Memory", "Tokenizer", "1 problem:"):
+        assert title in tables.stdout
+
+
+def test_an_unreadable_shard_leaves_the_others_in_the_storage_table(tmp_path):
+    model_dir = copy_checkpoint(TINY, tmp_path)
+    truncate(model_dir / SHARD_1, 4_000_000)
+    s = describe(model_dir)["storage"]
+    assert s["files"] == [{"name": SHARD_1, "bytes": 4_000_000},
+                          {"name": SHARD_2, "bytes": (TINY / SHARD_2).stat().st_size}]
+    shard_2 = raw_header(TINY / SHARD_2)
+    assert s["dtypes"] == {"BF16": {"params": sum(numel(e) for e in shard_2.values()),
+                                    "bytes": sum(2 * numel(e) for e in shard_2.values())}}
+    assert s["n_tensors"] == len(shard_2)
+
+
+def test_check_lists_an_unreadable_tensor_and_an_unsupported_fp8_dtype(tmp_path, monkeypatch):
+    model_dir = copy_checkpoint(REFERENCE / "plain_rope_tied_fp16", tmp_path)
+    rewrite_single_file(model_dir, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(
+        ml_dtypes.float8_e5m2)}))
+    result = inspect("--json", "--check", model_dir)
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["problems"] == [
+        "tensor model.norm.weight has unsupported dtype F8_E5M2 (ds2 loads F32, F16, BF16)"]
+
+    def changed_since_the_header_was_read(tensors, names):
+        raise CheckpointError("model.safetensors: cannot read tensors: file changed")
+        yield                                                       # a generator, as iter_float32 is
+    monkeypatch.setattr(checkpoint, "iter_float32", changed_since_the_header_was_read)
+    assert describe(TINY, check=True)["problems"] == [
+        "model.safetensors: cannot read tensors: file changed (the --check scan stopped there)"]
+
+
+def test_fp8_block_size_that_is_not_a_list_is_shown_as_given(tmp_path):
+    model_dir = copy_checkpoint(REFERENCE.parent / "reference_v3" / "v3_like_fp8_mtp", tmp_path)
+    edit_json(model_dir / "config.json", lambda c: c["quantization_config"].update(weight_block_size=128))
+    result = inspect(model_dir)
+    assert result.exit_code == 1, result.output
+    assert "e4m3, 128 blocks" in result.stdout
+    assert "quantization_config.weight_block_size 128 is not supported" in result.stderr
+
+
+# ---- low-bit checkpoints: weights counted, not bytes ----
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory) -> dict[int, Path]:
+    out = {}
+    for bits in (8, 4):
+        out[bits] = tmp_path_factory.mktemp("q") / f"tiny-q{bits}"
+        result = CliRunner().invoke(main, ["quantize", str(TINY), str(out[bits]), "--bits", str(bits)])
+        assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_low_bit_storage_counts_weights_not_bytes(quantized, bits):
+    """A q4 byte holds two weights; scales (q8's per row, q4's per group) hold none: their bytes
+    are listed with 0 parameters, so the parameters add up to the model's and the bytes to the
+    files' data."""
+    r, raw = describe(quantized[bits]), raw_headers(quantized[bits])
+    weights = {"I8": 0, "U8": 0, "F32": 0}
+    for name, e in raw.items():
+        if name.endswith((".qweight", ".weight")):
+            weights[e["dtype"]] += numel(e) * (2 if e["dtype"] == "U8" else 1)
+    scale_bytes = {}
+    for name, e in raw.items():
+        if name.endswith(".scales"):
+            scale_bytes[e["dtype"]] = scale_bytes.get(e["dtype"], 0) + e["data_offsets"][1] - e["data_offsets"][0]
+    want = ({"q8 (I8)": weights["I8"], "F32": weights["F32"]} if bits == 8 else
+            {"q4 (U8, 2 per byte)": weights["U8"], "q8 (I8)": weights["I8"], "F32": weights["F32"]})
+    assert r["dtypes"] == want
+    assert sum(want.values()) == r["total_params"] == describe(TINY)["total_params"]
+    s = r["storage"]["dtypes"]
+    assert s["q8 scales (F32)"] == {"params": 0, "bytes": scale_bytes["F32"]}
+    assert bits == 8 or s["q4 scales (BF16)"] == {"params": 0, "bytes": scale_bytes["BF16"]}
+    assert sum(d["bytes"] for d in s.values()) == sum(e["data_offsets"][1] - e["data_offsets"][0]
+                                                      for e in raw.values())
+    assert r["params"] == describe(TINY)["params"] and r["problems"] == []
+
+
+def test_low_bit_storage_table(quantized):
+    out = io.StringIO()
+    render(describe(quantized[4]), Console(file=out, width=80))
+    text = out.getvalue()
+    rows = {cells[0]: cells[1:] for line in text[text.index("Storage"):text.index("Quantization")].splitlines()
+            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 3}
+    assert rows["q4 (U8, 2 per byte)"] == ["5.01M", "2.51 MB"]
+    assert rows["q8 (I8)"] == ["2.76M", "2.76 MB"]
+    assert rows["q4 scales (BF16)"][0] == rows["q8 scales (F32)"][0] == "-"
+
+
+def test_a_broken_quantization_config_is_a_problem(quantized, tmp_path):
+    for i, (edit, message) in enumerate([
+            (lambda q: q["formats"].update(attention=[]), "gives attention the unknown format []"),
+            (lambda q: q.update(bits=[8]), "quantization_config bits must be 8 or 4, got [8]")]):
+        model_dir = tmp_path / f"broken-{i}"
+        shutil.copytree(quantized[4], model_dir)
+        edit_json(model_dir / "config.json", lambda c: edit(c["quantization_config"]))
+        result = inspect("--json", model_dir)
+        problems = json.loads(result.stdout)["problems"]
+        assert result.exit_code == 1 and len(problems) == 1 and message in problems[0], problems
+
+
+# ---- words ----
+
+@pytest.mark.parametrize("word, a", [
+    (8, "an"), (4, "a"), (11, "an"), (18, "an"), (80, "an"), (800, "an"), (8000, "an"), (11_000, "an"),
+    (1, "a"), (110, "a"), (180, "a"), ("8.4 GB", "an"), ("18 GB", "an"), ("4.2 GB", "a"), ("1,800,000", "a"),
+    ("800,000", "an"), ("MoE", "a"), ("expert", "an"), ("", "a")])
+def test_article(word, a):
+    assert article(word) == a
+
+
+def test_an_8_bit_checkpoint_in_the_error_message(quantized):
+    result = CliRunner().invoke(main, ["generate", "-m", str(quantized[8]), "--quantize", "4", "hi"])
+    assert result.exit_code == 1 and "is already an 8-bit ds2 checkpoint" in result.stderr
+    result = CliRunner().invoke(main, ["generate", "-m", str(quantized[4]), "--quantize", "8", "hi"])
+    assert result.exit_code == 1 and "is already a 4-bit ds2 checkpoint" in result.stderr

@@ -264,7 +264,8 @@ def test_quality_against_float32(reference, bits, max_kl, min_top1, min_addition
 @pytest.mark.skipif(cores.workers().n < 2, reason="needs two cores")
 def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch):
     model = ds2cli.load(quantize=8)
-    ids = list(range(0, 400, 10))
+    ids = list(range(0, 800, 10))      # more than cores.FEW_TOKENS: a prefill, not a few-token pass
+    assert len(ids) > cores.FEW_TOKENS
     seen = []
     real = cores.Workers.map
 
@@ -274,13 +275,13 @@ def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch):
         return real(self, fn, items)
 
     monkeypatch.setattr(cores.Workers, "map", spy)
-    shared = model.forward(ids, model.new_cache(64), all_logits=True)
+    shared = model.forward(ids, model.new_cache(128), all_logits=True)
     heads = model.config.num_attention_heads
     splits = [items for lanes, items in seen if items and all(isinstance(i, slice) for i in items)]
     assert len(splits) == model.config.num_hidden_layers
     assert all(len(s) == cores.workers().n and s[0].start == 0 and s[-1].stop == heads for s in splits)
     with cores.kernel_threads(1):     # one core: every head in one call, nothing shared
-        whole = model.forward(ids, model.new_cache(64), all_logits=True)
+        whole = model.forward(ids, model.new_cache(128), all_logits=True)
     np.testing.assert_allclose(shared, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
 

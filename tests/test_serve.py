@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
+from ds2cli import engine as engine_module
 from ds2cli import serve as serve_module
 from ds2cli.api import Defaults
 from ds2cli.cli import main
@@ -25,7 +26,8 @@ from ds2cli.errors import GenerationError
 from ds2cli.generate import lstrip_reply, stream_generate
 from ds2cli.prompt_cache import PromptCache, common_prefix
 from ds2cli.sampling import SamplingParams, make_sampler
-from ds2cli.serve import MAX_BODY_BYTES, Engine, Server, State
+from ds2cli.engine import Engine
+from ds2cli.serve import MAX_BODY_BYTES, Server, State
 
 openai = pytest.importorskip("openai")   # the test extra: pip install ".[test]"
 
@@ -38,13 +40,19 @@ def model():
     return ds2cli.load()
 
 
-@contextmanager
-def running(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024):
-    """A server in a thread; yields (port, state, log lines)."""
+def make_server(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024, params=None, system=None):
+    """A server not yet serving; returns (server, state, log lines)."""
     lines = []
-    defaults = Defaults(SamplingParams.from_generation_config(model.generation_config), 256, ctx)
+    params = params or SamplingParams.from_generation_config(model.generation_config)
+    defaults = Defaults(params, 256, ctx, system)
     state = State(Engine(model, ctx, budget, max_queue), "ds2-tiny", defaults, api_key, sink=lines.append)
-    server = Server(("127.0.0.1", 0), state)
+    return Server(("127.0.0.1", 0), state), state, lines
+
+
+@contextmanager
+def running(model, **settings):
+    """A server in a thread; yields (port, state, log lines)."""
+    server, state, lines = make_server(model, **settings)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
@@ -228,7 +236,7 @@ ERROR_CASES = [
     ("POST", "/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt must be a string"),
     ("POST", "/v1/completions", {"prompt": [5, 99999]}, 400, "prompt token ids must be in [0, 4096)"),
     ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs is not supported"),
-    ("POST", "/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed must be >= 0"),
+    ("POST", "/v1/completions", {"prompt": "hi", "seed": -2}, 400, "seed must be >= 0, or -1 for a random one"),
     ("POST", "/v1/completions", {"prompt": "hi", "top_p": 1e999}, 400, "top_p must be a finite number"),
     ("POST", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt is not valid Unicode"),
     ("POST", "/v1/completions", b'{"prompt": "\xff"}', 400, "not valid JSON"),
@@ -251,9 +259,103 @@ def test_bad_input_gets_openai_style_errors(server, method, path, body, status, 
     assert logged(lines, f'"{method} {path}" {status} | error: {payload["error"]["message"]}')
 
 
-def test_a_negative_seed_is_one_error_line_in_generate_too():
-    r = CliRunner().invoke(main, ["generate", "hi", "--seed", "-1"])
-    assert r.exit_code == 1 and r.stderr == "error: seed must be >= 0\n"
+VALUE_CASES = [({"temperature": -1}, "temperature", "temperature must be >= 0"),
+               ({"temperature": "hot"}, "temperature", "temperature must be a finite number"),
+               ({"top_p": 2}, "top_p", "top_p must be in (0, 1]"),
+               ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+               ({"min_p": 5}, "min_p", "min_p must be in [0, 1]"),
+               ({"top_k": -3}, "top_k", "top_k must be >= 0"),
+               ({"top_k": 1.5}, "top_k", "top_k must be an integer"),
+               ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be > 0"),
+               ({"seed": -5}, "seed", "seed must be >= 0, or -1 for a random one; not -5"),
+               ({"seed": 0.5}, "seed", "seed must be an integer"),
+               ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1")]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("fields,param,message", VALUE_CASES)
+def test_a_value_out_of_range_names_its_param(server, path, fields, param, message):
+    port, _, _ = server
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], **fields}
+    status, payload, _ = request(port, "POST", path, body)
+    assert status == 400 and payload["error"]["param"] == param and payload["error"]["message"].startswith(message)
+
+
+def test_seed_minus_one_asks_for_a_random_seed_over_the_server_default(model):
+    with running(model, params=SamplingParams(temperature=1.0, seed=7)) as (port, _, _):
+        ask = lambda **seed: client(port).completions.create(model="x", prompt=ROMEO, max_tokens=20,  # noqa: E731
+                                                             **seed).choices[0].text
+        assert ask() == ask() == ask(seed=7)            # the server's --seed, for requests without one
+        assert len({ask(seed=-1) for _ in range(4)}) > 1
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if any weight is loaded: options must be refused before that."""
+    import ds2cli.options as options_module   # where the commands load their model
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+    monkeypatch.setattr(options_module, "load", load)
+
+
+@pytest.mark.parametrize("args, option, text", [
+    (["--temperature", "-1"], "--temperature", "-1.0 is not in the range x>=0"),
+    (["--temp", "-1"], "--temperature", "-1.0 is not in the range x>=0"),
+    (["--temperature", "nan"], "--temperature", "'nan' is not a finite number"),
+    (["--top-p", "2"], "--top-p", "2.0 is not in the range 0<x<=1"),
+    (["--min-p", "5"], "--min-p", "5.0 is not in the range 0<=x<=1"),
+    (["--top-k", "-3"], "--top-k", "-3 is not in the range x>=0"),
+    (["--seed", "-5"], "--seed", "-5 is not a seed"),
+    (["--threads", "0"], "--threads", "0 is not in the range x>=1"),
+    (["--ctx", "4096"], "--ctx", "4096 is larger than the model's max_position_embeddings (1024)"),
+])
+def test_serve_options_are_usage_errors_before_any_weight_loads(no_loading, args, option, text):
+    r = CliRunner().invoke(main, ["serve", "--port", "0", *args])
+    assert r.exit_code == 2 and f"Invalid value for '{option}'" in r.stderr and text in r.stderr
+    assert r.stdout == ""
+
+
+def test_serve_options_reach_the_server(monkeypatch, tmp_path):
+    """--alias, --system, --chat-template and --threads, through the command (serving stubbed)."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "[assistant]")
+    seen = {}
+
+    def serve_forever(server, state):
+        from threadpoolctl import threadpool_info
+        seen.update(state=state, blas=[p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"],
+                    cores=ds2cli.cores.workers().n)
+        server.server_close()
+
+    monkeypatch.setattr(serve_module, "serve_forever", serve_forever)
+    r = CliRunner().invoke(main, ["serve", "--port", "0", "--alias", "my-model", "--system", "Answer in French.",
+                                  "--chat-template", str(template), "--threads", "1", "--temp", "0", "--seed", "-1"])
+    assert r.exit_code == 0, r.stderr
+    assert re.match(r"ds2 serve: my-model \(loaded in", r.stderr)
+    state = seen["state"]
+    assert state.model_id == "my-model" and state.defaults.system == "Answer in French."
+    assert state.defaults.params.temperature == 0 and state.defaults.params.seed is None
+    assert set(seen["blas"]) == {1} and seen["cores"] == 1
+    tok = state.engine.model.tokenizer
+    assert tok.decode(tok.encode_chat([{"role": "user", "content": "hi"}])).endswith("[user] hi\n[assistant]")
+
+
+def test_system_default_goes_before_chats_that_bring_none(model):
+    system = "You are terse."
+    with running(model, system=system) as (port, _, _):
+        ask = lambda messages: client(port).chat.completions.create(  # noqa: E731
+            model="x", messages=messages, temperature=0, max_tokens=30)
+        user = {"role": "user", "content": "What is 2 + 3?"}
+        defaulted = ask([user])
+        own = ask([{"role": "developer", "content": "Be brief."}, user])
+    ids = model.tokenizer.encode_chat([{"role": "system", "content": system}, user], add_generation_prompt=True)
+    assert defaulted.usage.prompt_tokens == len(ids)
+    assert defaulted.choices[0].message.content == fresh_greedy(model, ids, 30, chat=True)[0]
+    theirs = model.tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, user],
+                                         add_generation_prompt=True)
+    assert own.usage.prompt_tokens == len(theirs)
 
 
 def test_a_prompt_longer_than_the_context_is_refused_with_the_counts(model):
@@ -326,7 +428,7 @@ def test_internal_errors_are_one_line_without_traceback(server, monkeypatch):
         raise RuntimeError("boom\nsecond line")
         yield
 
-    monkeypatch.setattr(serve_module, "stream_generate", broken)
+    monkeypatch.setattr(engine_module, "stream_generate", broken)
     status, payload, _ = request(port, "POST", "/v1/completions", {"prompt": "hi"})
     assert status == 500 and payload["error"]["type"] == "server_error"
     assert payload["error"]["message"] == "internal error: RuntimeError: boom second line"
@@ -336,7 +438,7 @@ def test_internal_errors_are_one_line_without_traceback(server, monkeypatch):
         yield ds2cli.generate.Chunk("x", 5)
         raise GenerationError("the model produced non-finite logits")
 
-    monkeypatch.setattr(serve_module, "stream_generate", nan_midway)
+    monkeypatch.setattr(engine_module, "stream_generate", nan_midway)
     events = sse(port, {"prompt": "hi", "stream": True})
     assert events[0]["choices"][0]["text"] == "x"
     assert events[1]["error"]["message"] == "the model produced non-finite logits" and events[2] == "[DONE]"
@@ -455,22 +557,31 @@ def test_sigterm_stops_accepting_finishes_the_running_request_and_exits_0():
     assert re.search(r'"POST /v1/completions" 200 \| prompt \d+ tok, 0 cached \| gen 200 tok', log)
 
 
-def test_a_second_sigint_cuts_the_running_request_and_still_exits_0():
+def test_a_second_sigint_ends_the_running_stream_properly_and_still_exits_0():
     with serve_process("--quantize", "8") as (proc, port):     # serve loads as generate does
         # sampled, not greedy: greedy 8-bit ds2-tiny ends this prompt with eos after 26 tokens,
         # before the second signal; this seed runs to 1000 (ds2 generate --quantize 8 --seed 0)
-        r = start_stream(port, 1000, temperature=1.0, seed=0)
+        r = start_stream(port, 1000, temperature=1.0, seed=0, stream_options={"include_usage": True})
         proc.send_signal(signal.SIGINT)
         seen = []                                           # the first signal is handled: stopping
         while not (seen and "stopping" in seen[-1]):
             seen.append(proc.stderr.readline())
             assert seen[-1], f"ds2 serve ended before stopping: {seen}"
+        # still listening while the request runs: to say so
+        status, body, _ = request(port, "GET", "/health")
+        assert status == 503 and body["status"] == "shutting down" and body["running"] is True
+        status, body, _ = request(port, "POST", "/v1/completions", {"prompt": "hi"})
+        assert status == 503 and body["error"]["code"] == "shutting_down"
         proc.send_signal(signal.SIGINT)
+        events = [e for e in ("data: " + r.read().decode()).split("\n\n") if e]   # ends, not cut
         assert proc.wait(60) == 0
         log = "".join(seen) + proc.stderr.read()
-        with pytest.raises(http.client.IncompleteRead):    # cut: no final chunk, no [DONE]
-            r.read()
-    assert "(aborted)" in log and "stopped" in log and "Traceback" not in log
+    assert events[-1] == "data: [DONE]"
+    final, usage = json.loads(events[-3][6:]), json.loads(events[-2][6:])["usage"]
+    assert final["choices"][0]["finish_reason"] == "length" and usage["completion_tokens"] < 1000
+    assert re.search(r'"POST /v1/completions" 200 \| prompt \d+ tok, 0 cached \| gen \d+ tok, [\d.]+ tok/s \| aborted',
+                     log), log
+    assert "client gone" not in log and "stopped" in log and "Traceback" not in log
 
 
 def test_a_second_sigint_after_the_last_request_still_exits_0():
@@ -484,6 +595,61 @@ def test_a_second_sigint_after_the_last_request_still_exits_0():
         assert proc.wait(1) == 0
         log = proc.stderr.read()
     assert "stopped" in log and "Traceback" not in log
+
+
+def test_stopping_answers_503_until_the_running_request_ends_then_closes(model):
+    server, state, lines = make_server(model, api_key=None)
+    port, stop = server.server_address[1], threading.Event()
+    stopping = threading.Thread(target=serve_module.serve_until, args=(server, state, stop))
+    stopping.start()
+    with state.engine.turn(lambda: False):      # the test holds the engine, as a running request would
+        stop.set()
+        assert logged(lines, "ds2 serve: stopping")
+        status, body, r = request(port, "GET", "/health")
+        assert status == 503 and body["status"] == "shutting down" and r.getheader("Connection") == "close"
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+            status, body, _ = request(port, "POST", path, body)
+            assert status == 503 and body["error"]["code"] == "shutting_down"
+        assert request(port, "GET", "/v1/models")[0] == 200
+        assert stopping.is_alive()
+    stopping.join(10)
+    assert not stopping.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def test_abort_ends_a_stream_with_its_final_chunk_and_done(model):
+    with running(model, api_key=None) as (port, state, lines):
+        r = start_stream(port, 1000, temperature=0, stream_options={"include_usage": True})
+        state.engine.abort()
+        events = [e[6:] for e in ("data: " + r.read().decode()).split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        final, usage = json.loads(events[-3]), json.loads(events[-2])["usage"]
+        assert final["choices"][0]["finish_reason"] == "length" and 0 < usage["completion_tokens"] < 1000
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+        ids = model.tokenizer.encode(ROMEO)
+        assert fresh_greedy(model, ids, usage["completion_tokens"], chat=False)[0].startswith(text)
+        assert logged(lines, f"gen {usage['completion_tokens']} tok")
+        assert re.search(r"\| aborted \| [\d.]+s$", lines[-1]) and "client gone" not in lines[-1]
+
+
+def test_abort_answers_a_whole_request_with_its_text_so_far(model):
+    with running(model, api_key=None) as (port, state, lines):
+        answers = []
+        asking = threading.Thread(target=lambda: answers.append(request(
+            port, "POST", "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 1000,
+             "temperature": 1.0, "seed": 0})))
+        asking.start()
+        while state.engine.running() == 0 and asking.is_alive():
+            time.sleep(0.01)
+        state.engine.abort()
+        asking.join(30)
+        status, body, _ = answers[0]
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] < 1000 and isinstance(body["choices"][0]["message"]["content"], str)
+        assert logged(lines, "| aborted") and not any("client gone" in line for line in lines)
 
 
 # ---- the prompt cache on its own ----

@@ -530,7 +530,7 @@ def test_generate_runs_a_v3_checkpoint():
 
 
 def test_bench_accepts_a_v3_checkpoint(monkeypatch):
-    from ds2cli import bench as bench_module
+    from ds2cli.bench import probes as bench_module
     monkeypatch.setattr(bench_module, "MATVEC_N", 1024)
     monkeypatch.setattr(bench_module, "GEMM_SHAPES", {"prefill": (64, 256, 256), "expert": (8, 256, 352)})
     args = ["-m", str(REFERENCE / "moonlight_like"), "--repeats", "1", "--contexts", "16",

@@ -4,18 +4,17 @@ probes (and transformers'), or the formats side by side."""
 from __future__ import annotations
 
 from rich import box
-from rich.console import Console
+from ds2cli import console
 from rich.table import Table
 
 PIPED_WIDTH = 1000          # columns for a table on a pipe or in a file: past any row's width
 
 
-def stdout_console() -> Console:
+def stdout_console():
     """Rich's console for stdout. On a terminal rich fits the table to its width. Piped, it would
     wrap at 80 columns and split cells over lines that grep and diff then cut apart, so there the
     table takes the width its cells need (a table never widens past them), each row one line."""
-    out = Console()
-    return out if out.is_terminal else Console(width=PIPED_WIDTH)
+    return console.stdout_console(piped_width=PIPED_WIDTH)
 
 
 def render(report: dict, out) -> None:

@@ -1,0 +1,80 @@
+"""The few-token kernel (quant.QuantMatrix.matmul_few): a low-bit matrix times k = 2..64
+activation rows, L2-sized row blocks widened once for all k rows, split across the cores (the
+helper processes included). Checked against float64 products of the dequantized weights, within
+a float32 rounding bound: the kernel and the reference use different BLAS call shapes."""
+
+import numpy as np
+import pytest
+
+from ds2cli import cores, quant
+from ds2cli import helpers as procs
+from ds2cli.quant import FORMATS, QuantMatrix
+
+EPS = np.finfo(np.float32).eps
+
+
+def assert_product(m: QuantMatrix, x: np.ndarray, y: np.ndarray) -> None:
+    """|y - x.W^T| within n.eps.(|x|.|W|^T) per entry (the standard bound for a float32 dot
+    product of length n, with the dequantization's own rounding counted in)."""
+    w = m.dequantize().astype(np.float64)
+    ref = x.astype(np.float64) @ w.T
+    bound = (x.shape[1] + 2) * EPS * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+    assert y.shape == ref.shape and y.dtype == np.float32
+    assert (np.abs(y - ref) <= bound).all(), float((np.abs(y - ref) / np.maximum(bound, 1e-30)).max())
+
+
+@pytest.mark.parametrize("name", ["q8", "q4"])
+@pytest.mark.parametrize("shape", [(2816, 2048), (1000, 514), (520, 96), (33, 64), (4097, 130)])
+@pytest.mark.parametrize("k", [2, 3, 7, 16, 33, 64])
+def test_the_few_token_kernel_is_the_product_of_the_dequantized_weights(name, shape, k, monkeypatch):
+    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)             # every matrix through the kernel
+    rng = np.random.default_rng(k * 1000 + shape[0])
+    m = QuantMatrix.from_float(rng.standard_normal(shape, dtype=np.float32), FORMATS[name])
+    x = rng.standard_normal((k, shape[1]), dtype=np.float32)
+    assert_product(m, x, m.matmul(x))
+    assert_product(m, x, m.matmul_few(x))
+
+
+@pytest.mark.parametrize("name", ["q8", "q4"])
+def test_small_row_blocks_and_odd_spans(name, monkeypatch):
+    """Blocks much smaller than the matrix, and partial last groups, at every k."""
+    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
+    monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 40 * 4 * 300)
+    rng = np.random.default_rng(3)
+    m = QuantMatrix.from_float(rng.standard_normal((1003, 300), dtype=np.float32), FORMATS[name])
+    for k in range(2, 65, 9):
+        x = rng.standard_normal((k, 300), dtype=np.float32)
+        assert_product(m, x, m.matmul_few(x))
+        with cores.kernel_threads(1):
+            assert_product(m, x, m.matmul_few(x))
+
+
+@pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes: Linux, two cores or more")
+@pytest.mark.parametrize("name", ["q8", "q4"])
+def test_the_helper_processes_take_their_rows_of_a_few_token_pass(name, monkeypatch):
+    """In a pass of few tokens the products are split with the helper processes, whose shared
+    memory holds k rows of x and y; the result is the same product."""
+    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
+    monkeypatch.setattr(procs, "_helpers_failed", False)
+    monkeypatch.delenv("DS2_HELPERS", raising=False)
+    rng = np.random.default_rng(5)
+    m = QuantMatrix.from_float(rng.standard_normal((1536, 512), dtype=np.float32), FORMATS[name])
+    procs.start_helpers()
+    try:
+        helpers = procs.running()
+        assert helpers is not None
+        for k in (2, 5, 64):
+            x = rng.standard_normal((k, 512), dtype=np.float32)
+            sent = helpers.seq
+            with cores.forward_pass(low_bit=True, tokens=k):
+                y = m.matmul(x)
+            assert helpers.seq > sent                         # the helpers did take part
+            assert_product(m, x, y)
+        x = rng.standard_normal((cores.FEW_TOKENS + 1, 512), dtype=np.float32)
+        sent = helpers.seq
+        with cores.forward_pass(low_bit=True, tokens=len(x)):
+            y = m.matmul(x)                                   # a prefill: threads, not helpers
+        assert helpers.seq == sent
+        assert_product(m, x, y)
+    finally:
+        procs.stop_helpers_now()
