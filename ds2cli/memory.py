@@ -25,6 +25,7 @@ from ds2cli import qcheckpoint
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
 from ds2cli.qcheckpoint import QuantConfig
+from ds2cli.text import article
 
 FLOAT32 = 4
 WORKING_MARGIN_BYTES = 256 << 20
@@ -187,7 +188,7 @@ def suggestion(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | Non
         at_load = required(cfg, QuantConfig.recipe(bits), context, quantize_at_load=True)["total"]
         if on_disk <= available:
             size = gb(weight_bytes(cfg, QuantConfig.recipe(bits)))
-            how = f"ds2 quantize {model_dir} OUT --bits {bits} makes a {size} copy that fits"
+            how = f"ds2 quantize {model_dir} OUT --bits {bits} makes {article(size)} {size} copy that fits"
             options.append(how + (f" (or add --quantize {bits})" if at_load <= available else ""))
     if options:
         return "; ".join(options)

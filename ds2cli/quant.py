@@ -353,7 +353,7 @@ class QuantMatrix:
         (for k tokens one multiply a weight costs less than scaling k activations per group),
         then multiplied by all k rows in one GEMM."""
         inp = self.shape[1]
-        half, g = inp // 2, self.f.group_size
+        half = inp // 2
         block = row_block(inp, self.f)
         chunk = 4 * block
         pool = workers()

@@ -18,6 +18,7 @@ from ds2cli import checkpoint, console, files
 from ds2cli.bench.settings import BenchError
 from ds2cli.config import DeepseekV2Config
 from ds2cli.loader import bundled_model_dir
+from ds2cli.text import article
 
 LITE_LAYERS = 27            # DeepSeek-V2-Lite's depth; --layers takes the first N of them
 DEFAULT_LAYERS = 4
@@ -136,6 +137,6 @@ def synthetic_model(bench_dir: Path, layers: int) -> Path:
     target = synthetic_path(bench_dir, layers)
     if (target / "config.json").is_file():
         return target
-    console.info(f"synthesising a {layers}-layer DeepSeek-V2-Lite-shaped checkpoint in {target} (once)")
+    console.info(f"synthesising {article(layers)} {layers}-layer DeepSeek-V2-Lite-shaped checkpoint in {target} (once)")
     return synthesise(target, lite_config(layers))
 
