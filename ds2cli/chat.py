@@ -115,7 +115,7 @@ class ChatSession:
                       f"{'s' * (dropped > 1)}) to make room")
 
     def reply(self, text: str, sampler: Sampler, max_new_tokens: int,
-              stop: tuple[str, ...] = ()) -> Iterator[Chunk]:
+              stop: tuple[str, ...] = (), draft: int = 0) -> Iterator[Chunk]:
         """Add a user message and stream the assistant's reply. The reply (even a cut-off one)
         joins the history; the cache keeps every token it processed."""
         self.messages.append({"role": "user", "content": text})
@@ -132,7 +132,7 @@ class ChatSession:
         pieces, generated = [], []
         try:
             for chunk in lstrip_reply(stream_generate(self.model, ids[keep:], self.cache, sampler,
-                                                      max_new_tokens, stop, context=ids[:keep])):
+                                                      max_new_tokens, stop, context=ids[:keep], draft=draft)):
                 pieces.append(chunk.text)
                 if chunk.finish_reason:
                     generated = chunk.tokens

@@ -29,6 +29,7 @@ from ds2cli.options import (argument_text, chat_template_option, check_ctx, gene
                             load_model, max_new_tokens_for, memory_options, model_config, model_from_env,
                             model_option, naming_ds2_model, sampler_for, strip_bom, thread_limits, unescape)
 from ds2cli.repl import CHAT_HELP, Repl
+from ds2cli.sampling import CountingSampler
 from ds2cli.serve import serve
 
 DEFAULT_CHAT_CTX = 4096  # chat keeps one cache for the whole conversation; cap its default size
@@ -181,14 +182,10 @@ def run_generate(model: Model, load_s: float, text: str, chat: bool, system: str
     if max_new > room:
         console.warn(f"the context of {cache.capacity} tokens leaves room for {room} of the {max_new} "
                      f"new tokens asked for (-n): generation stops there")
-    sampled = []                                  # one entry per token sampled, for an interrupted --json
-
-    def sampler(logits, history, sample=sampler_for(model, opts)):
-        token = sample(logits, history)
-        sampled.append(token)
-        return token
+    sampler = CountingSampler(sampler_for(model, opts))      # what ran, for an interrupted --json
     stops = [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]]
-    chunks = stream_generate(model, ids, cache, sampler, max_new, stops, eos_ids=() if ignore_eos else None)
+    chunks = stream_generate(model, ids, cache, sampler, max_new, stops, eos_ids=() if ignore_eos else None,
+                             draft=opts["draft"])
     if chat:
         chunks = lstrip_reply(chunks)
     pieces: list[Chunk] = []
@@ -199,16 +196,16 @@ def run_generate(model: Model, load_s: float, text: str, chat: bool, system: str
         # the timings of what ran: the prefill and the decode steps up to the last chunk shown
         ran = pieces[-1] if pieces else Chunk("", prompt_tokens=len(ids))
         interrupted = dataclasses.replace(ran, text="".join(c.text for c in pieces), finish_reason="interrupted",
-                                          generated_tokens=len(sampled))
+                                          generated_tokens=sampler.count)
         if as_json:
-            write_out(json.dumps(generation_json(interrupted, load_s), ensure_ascii=False) + "\n")
+            write_out(json.dumps(generation_json(interrupted, load_s, opts["draft"]), ensure_ascii=False) + "\n")
         else:
             write_out("\n")
         if opts["stats"]:
             console.info(console.stats_line(load_s, interrupted, cache))
         sys.exit(130)
     if as_json:
-        write_out(json.dumps(generation_json(last, load_s), ensure_ascii=False) + "\n")
+        write_out(json.dumps(generation_json(last, load_s, opts["draft"]), ensure_ascii=False) + "\n")
     if opts["stats"]:
         console.info(console.stats_line(load_s, last, cache))
 
@@ -233,11 +230,14 @@ def run_generation(chunks, as_json: bool, pieces: list[Chunk]) -> Chunk:
     return dataclasses.replace(chunk, text=text)
 
 
-def generation_json(last: Chunk, load_s: float) -> dict:
-    return {"text": last.text, "prompt_tokens": last.prompt_tokens,
-            "generated_tokens": last.generated_tokens, "finish_reason": last.finish_reason,
-            "timings": {"load_s": round(load_s, 4), "prefill_tok_per_s": round(last.prefill_tok_per_s, 2),
-                        "decode_tok_per_s": round(last.decode_tok_per_s, 2)}}
+def generation_json(last: Chunk, load_s: float, draft: int = 0) -> dict:
+    out = {"text": last.text, "prompt_tokens": last.prompt_tokens,
+           "generated_tokens": last.generated_tokens, "finish_reason": last.finish_reason,
+           "timings": {"load_s": round(load_s, 4), "prefill_tok_per_s": round(last.prefill_tok_per_s, 2),
+                       "decode_tok_per_s": round(last.decode_tok_per_s, 2)}}
+    if draft:
+        out.update(drafted_tokens=last.drafted, accepted_tokens=last.accepted)
+    return out
 
 
 CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation. Default: "
@@ -269,7 +269,8 @@ def chat(model_dir, system, load_path, chat_template, quantize, no_memory_check,
         capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
         session = ChatSession(model, capacity, warn=console.warn)
         repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
-                    [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]], opts["stats"])
+                    [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]], opts["stats"],
+                    opts["draft"])
         if messages is not None:
             repl.resume(messages, load_path)
         if system:

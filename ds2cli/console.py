@@ -50,7 +50,8 @@ def stats_line(load_s: float | None, last: Chunk, cache: LatentCache) -> str:
     load = "" if load_s is None else f"load {load_s:.2f}s | "
     return (f"[{load}prefill {last.prompt_tokens} tok, {last.prefill_tok_per_s:.1f} tok/s"
             f" | decode {last.generated_tokens} tok, {last.decode_tok_per_s:.1f} tok/s"
-            f" | cache {cache.length}/{cache.capacity} tok, {cache.length * cache.bytes_per_token} bytes]")
+            + (f" | draft {last.drafted} tok, {last.accepted} accepted" if last.drafted else "")
+            + f" | cache {cache.length}/{cache.capacity} tok, {cache.length * cache.bytes_per_token} bytes]")
 
 
 class LoadProgress:

@@ -10,6 +10,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ds2cli.cache import LatentCache
+from ds2cli.draft import DraftLength, DraftSource, PromptLookup
 from ds2cli.errors import GenerationError
 from ds2cli.model import Model
 from ds2cli.sampling import Sampler
@@ -28,6 +29,8 @@ class Chunk:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     tokens: list = dataclasses.field(default_factory=list)  # every generated id, on the last chunk
+    drafted: int = 0                      # speculative decoding: tokens drafted, and accepted
+    accepted: int = 0
 
     @property
     def prefill_tok_per_s(self) -> float:
@@ -85,41 +88,82 @@ def check_logits(logits: np.ndarray) -> np.ndarray:
 def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache, sampler: Sampler,
                     max_new_tokens: int, stop: Sequence[str] = (),
                     eos_ids: Sequence[int] | None = None,
-                    context: Sequence[int] = ()) -> Iterator[Chunk]:
+                    context: Sequence[int] = (), draft: int = 0,
+                    drafts: DraftSource | None = None) -> Iterator[Chunk]:
     """Prefill `prompt_ids` after what `cache` holds, then sample up to max_new_tokens tokens.
 
     The cache ends holding the prompt and every generated token that was fed back; the last
     sampled token (eos or the limit's) is not fed back, since nothing needs its logits.
-    `context` lists the tokens already cached, for the repetition penalty."""
+    `context` lists the tokens already cached, for the repetition penalty.
+
+    With `draft` N > 0, speculative decoding: after each token, up to N tokens are drafted
+    (`drafts`, default prompt lookup; the length adapts, DraftLength) and verified in one pass of
+    1 + N tokens; the longest agreeing prefix is kept (the sampler's `verify` keeps the output
+    distribution exactly the sampler's), the cache is rolled back past the rest, and the pass's
+    next logits give one more token. Everything else (eos, stop strings, limits) is as without."""
     eos = set(model.eos_token_ids if eos_ids is None else eos_ids)
     decoder, stops = model.tokenizer.stream_decoder(), StopMatcher(stop)
     history = [*context, *prompt_ids]
+    base = cache.length + len(prompt_ids)          # the cache length before the first generated token
     t0 = time.perf_counter()
     logits = check_logits(model.forward(prompt_ids, cache))
     prefill_s, t1 = time.perf_counter() - t0, time.perf_counter()
     generated: list[int] = []
+    counts = {"drafted": 0, "accepted": 0}
     reason = "length"
-    while len(generated) < max_new_tokens:
-        token = sampler(logits, history)
+
+    def emit(token: int):
+        """Take one generated token: yields its text; returns whether generation goes on."""
+        nonlocal reason
         generated.append(token)
         history.append(token)
         if token in eos:
             reason = "eos"
-            break
+            return False
         text, hit = stops.feed(decoder.push(token))
         so_far = (None, len(prompt_ids), len(generated), prefill_s, time.perf_counter() - t1)
         if hit:
             reason = "stop"
             yield Chunk(text, token, *so_far)
-            break
+            return False
         if text:
             yield Chunk(text, token, *so_far)
-        if len(generated) == max_new_tokens or cache.free == 0:
+        return len(generated) < max_new_tokens
+
+    source = drafts or (PromptLookup() if draft > 0 else None)
+    length = DraftLength(draft) if draft > 0 else None
+    token = sampler(logits, history)
+    while (yield from emit(token)) and cache.free > 0:
+        n = min(length.next(), max_new_tokens - len(generated) - 1, cache.free - 1) if length else 0
+        guess = source.propose(history, n)[:n] if n > 0 else []
+        if not guess:
+            token = sampler(check_logits(model.forward([token], cache)), history)
+            continue
+        rows = check_logits(model.forward([token, *guess], cache, all_logits=True))  # (1 + d, V)
+        accepted, going = 0, True
+        for row, guessed in zip(rows, guess):
+            ok, token = sampler.verify(row, history, guessed)
+            if not ok:
+                break
+            accepted += 1
+            going = yield from emit(guessed)
+            if not going:
+                break
+        counts["drafted"] += len(guess)
+        counts["accepted"] += accepted
+        length.record(len(guess), accepted)
+        # the cache keeps what plain decoding would have fed: every generated token but the last
+        # the cache keeps every token fed that plain decoding would have fed: all the generated
+        # ones, but for the last when generation ends there (a rejected draft's replacement, or
+        # the next token, is fed by the next pass)
+        cache.truncate(base + len(generated) - (not going))
+        if not going:
             break
-        logits = check_logits(model.forward([token], cache))
+        if accepted == len(guess):      # every draft taken: the pass's last row gives one more
+            token = sampler(rows[-1], history)
     tail = ""
     if reason != "stop":  # held-back bytes or a held-back stop-string prefix may remain
         tail, hit = stops.feed(decoder.flush())
         tail, reason = (tail, "stop") if hit else (tail + stops.flush(), reason)
     yield Chunk(tail, None, reason, len(prompt_ids), len(generated), prefill_s,
-                time.perf_counter() - t1, generated)
+                time.perf_counter() - t1, generated, counts["drafted"], counts["accepted"])

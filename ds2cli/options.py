@@ -102,13 +102,20 @@ def sampling_options(f):
     return threads_option(f)
 
 
+MAX_DRAFT = 64      # a verification pass is at most cores.FEW_TOKENS tokens: a draft and one more
+
+
 def generation_options(ctx_help: str):
-    """generate's and chat's: the sampling options, then --stop, --ctx and --stats."""
+    """generate's and chat's: the sampling options, then --stop, --ctx, --draft and --stats."""
     options = [
         click.option("--stop", multiple=True,
                      help="Stop at this string (repeatable; not printed). Understands the escapes "
                           "\\n \\t \\r \\\\ \\\" \\' and \\xNN, as llama-cli does."),
         click.option("--ctx", type=click.IntRange(min=1), help=ctx_help),
+        click.option("--draft", type=click.IntRange(0, MAX_DRAFT - 1), default=0, show_default=True,
+                     help="Speculative decoding: draft up to N tokens by prompt lookup (copied from "
+                          "where the text's last tokens occurred before) and verify them in one pass; "
+                          "the output is the same as without. 0 = off."),
         click.option("--stats", is_flag=True, help="Print timings and cache use on stderr."),
     ]
 

@@ -169,8 +169,9 @@ input:
 class Repl:
     """The chat loop: messages in, replies out, /commands, and the bookkeeping for leaving."""
 
-    def __init__(self, session: ChatSession, sampler, max_new: int, stop: list[str], stats: bool):
+    def __init__(self, session: ChatSession, sampler, max_new: int, stop: list[str], stats: bool, draft: int = 0):
         self.session, self.sampler, self.max_new, self.stop, self.stats = session, sampler, max_new, stop, stats
+        self.draft = draft
         self.interactive = sys.stdin.isatty()
         self.unsaved = False          # the conversation has turns no /save or --load holds
         self.turns = self.failed = 0
@@ -214,7 +215,7 @@ class Repl:
         self.turns += 1
         try:
             text = argument_text(text, "message", hint="it was not sent")
-            last = chat_turn(self.session, text, self.sampler, self.max_new, self.stop)
+            last = chat_turn(self.session, text, self.sampler, self.max_new, self.stop, self.draft)
         except Ds2Error as e:
             console.error(str(e))
             self.failed += 1
@@ -256,8 +257,8 @@ class Repl:
         return True
 
 
-def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop) -> Chunk | None:
-    chunks = session.reply(text, sampler, max_new, stop)
+def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop, draft: int = 0) -> Chunk | None:
+    chunks = session.reply(text, sampler, max_new, stop, draft=draft)
     last = None
     try:
         for chunk in chunks:

@@ -91,16 +91,64 @@ def filter_min_p(probs: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(probs >= min_p * probs.max(), probs, 0.0)
 
 
-def make_sampler(params: SamplingParams) -> Sampler:
-    rng = np.random.default_rng(params.seed)
+def make_sampler(params: SamplingParams) -> "TokenSampler":
+    return TokenSampler(params)
 
-    def sample(logits: np.ndarray, history: Sequence[int]) -> int:
+
+class TokenSampler:
+    """`sample(logits, history) -> token` under `params`, and `verify` for a drafted token.
+
+    The distribution is the one the filters leave: repetition penalty on the logits, then
+    temperature, top-k, softmax, top-p and min-p (greedy: the arg max)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray | int:
+        """The token probabilities (V,) float64, or the one token greedy decoding picks."""
+        params = self.params
         logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
         if params.temperature == 0:
             return int(np.argmax(logits))
         logits = filter_top_k(logits.astype(np.float64) / params.temperature, params.top_k)
         probs = np.exp(logits - logits.max())
         probs = filter_min_p(filter_top_p(probs / probs.sum(), params.top_p), params.min_p)
-        return int(rng.choice(len(probs), p=probs / probs.sum()))
+        return probs / probs.sum()
 
-    return sample
+    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        p = self.distribution(logits, history)
+        return p if isinstance(p, int) else int(self.rng.choice(len(p), p=p))
+
+    def verify(self, logits: np.ndarray, history: Sequence[int], draft: int) -> tuple[bool, int]:
+        """Speculative sampling for a deterministic draft (a point mass on `draft`): accept it
+        with the target's probability p(draft); otherwise sample from p with the draft removed,
+        renormalised. The token returned is then distributed exactly as __call__'s would be:
+        P(t) = p(draft)[t = draft] + (1 - p(draft)) p(t)[t != draft] / (1 - p(draft)) = p(t).
+        Greedy: accepted when it is the arg max, which is returned either way."""
+        p = self.distribution(logits, history)
+        if isinstance(p, int):
+            return p == draft, p
+        if self.rng.random() < p[draft]:
+            return True, draft
+        rest = p.copy()
+        rest[draft] = 0.0
+        return False, int(self.rng.choice(len(rest), p=rest / rest.sum()))
+
+
+class CountingSampler:
+    """A sampler that counts the tokens it gives (sampled, or drafts verified): what ran, for a
+    generation that is interrupted before its last chunk."""
+
+    def __init__(self, sampler: TokenSampler):
+        self.sampler, self.count = sampler, 0
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        token = self.sampler(logits, history)
+        self.count += 1
+        return token
+
+    def verify(self, logits: np.ndarray, history: Sequence[int], draft: int) -> tuple[bool, int]:
+        result = self.sampler.verify(logits, history, draft)
+        self.count += 1
+        return result
