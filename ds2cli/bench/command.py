@@ -80,6 +80,9 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
                    "positions the model holds).")
 @click.option("-n", "--decode-steps", type=click.IntRange(min=1), default=16, show_default=True,
               help="Single-token steps timed at each context.")
+@click.option("--passes", default="2,4", show_default=True, callback=parse_counts,
+              help="Token counts of the forward passes timed after the smallest context, against a "
+                   "decode step in the same repeat: what verifying k - 1 drafted tokens costs.")
 @click.option("--compare-hf", is_flag=True,
               help="Also time Hugging Face transformers on the same checkpoint (where torch and "
                    "transformers are installed).")
@@ -93,7 +96,7 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
                    "samples of each, interleaved, for the speed ratios.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
-def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
+def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, passes, compare_hf,
           quantize, formats, as_json):
     """Measure load, prefill and decode speed, and compare them with what this machine's memory
     bandwidth and float32 GEMM can do.
@@ -125,7 +128,7 @@ def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decod
         report = compare_formats(path, bench_dir, formats, repeats, prompt_lengths, contexts, decode_steps)
     else:
         report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
-                           int(quantize) if quantize else None)
+                           int(quantize) if quantize else None, passes)
     if as_json:
         click.echo(json.dumps(report))
     else:

@@ -105,6 +105,35 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
             "probes": probes, "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"]}
 
 
+def bench_passes(model: Model, ks: list[int], context: int, repeats: int, rng) -> list[dict]:
+    """Forward passes of k tokens after `context` (what a verification of k - 1 drafts costs),
+    each repeat timing a one-token step and every k in turn on the same cache, so that each
+    pass's cost in decode steps is a ratio within one repeat; and how many distinct experts a
+    pass dequantized (from the trace), with the weight bytes that makes."""
+    if not ks:
+        return []
+    console.info(f"passes of {','.join(map(str, ks))} tokens after {context}, x {repeats}")
+    cache = model.new_cache(context + max(ks))
+    fill_cache(model, cache, rng.integers(model.config.vocab_size, size=context))
+    times: dict[int, list[float]] = {k: [] for k in [1, *ks]}
+    routes: dict[int, list] = {k: [] for k in times}
+    for _ in range(repeats):
+        for k in times:
+            ids = rng.integers(model.config.vocab_size, size=k)
+            cache.truncate(context)
+            times[k].append(seconds(lambda: model.forward(ids, cache, all_logits=k > 1, trace=routes[k])))
+    layers = max(1, sum(1 for layer in model.layers if layer["is_moe"]))
+    points = []
+    for k in ks:
+        routed = sum(len(np.unique(idx)) for idx in routes[k]) / repeats
+        ratios = [t / one for t, one in zip(times[k], times[1])]
+        points.append({"tokens": k, "context": context, "seconds": summary(times[k]),
+                       "step_ratio": summary(ratios), "routed_experts": routed,
+                       "routed_experts_per_layer": routed / layers,
+                       "weight_bytes": forward_weight_bytes(model, routed, k)})
+    return points
+
+
 def peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
@@ -124,7 +153,7 @@ def memory_section(model: Model, cache_tokens: int) -> dict:
 
 
 def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[int], contexts: list[int],
-              steps: int, hf: bool, quantize: int | None = None) -> dict:
+              steps: int, hf: bool, quantize: int | None = None, passes: list[int] = ()) -> dict:
     rng = np.random.default_rng(0)
     probes = probe_machine()
     model, load_s = time_load(path, repeats, quantize, context=cache_tokens(prompt_lengths, contexts, steps))
@@ -132,6 +161,7 @@ def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[in
     model.forward(rng.integers(model.config.vocab_size, size=warm), model.new_cache(warm))
     prefill = [bench_prefill(model, tokens, repeats, rng) for tokens in prompt_lengths]
     decode = bench_decode(model, contexts, steps, repeats, rng)
+    pass_points = bench_passes(model, list(passes), min(contexts), repeats, rng)
     cfg = model.config
     report = {
         "model": {"path": str(path), "synthetic": synthetic, "num_hidden_layers": cfg.num_hidden_layers,
@@ -140,8 +170,8 @@ def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[in
                   "weight_bytes": weight_nbytes(model), "float32_weight_bytes": 4 * total_params(model)},
         "machine": machine_info(),
         "settings": {"repeats": repeats, "prompt_lengths": prompt_lengths, "contexts": contexts,
-                     "decode_steps": steps},
-        "probes": probes, "load_s": load_s, "prefill": prefill, "decode": decode,
+                     "decode_steps": steps, "passes": list(passes)},
+        "probes": probes, "load_s": load_s, "prefill": prefill, "decode": decode, "passes": pass_points,
         "memory": memory_section(model, cache_tokens(prompt_lengths, contexts, steps)),
     }
     if hf:

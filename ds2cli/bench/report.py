@@ -49,6 +49,10 @@ def table_rows(report: dict) -> list[list[str]]:
               f"{r['bytes_per_token'] / 1e6:.0f} MB/tok, {r['gb_per_s']:.1f} GB/s",
               f"{r['matvec_ratio']:.0%} of {r['probes']['matvec_gb_per_s']['median']:.1f} GB/s"]
              for r in report["decode"]]
+    rows += [[f"pass of {r['tokens']} @ {r['context']} ms", *stat_cells({k: 1e3 * r["seconds"][k] for k in ("median", "min")}, ".1f"),
+              f"{r['step_ratio']['median']:.2f}x a decode step ({r['step_ratio']['min']:.2f}-{r['step_ratio']['max']:.2f})",
+              f"{r['routed_experts_per_layer']:.1f} experts/layer, {r['weight_bytes'] / 1e6:.0f} MB"]
+             for r in report.get("passes", [])]
     mem = report["memory"]
     rows.append(["peak RSS GB", f"{mem['peak_rss_bytes'] / 1e9:.2f}", "",
                  f"weights {mem['weight_bytes'] / 1e9:.2f} + cache {mem['cache_bytes'] / 1e9:.2f}",
