@@ -111,8 +111,8 @@ class Helpers:
         with another thread's step or cannot take the matrix."""
         global _helpers_failed
         key, expert = m.key
-        inp, out = len(x), len(y)
-        k = x.size // inp        # x (in,) or (in, k), y (out,) or (out, k): k rows at once
+        inp, out = x.shape[-1], y.shape[-1]
+        k = x.size // inp        # x (in,) or (k, in), y (out,) or (k, out): k tokens at once
         if key >= self.horizon or (inp + out) * k > HELPER_VALUES or not self.lock.acquire(blocking=False):
             return False
         try:
@@ -125,7 +125,7 @@ class Helpers:
             span(x, y, *spans[0])
             for h, a, b in sent:
                 if self.wait(h):
-                    y[a:b] = h.values[k * (inp + a):k * (inp + b)].reshape(y[a:b].shape)
+                    y[..., a:b] = h.values[k * inp:k * (inp + out)].reshape(y.shape)[..., a:b]
                 else:
                     span(x, y, a, b)
             for a, b in spans[1 + len(sent):]:
@@ -222,7 +222,7 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, values: np
             if m is not None:
                 m = m[expert] if expert >= 0 else m
                 x, y = values[:inp * k], values[inp * k:(inp + out) * k]
-                m.span(*((x, y) if k == 1 else (x.reshape(inp, k), y.reshape(out, k))), a, b)
+                m.span(x.reshape(k, inp), y.reshape(k, out), a, b)
                 ok = 1
         except Exception:    # noqa: BLE001 - any failure: the parent runs the rows itself
             ok = 0

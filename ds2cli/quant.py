@@ -56,6 +56,12 @@ DEQUANTIZE_BLOCK_BYTES = 4 << 20  # ... and scales it in blocks of this much
 SMALL_MATRIX = 1 << 18        # below this many values a matrix is dequantized whole, on one
                               # thread: splitting it would cost more in overhead than it saves
 NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+# Up to this many tokens a widened row block meets each token in its own gemv; from more, in one
+# GEMM. OpenBLAS's sgemm of a 128x2048 block by N = 2..8 columns takes a fixed ~85 us on this
+# 2-core EPYC (Haswell kernels), where one gemv from L2 takes ~21 us and the int8 cast ~41 us:
+# k gemvs win up to k = 4, the GEMM from 5 (16 columns: 170 us, against 340 for 16 gemvs).
+GEMV_TOKENS = 4
+GEMM_MIN_TOKENS = 8           # and 5-7 tokens are multiplied as 8 (measured: 5 took 2.9 matvecs, 8 took 2.3)
 
 
 class QuantError(Ds2Error):
@@ -307,73 +313,45 @@ class QuantMatrix:
         return y
 
     def matmul_few(self, x: np.ndarray) -> np.ndarray:
-        """x (k, in) @ W.T for a few tokens (2 <= k <= FEW_TOKENS): decode's kernel with k columns.
+        """x (k, in) @ W.T for a few tokens (2 <= k <= FEW_TOKENS): decode's kernel for k rows.
         Row blocks that fit in L2 are widened into a reused buffer, as for one token, and each
-        block is multiplied by all k rows in one small GEMM, so a weight is dequantized once for
-        the k tokens; the rows are split across the cores (the helper processes included)."""
+        block meets all k rows while it is in cache, so a weight is widened once for the k
+        tokens; the rows are split across the cores (the helper processes included)."""
         out, inp = self.shape
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp, slot="chunk") as buf:
                 return x @ dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)).T
-        xt = np.ascontiguousarray(x.T)                                      # (in, k)
-        yt = np.empty((out, len(x)), np.float32)                            # (out, k)
+        k = len(x)
+        if GEMV_TOKENS < k < GEMM_MIN_TOKENS:   # OpenBLAS multiplies 5-7 columns slower than 8
+            x = np.concatenate([x, np.zeros((GEMM_MIN_TOKENS - k, inp), np.float32)])
+        x = np.ascontiguousarray(x)
+        y = np.empty((len(x), out), np.float32)                             # (k, out)
         pool = workers()
         spans = split_rows(out, pool.parts, self.f.row_align)
         procs = helpers.helpers_for() if len(spans) > 1 else None
         try:
-            if procs is not None and procs.matvec(self, xt, yt, spans, self.span):
-                return yt.T                                                 # (k, out)
+            if procs is not None and procs.matvec(self, x, y, spans, self.span):
+                return y[:k]
         except helpers.HelperGone:
             pass
-        pool.run(lambda a, b: self.span(xt, yt, a, b), spans)
-        return yt.T                                                         # (k, out)
+        pool.run(lambda a, b: self.span(x, y, a, b), spans)
+        return y[:k]
 
     def span(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
-        """y[a:b] = (W @ x)[a:b] on this thread: rows a..b of a matvec (x (in,), y (out,)) or of
-        a few-token product (x (in, k), y (out, k))."""
-        if x.ndim == 2:
-            (self._span_q8_rows if self.f.group_size is None else self._span_q4_rows)(x, y, a, b)
+        """Columns a..b of y = x @ W.T on this thread (rows a..b of W): x (in,) and y (out,) for
+        one token, x (k, in) and y (k, out) for k."""
+        x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])       # (k, in), (k, out)
+        if self.f.group_size is None:
+            (self._span_q8 if len(x) <= GEMV_TOKENS else self._span_q8_gemm)(x, y, a, b)
         else:
-            (self._span_q8 if self.f.group_size is None else self._span_q4)(x, y, a, b)
-
-    def _span_q8_rows(self, xt: np.ndarray, yt: np.ndarray, a: int, b: int) -> None:
-        """yt[a:b] = s * (q @ xt): one cast and one GEMM (block, in) x (in, k) a row block."""
-        inp = self.shape[1]
-        block = row_block(inp, self.f)
-        with workers().buffer(block * inp) as buf:
-            for r0 in range(a, b, block):
-                r1 = min(b, r0 + block)
-                w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
-                np.copyto(w, self.qweight[r0:r1], casting="unsafe")
-                np.matmul(w, xt, out=yt[r0:r1])                             # (block, k)
-        yt[a:b] *= self.scales[a:b, None]
-
-    def _span_q4_rows(self, xt: np.ndarray, yt: np.ndarray, a: int, b: int) -> None:
-        """yt[a:b] for q4 rows a..b: a block is widened to q - 8, scaled in place group by group
-        (for k tokens one multiply a weight costs less than scaling k activations per group),
-        then multiplied by all k rows in one GEMM."""
-        inp = self.shape[1]
-        half = inp // 2
-        block = row_block(inp, self.f)
-        chunk = 4 * block
-        pool = workers()
-        with pool.buffer(block * inp) as buf, pool.buffer(chunk * inp // 4 + 1, "nibbles") as scratch:
-            for c0 in range(a, b, chunk):
-                c1 = min(b, c0 + chunk)
-                nibbles = split_nibbles(self.qweight[c0:c1], scratch, signed=True)  # (2, rows, in/2)
-                for r0 in range(c0, c1, block):
-                    r1 = min(c1, r0 + block)
-                    w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
-                    np.copyto(w.reshape(r1 - r0, 2, half), nibbles[:, r0 - c0:r1 - c0].transpose(1, 0, 2),
-                              casting="unsafe")
-                    dequantize_scale(w, self.scales, r0, self.f)
-                    np.matmul(w, xt, out=yt[r0:r1])                         # (block, k)
+            (self._span_q4 if len(x) <= GEMV_TOKENS else self._span_q4_gemm)(x, y, a, b)
 
     # Two threads that both call NumPy often pass the GIL back and forth, and each hand-over waits
-    # for a wake-up; so the kernels make few, long calls: a q8 block is one cast and one gemv.
+    # for a wake-up; so the kernels make few, long calls: a q8 block is one cast and one gemv a token.
 
     def _span_q8(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
-        """y[a:b] = s * (q @ x), one gemv a row block."""
+        """y[:, a:b] = s * (q @ x[t]) for each token t: a block is cast once, then one gemv a
+        token while it is in cache."""
         inp = self.shape[1]
         block = row_block(inp, self.f)
         with workers().buffer(block * inp) as buf:
@@ -381,19 +359,39 @@ class QuantMatrix:
                 r1 = min(b, r0 + block)
                 w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
                 np.copyto(w, self.qweight[r0:r1], casting="unsafe")
-                np.dot(w, x, out=y[r0:r1])
-        y[a:b] *= self.scales[a:b]
+                for t in range(len(x)):
+                    np.dot(w, x[t], out=y[t, r0:r1])
+        y[:, a:b] *= self.scales[a:b]
+
+    def _span_q8_gemm(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
+        """y[:, a:b] = s * (x @ q.T): one cast and one GEMM (block, in) x (in, k) a row block."""
+        inp = self.shape[1]
+        block = row_block(inp, self.f)
+        pool = workers()
+        with pool.buffer(block * inp) as buf, pool.buffer(block * len(x), "gemm out") as tmp:
+            for r0 in range(a, b, block):
+                r1 = min(b, r0 + block)
+                w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
+                np.copyto(w, self.qweight[r0:r1], casting="unsafe")
+                yt = tmp[:(r1 - r0) * len(x)].reshape(r1 - r0, len(x))
+                np.matmul(w, x.T, out=yt)                                   # (block, k)
+                y[:, r0:r1] = yt.T
+        y[:, a:b] *= self.scales[a:b]
 
     def _span_q4(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
-        """y[a:b] for q4 rows a..b (a multiple of the group): each group of g rows multiplies its
-        raw nibbles (0..15) by its scaled activation xs = s * x, less 8 * sum(xs) for the offset.
-        The nibbles of four blocks are split at once; a block is widened in one cast and
-        multiplied in one batched product."""
+        """y[:, a:b] for q4 rows a..b (a multiple of the group): each group of g rows multiplies
+        its raw nibbles (0..15) by each token's scaled activation xs = s * x, less 8 * sum(xs)
+        for the offset. The nibbles of four blocks are split at once; a block is widened in one
+        cast and multiplied in one batched product a token."""
         inp = self.shape[1]
         half, g = inp // 2, self.f.group_size
-        xs = self.scales[a // g:-(-b // g)].astype(np.float32)              # (G, in)
-        xs *= x
-        offset = np.repeat(np.float32(8) * xs.sum(axis=1), g)[:b - a]       # (b - a,)
+        xs = self.scales[a // g:-(-b // g)].astype(np.float32)                        # (G, in)
+        if len(x) == 1:
+            xs *= x[0]
+            xs = xs[None]                                                             # (1, G, in)
+        else:
+            xs = xs[None] * x[:, None, :]                                             # (k, G, in)
+        offset = np.repeat(np.float32(8) * xs.sum(axis=2), g, axis=1)[:, :b - a]     # (k, b - a)
         block = row_block(inp, self.f)
         chunk = 4 * block
         pool = workers()
@@ -409,12 +407,37 @@ class QuantMatrix:
                     np.copyto(w.reshape(n, 2, half), nibbles[:, r0 - c0:r1 - c0].transpose(1, 0, 2),
                               casting="unsafe")
                     g0 = (r0 - a) // g
-                    if full:
-                        np.matmul(w[:full].reshape(-1, g, inp), xs[g0:g0 + full // g, :, None],
-                                  out=y[r0:r0 + full].reshape(-1, g, 1))    # (groups, g, 1)
-                    if full < n:      # the matrix's last, partial group
-                        y[r0 + full:r1] = w[full:] @ xs[-1]
-        y[a:b] -= offset
+                    for t in range(len(x)):
+                        if full:
+                            np.matmul(w[:full].reshape(-1, g, inp), xs[t, g0:g0 + full // g, :, None],
+                                      out=y[t, r0:r0 + full].reshape(-1, g, 1))  # (groups, g, 1)
+                        if full < n:      # the matrix's last, partial group
+                            y[t, r0 + full:r1] = w[full:] @ xs[t, -1]
+        y[:, a:b] -= offset
+
+    def _span_q4_gemm(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
+        """y[:, a:b] for q4 rows a..b and many tokens: a block is widened to q - 8 and scaled in
+        place (one multiply a weight, cheaper than scaling k activations per group once k is
+        large), then multiplied by all k rows in one GEMM."""
+        inp = self.shape[1]
+        half = inp // 2
+        block = row_block(inp, self.f)
+        chunk = 4 * block
+        pool = workers()
+        with (pool.buffer(block * inp) as buf, pool.buffer(chunk * inp // 4 + 1, "nibbles") as scratch,
+              pool.buffer(block * len(x), "gemm out") as tmp):
+            for c0 in range(a, b, chunk):
+                c1 = min(b, c0 + chunk)
+                nibbles = split_nibbles(self.qweight[c0:c1], scratch, signed=True)  # (2, rows, in/2)
+                for r0 in range(c0, c1, block):
+                    r1 = min(c1, r0 + block)
+                    w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
+                    np.copyto(w.reshape(r1 - r0, 2, half), nibbles[:, r0 - c0:r1 - c0].transpose(1, 0, 2),
+                              casting="unsafe")
+                    dequantize_scale(w, self.scales, r0, self.f)
+                    yt = tmp[:(r1 - r0) * len(x)].reshape(r1 - r0, len(x))
+                    np.matmul(w, x.T, out=yt)                               # (block, k)
+                    y[:, r0:r1] = yt.T
 
     def matmul_many(self, x: np.ndarray) -> np.ndarray:
         """x (T, in) @ W.T for many tokens: dequantize chunks of rows once, then GEMM each,
