@@ -44,16 +44,21 @@ class PromptLookup:
 
 
 class DraftLength:
-    """How many tokens to draft next, adapted to how the drafts fare: longer after a draft
-    accepted whole, shorter after a rejection, and after drafts that were wholly rejected, a
-    pause of plain decode steps that doubles each time (so a text that never repeats itself
-    costs next to nothing: the floor is plain decoding)."""
+    """How many tokens to draft next, adapted to what drafting earns. A verification pass of
+    1 + d tokens costs more than a plain step (little more on low-bit weights, whose few-token
+    kernel widens each weight once for the pass; much more on float32, where BLAS multiplies a
+    few columns slowly), so each pass is judged by the tokens it produced per second against
+    plain steps' (both timed as they run): longer after a pass that paid and took its whole
+    draft, shorter after one that did not, and after a pass that lost, a pause of plain steps
+    that doubles each time, so that text which never repeats itself, or weights on which passes
+    cost too much, run at plain decoding's speed."""
 
     def __init__(self, most: int):
         self.most = most
         self.n = min(most, 4)
         self.pause = 0          # plain steps left before the next draft
-        self.backoff = 1        # the pause after the next wholly rejected draft
+        self.backoff = 1        # the pause after the next pass that lost
+        self.step_s = None      # a plain step's seconds, a moving average
 
     def next(self) -> int:
         if self.pause > 0:
@@ -61,15 +66,18 @@ class DraftLength:
             return 0
         return self.n
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record_step(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+
+    def record(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """A pass of 1 + drafted tokens that kept `accepted` of the draft (and gave one token more)."""
         if drafted == 0:
             return
-        if accepted == drafted:
-            self.n = min(self.most, self.n + 2)
-            self.backoff = 1
-        elif accepted == 0:
+        paid = accepted > 0 and (seconds is None or self.step_s is None
+                                 or (accepted + 1) / seconds > 1 / self.step_s)
+        if not paid:
             self.n = max(1, self.n // 2)
             self.pause, self.backoff = self.backoff, min(2 * self.backoff, 64)
-        else:
-            self.n = max(1, accepted + 1)
-            self.backoff = 1
+            return
+        self.backoff = 1
+        self.n = min(self.most, self.n + 2) if accepted == drafted else max(1, accepted + 1)

@@ -136,10 +136,14 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
     while (yield from emit(token)) and cache.free > 0:
         n = min(length.next(), max_new_tokens - len(generated) - 1, cache.free - 1) if length else 0
         guess = source.propose(history, n)[:n] if n > 0 else []
+        started = time.perf_counter()
         if not guess:
             token = sampler(check_logits(model.forward([token], cache)), history)
+            if length:
+                length.record_step(time.perf_counter() - started)
             continue
         rows = check_logits(model.forward([token, *guess], cache, all_logits=True))  # (1 + d, V)
+        took = time.perf_counter() - started
         accepted, going = 0, True
         for row, guessed in zip(rows, guess):
             ok, token = sampler.verify(row, history, guessed)
@@ -151,7 +155,7 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
                 break
         counts["drafted"] += len(guess)
         counts["accepted"] += accepted
-        length.record(len(guess), accepted)
+        length.record(len(guess), accepted, took)
         # the cache keeps what plain decoding would have fed: every generated token but the last
         # the cache keeps every token fed that plain decoding would have fed: all the generated
         # ones, but for the last when generation ends there (a rejected draft's replacement, or

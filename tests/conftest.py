@@ -49,3 +49,13 @@ def assert_reference_rows(case, split: str, tol: float) -> None:
     assert got.dtype == np.float32 and got.shape == ref.shape
     diff = np.abs(got - ref).max(axis=-1)
     assert diff.max() <= tol, f"{name}/{split}: worst row {diff.argmax()} differs by {diff.max():.2e}"
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if any weight is loaded: options must be refused before that."""
+    import ds2cli.options as options_module   # where the commands load their model
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+    monkeypatch.setattr(options_module, "load", load)

@@ -346,12 +346,7 @@ def test_inspect_refuses_a_directory_and_a_different_model_option(tmp_path):
 @pytest.mark.parametrize("args", [["--temperature", "nan"], ["--temp", "inf"], ["--top-p", "nan"],
                                   ["--min-p", "-inf"], ["--repetition-penalty", "nan"], ["--seed", "-5"],
                                   ["--seed", "x"]])
-def test_non_finite_values_and_negative_seeds_are_usage_errors(command, args, monkeypatch):
-    import ds2cli.options as options_module
-
-    def load(*a, **k):
-        raise AssertionError("the model was loaded before the options were checked")
-    monkeypatch.setattr(options_module, "load", load)
+def test_non_finite_values_and_negative_seeds_are_usage_errors(no_loading, command, args):
     r = run(*command, *args)
     assert r.exit_code == 2 and args[0] in r.stderr and "Traceback" not in r.output, r.output
 

@@ -589,16 +589,6 @@ def test_prompt_longer_than_the_context():
     assert_one_error_line(result, "more than the context of 8 tokens")
 
 
-@pytest.fixture
-def no_loading(monkeypatch):
-    """Fail the test if any weight is loaded: options must be refused before that."""
-    import ds2cli.options as options_module   # where the commands load their model
-
-    def load(*args, **kwargs):
-        raise AssertionError("the model was loaded before the options were checked")
-    monkeypatch.setattr(options_module, "load", load)
-
-
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
 @pytest.mark.parametrize("args, option, text", [
     (["--ctx", "4096"], "--ctx", "4096 is larger than the model's max_position_embeddings (1024)"),

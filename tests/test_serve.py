@@ -289,16 +289,6 @@ def test_seed_minus_one_asks_for_a_random_seed_over_the_server_default(model):
         assert len({ask(seed=-1) for _ in range(4)}) > 1
 
 
-@pytest.fixture
-def no_loading(monkeypatch):
-    """Fail the test if any weight is loaded: options must be refused before that."""
-    import ds2cli.options as options_module   # where the commands load their model
-
-    def load(*args, **kwargs):
-        raise AssertionError("the model was loaded before the options were checked")
-    monkeypatch.setattr(options_module, "load", load)
-
-
 @pytest.mark.parametrize("args, option, text", [
     (["--temperature", "-1"], "--temperature", "-1.0 is not in the range x>=0"),
     (["--temp", "-1"], "--temperature", "-1.0 is not in the range x>=0"),
