@@ -47,18 +47,22 @@ class DraftLength:
     """How many tokens to draft next, adapted to what drafting earns. A verification pass of
     1 + d tokens costs more than a plain step (little more on low-bit weights, whose few-token
     kernel widens each weight once for the pass; much more on float32, where BLAS multiplies a
-    few columns slowly), so each pass is judged by the tokens it produced per second against
-    plain steps' (both timed as they run): longer after a pass that paid and took its whole
-    draft, shorter after one that did not, and after a pass that lost, a pause of plain steps
-    that doubles each time, so that text which never repeats itself, or weights on which passes
-    cost too much, run at plain decoding's speed."""
+    few columns slowly), so each pass is judged by its gain: the tokens it produced per second
+    against a plain step's one (both timed as they run), averaged over the recent passes. While
+    the gain is above 1 the draft grows after a pass that took it whole and shrinks to what was
+    taken otherwise; below 1 (text that never repeats itself, weights on which passes cost too
+    much) drafting pauses for FIRST_PAUSE plain steps, twice as many each time, up to MAX_PAUSE,
+    so decoding runs at plain speed but for one trial pass in MAX_PAUSE steps."""
+
+    FIRST_PAUSE, MAX_PAUSE = 8, 64      # three trial passes in the first 100 tokens of a losing text
 
     def __init__(self, most: int):
         self.most = most
         self.n = min(most, 4)
         self.pause = 0          # plain steps left before the next draft
-        self.backoff = 1        # the pause after the next pass that lost
+        self.backoff = self.FIRST_PAUSE   # the pause after the next pass that lost
         self.step_s = None      # a plain step's seconds, a moving average
+        self.gain = None        # recent passes' tokens a second / plain steps', a moving average
 
     def next(self) -> int:
         if self.pause > 0:
@@ -73,11 +77,14 @@ class DraftLength:
         """A pass of 1 + drafted tokens that kept `accepted` of the draft (and gave one token more)."""
         if drafted == 0:
             return
-        paid = accepted > 0 and (seconds is None or self.step_s is None
-                                 or (accepted + 1) / seconds > 1 / self.step_s)
-        if not paid:
-            self.n = max(1, self.n // 2)
-            self.pause, self.backoff = self.backoff, min(2 * self.backoff, 64)
+        if seconds and self.step_s:
+            gain = (accepted + 1) * self.step_s / seconds
+        else:       # not timed yet: a pass counted as costing one step more than a plain one
+            gain = (accepted + 1) / 2
+        self.gain = gain if self.gain is None else 0.7 * self.gain + 0.3 * gain
+        if accepted > 0 and self.gain > 1:
+            self.pause, self.backoff = 0, self.FIRST_PAUSE
+            self.n = min(self.most, self.n + 2) if accepted == drafted else max(1, accepted + 1)
             return
-        self.backoff = 1
-        self.n = min(self.most, self.n + 2) if accepted == drafted else max(1, accepted + 1)
+        self.n = max(1, self.n // 2)
+        self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_PAUSE)

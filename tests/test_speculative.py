@@ -208,12 +208,19 @@ def test_prompt_lookup_and_the_draft_length():
     assert look.propose([5, 1, 7, 5, 1, 8, 5, 1], 2) == [8, 5]       # the latest occurrence
     assert look.propose([4], 2) == [] and look.propose([], 2) == []
     length = DraftLength(8)
+    assert length.next() == 4
     length.record(4, 0)                            # wholly rejected: a pause of plain steps
-    assert length.next() == 0 and length.next() > 0
-    length.record(2, 0)
-    assert [length.next() for _ in range(3)] == [0, 0, 1]
-    length.record(1, 1)
-    assert length.next() == 3
+    assert [length.next() for _ in range(9)] == [0] * 8 + [2]
+    length.record(2, 0)                            # again: twice as long
+    assert [length.next() for _ in range(17)] == [0] * 16 + [1]
+    length.record_step(0.01)
+    length.record(1, 1, seconds=0.011)             # two tokens for 1.1 steps: it pays (gain 1.8 on average 0.8)
+    length.record(1, 1, seconds=0.011)
+    assert length.gain > 1 and length.next() > 1 and length.backoff == DraftLength.FIRST_PAUSE
+    dear = DraftLength(8)
+    dear.record_step(0.01)
+    dear.record(4, 4, seconds=0.06)                # all taken, but 5 tokens for 6 steps: a loss
+    assert dear.next() == 0
 
 
 @pytest.mark.parametrize("value", ["-1", "64", "x"])
