@@ -118,22 +118,23 @@ class TokenSampler:
 
     def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
         p = self.distribution(logits, history)
-        return p if isinstance(p, int) else int(self.rng.choice(len(p), p=p))
+        if isinstance(p, int):
+            return p
+        # what rng.choice(len(p), p=p) does, written out: one uniform draw a token
+        cdf = np.cumsum(p)
+        cdf /= cdf[-1]
+        return int(cdf.searchsorted(self.rng.random(), side="right"))
 
     def verify(self, logits: np.ndarray, history: Sequence[int], draft: int) -> tuple[bool, int]:
-        """Speculative sampling for a deterministic draft (a point mass on `draft`): accept it
-        with the target's probability p(draft); otherwise sample from p with the draft removed,
-        renormalised. The token returned is then distributed exactly as __call__'s would be:
-        P(t) = p(draft)[t = draft] + (1 - p(draft)) p(t)[t != draft] / (1 - p(draft)) = p(t).
-        Greedy: accepted when it is the arg max, which is returned either way."""
-        p = self.distribution(logits, history)
-        if isinstance(p, int):
-            return p == draft, p
-        if self.rng.random() < p[draft]:
-            return True, draft
-        rest = p.copy()
-        rest[draft] = 0.0
-        return False, int(self.rng.choice(len(rest), p=rest / rest.sum()))
+        """Speculative sampling for a deterministic draft (a point mass on `draft`): the token
+        for this position is sampled as __call__ samples it, with the same one draw, and the
+        draft is accepted when they agree. So P(accept) = p(draft), and a rejected draft leaves
+        a token distributed as p with the draft removed and renormalised: the standard rule for
+        such a draft. And since every position takes exactly one draw, drafted or not, the
+        output is the very one plain sampling gives with the same seed, however many drafts
+        were made or taken. Greedy: the arg max, accepted when it is the draft."""
+        token = self(logits, history)
+        return token == draft, token
 
 
 class CountingSampler:

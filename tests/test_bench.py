@@ -61,7 +61,12 @@ def numbers(x):
 
 def test_every_figure_is_there_positive_and_finite(report):
     assert report["settings"] == {"repeats": 1, "prompt_lengths": [4, 16], "contexts": [16, 64],
-                                  "decode_steps": 2}
+                                  "decode_steps": 2, "passes": [2, 4]}
+    # passes of k tokens after the smallest context, each against a decode step of the same repeat
+    assert [(p["tokens"], p["context"]) for p in report["passes"]] == [(2, 16), (4, 16)]
+    for p in report["passes"]:
+        assert p["step_ratio"]["median"] > 0 and p["seconds"]["median"] > 0
+        assert 1 <= p["routed_experts_per_layer"] <= 64 and p["weight_bytes"] > 0
     assert [p["tokens"] for p in report["prefill"]] == [4, 16]
     assert [d["context"] for d in report["decode"]] == [16, 64]
     probes = [report["probes"]["matvec"]["gb_per_s"],
@@ -169,7 +174,8 @@ def test_default_counts_are_cut_to_the_positions_the_model_holds(monkeypatch):
     result = run_bench("--repeats", "1", "--decode-steps", "2", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["settings"] == {"repeats": 1, "prompt_lengths": [16, 512],
-                                                     "contexts": [128, 1022], "decode_steps": 2}
+                                                     "contexts": [128, 1022], "decode_steps": 2,
+                                                     "passes": [2, 4]}
     err = result.stderr.splitlines()
     [note] = [k for k, line in enumerate(err) if "max_position_embeddings" in line]
     assert "1024" in err[note] and "--contexts 128,1022" in err[note] and "--prompt-lengths" not in err[note]
@@ -193,7 +199,7 @@ def test_piped_table_keeps_every_row_on_one_line(monkeypatch):
     result = run_bench(*[a for a in TINY_ARGS if a != "--json"])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert len(rows) == 9       # probes 3, load, prefill 2, decode 2, peak RSS
+    assert len(rows) == 11      # probes 3, load, prefill 2, decode 2, passes 2, peak RSS
     for row in rows:
         cells = r"\s+".join(re.escape(cell) for cell in row if cell)
         assert any(re.search(cells, line) for line in lines), row
