@@ -60,10 +60,10 @@ class Seed(click.ParamType):
         return "SEED"
 
 
-def model_option(f):
+def model_option(f, default: str = "the bundled ds2-tiny"):
     return click.option("-m", "--model", "model_dir", envvar="DS2_MODEL", type=click.Path(path_type=Path),
                         help="Checkpoint directory (Hugging Face layout) or Hugging Face id (org/name[@rev]); "
-                             "the environment variable DS2_MODEL sets it too. Default: the bundled ds2-tiny.")(f)
+                             f"the environment variable DS2_MODEL sets it too. Default: {default}.")(f)
 
 
 def chat_template_option(extra: str = ""):

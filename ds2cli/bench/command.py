@@ -3,6 +3,7 @@ is synthesised or loaded, call the run (or the format comparison), render its re
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ds2cli.bench.settings import BenchError, cache_tokens, check_settings, clip
 from ds2cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
 from ds2cli.config import DeepseekV2Config
 from ds2cli.loader import check_model_dir, read_quant_config
+from ds2cli.options import model_option, thread_limits, threads_option
 from ds2cli.qcheckpoint import QuantConfig
 
 
@@ -64,8 +66,8 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
 
 
 @click.command("bench")
-@click.option("-m", "--model", "model_dir", type=click.Path(path_type=Path),
-              help="Benchmark this checkpoint directory instead of the synthetic DeepSeek-V2-Lite slice.")
+@functools.partial(model_option, default="the synthetic DeepSeek-V2-Lite slice (see --layers)")
+@threads_option
 @click.option("--layers", type=click.IntRange(1, LITE_LAYERS),
               help=f"Layers of the synthetic DeepSeek-V2-Lite slice.  [default: {DEFAULT_LAYERS}]")
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), envvar="DS2_BENCH_DIR",
@@ -96,8 +98,8 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
                    "samples of each, interleaved, for the speed ratios.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
-def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, passes, compare_hf,
-          quantize, formats, as_json):
+def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, passes,
+          compare_hf, quantize, formats, as_json):
     """Measure load, prefill and decode speed, and compare them with what this machine's memory
     bandwidth and float32 GEMM can do.
 
@@ -124,11 +126,13 @@ def bench(model_dir, layers, cache_dir, repeats, prompt_lengths, contexts, decod
                      stored or (QuantConfig.recipe(bits) if bits and formats else None),
                      None if formats else bits, context)
     path = model_dir or synthetic_model(bench_dir, layers or DEFAULT_LAYERS)
-    if formats:
-        report = compare_formats(path, bench_dir, formats, repeats, prompt_lengths, contexts, decode_steps)
-    else:
-        report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
-                           int(quantize) if quantize else None, passes)
+    with thread_limits(threads):
+        if formats:
+            report = compare_formats(path, bench_dir, formats, repeats, prompt_lengths, contexts, decode_steps,
+                                     threads)
+        else:
+            report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
+                               int(quantize) if quantize else None, passes)
     if as_json:
         click.echo(json.dumps(report))
     else:

@@ -36,7 +36,7 @@ def quantized_copy(path: Path, bench_dir: Path, bits: int) -> Path:
 
 
 def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], repeats: int,
-                    prompt_lengths: list[int], contexts: list[int], steps: int) -> dict:
+                    prompt_lengths: list[int], contexts: list[int], steps: int, threads: int | None = None) -> dict:
     """Each format benchmarked by fresh `ds2 bench --json -r 1` processes, so that each has its
     own peak RSS, in rounds: every round runs each format once, in turn. A shared machine's speed
     drifts over minutes, so a ratio is taken within each round, between runs made a minute or
@@ -44,7 +44,8 @@ def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], repe
     now with another's made ten minutes later."""
     targets = {"f32" if bits is None else f"q{bits}": path if bits is None else quantized_copy(path, bench_dir, bits)
                for bits in formats}
-    settings = ["-p", ",".join(map(str, prompt_lengths)), "-c", ",".join(map(str, contexts)), "-n", str(steps)]
+    settings = ["-p", ",".join(map(str, prompt_lengths)), "-c", ",".join(map(str, contexts)), "-n", str(steps),
+                *(["--threads", str(threads)] if threads else [])]
     runs: dict[str, list[dict]] = {name: [] for name in targets}
     for k in range(repeats):
         for name, target in targets.items():
