@@ -1,6 +1,7 @@
 """Shared fixtures: writable copies of the bundled and reference checkpoints, to break in tmp_path."""
 
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,11 @@ import pytest
 from ds2cli.loader import bundled_model_dir
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
+
+# A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT
+# ignored, and so would every ds2 process the tests start: the tests that press Ctrl-C need the
+# default disposition in their children, whatever the suite was started from.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
