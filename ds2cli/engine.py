@@ -31,6 +31,7 @@ from ds2cli.model import Model
 from ds2cli.prompt_cache import PromptCache
 from ds2cli.sampling import make_sampler
 
+
 class ClientGone(Exception):
     """The request's client hung up: stop generating, write nothing more."""
 
