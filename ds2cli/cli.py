@@ -19,8 +19,6 @@ from ds2cli.bench import bench
 from ds2cli.chat import ChatSession, read_messages
 from ds2cli.console import quiet_broken_pipe, write_out
 from ds2cli.describe import describe
-from ds2cli.tables import render
-from ds2cli.text import plural
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.loader import bundled_model_dir, check_model_dir
@@ -31,6 +29,8 @@ from ds2cli.options import (argument_text, chat_template_option, check_ctx, gene
 from ds2cli.repl import CHAT_HELP, Repl
 from ds2cli.sampling import CountingSampler
 from ds2cli.serve import serve
+from ds2cli.tables import render
+from ds2cli.text import plural
 
 DEFAULT_CHAT_CTX = 4096  # chat keeps one cache for the whole conversation; cap its default size
 PIPE_CLOSED_EXIT = 0     # every command, when the reader of stdout goes away (`| head`)
@@ -193,12 +193,12 @@ def run_generate(model: Model, load_s: float, text: str, chat: bool, system: str
         last = run_generation(chunks, as_json, pieces)
     except KeyboardInterrupt:
         chunks.close()
-        # the timings of what ran: the prefill and the decode steps up to the last chunk shown
+        # the timings of what ran: the prefill, and the decode steps up to the last chunk shown
         ran = pieces[-1] if pieces else Chunk("", prompt_tokens=len(ids))
-        interrupted = dataclasses.replace(ran, text="".join(c.text for c in pieces), finish_reason="interrupted",
-                                          generated_tokens=sampler.count)
-        if as_json:
-            write_out(json.dumps(generation_json(interrupted, load_s, opts["draft"]), ensure_ascii=False) + "\n")
+        interrupted = dataclasses.replace(ran, text="".join(c.text for c in pieces), finish_reason="interrupted")
+        if as_json:   # every token sampled counts, those held back (a partial stop string) too
+            out = {**generation_json(interrupted, load_s, opts["draft"]), "generated_tokens": sampler.count}
+            write_out(json.dumps(out, ensure_ascii=False) + "\n")
         else:
             write_out("\n")
         if opts["stats"]:

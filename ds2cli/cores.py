@@ -4,8 +4,8 @@ The model's math asks this module two things and nothing else (attention.py, moe
   split(n, tokens)         [0, n) as slices that the cores may run at once (independent heads)
   map(fn, items, cost)     [fn(item) for item in items], the items shared across the cores
 Whether sharing pays is decided here, not in the math: only while a low-bit forward pass holds
-BLAS at one thread (`forward_pass`), and not in a decode step whose matvecs the helper processes
-(helpers.py) already split; the costliest items go first, so the cores finish together.
+BLAS at one thread (`forward_pass`), and not in a pass of few tokens whose products the helper
+processes (helpers.py) already split; the costliest items go first, so the cores finish together.
 
 The low-bit kernels (quant.py) split their own row blocks with `Workers.run` and borrow their
 scratch buffers here (`Workers.buffer`).
@@ -110,9 +110,9 @@ class Workers:
     def map(self, fn, items) -> list:
         """[fn(item) for item in items], the items shared across the cores while a low-bit
         forward pass holds BLAS at one thread: each core takes the next item when it is free
-        and runs it with kernels on that core alone (a decode step's six experts are too small
-        to split each one well). In order, on this thread, otherwise, and in a decode step that
-        has helper processes, whose matvecs are each split across the processes instead."""
+        and runs it with kernels on that core alone. In order, on this thread, otherwise, and in
+        a pass of few tokens that has helper processes, whose products are each split across the
+        processes instead (a decode step's six experts are too small to share out whole)."""
         items = list(items)
         if self.lanes < 2 or len(items) < 2:
             return [fn(item) for item in items]
@@ -155,10 +155,11 @@ def use_workers(pool: Workers) -> None:
 @contextlib.contextmanager
 def forward_pass(low_bit: bool, tokens: int):
     """What a forward pass of `tokens` tokens runs in. Over low-bit weights: BLAS held at one
-    thread throughout (a one-token pass is a decode step, which the helper processes share). OpenBLAS's idle threads keep spinning for a while after each call, and a
-    spinning BLAS thread takes a core from the low-bit kernels' own threads: holding BLAS at one
-    thread for the whole decode step measured 6.5 tok/s against 3.9 on the 4-layer V2-Lite
-    slice at 8 bits (2 cores)."""
+    thread throughout, and a pass of at most FEW_TOKENS tokens marked as one whose products the
+    helper processes share. OpenBLAS's idle threads keep spinning for a while after each call,
+    and a spinning BLAS thread takes a core from the low-bit kernels' own threads: holding BLAS
+    at one thread for the whole decode step measured 6.5 tok/s against 3.9 on the 4-layer
+    V2-Lite slice at 8 bits (2 cores)."""
     pool = workers()
     if not low_bit or pool.n < 2:
         yield
@@ -216,9 +217,9 @@ def split_rows(rows: int, parts: int, g: int) -> list[tuple[int, int]]:
 
 
 def split(n: int, tokens: int) -> list[slice]:
-    """[0, n) as consecutive slices, one for each core that may run them at once: several for a
-    prompt (T > 1) in a low-bit pass, else the whole (a decode step's attention is too small to
-    be worth splitting)."""
+    """[0, n) as consecutive slices, one for each core that may run them at once: several in a
+    low-bit prefill (Workers.lanes), else the whole (a decode step's attention is too small to be
+    worth splitting, and a few-token pass splits its products instead)."""
     return [slice(a, b) for a, b in split_rows(n, workers().lanes if tokens > 1 else 1, 1)]
 
 

@@ -132,8 +132,8 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
 
     source = drafts or (PromptLookup() if draft > 0 else None)
     length = DraftLength(draft) if draft > 0 else None
-    token = sampler(logits, history)
-    while (yield from emit(token)) and cache.free > 0:
+    token = sampler(logits, history) if max_new_tokens > 0 else None
+    while token is not None and (yield from emit(token)) and cache.free > 0:
         n = min(length.next(), max_new_tokens - len(generated) - 1, cache.free - 1) if length else 0
         guess = source.propose(history, n)[:n] if n > 0 else []
         started = time.perf_counter()
@@ -156,7 +156,6 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
         counts["drafted"] += len(guess)
         counts["accepted"] += accepted
         length.record(len(guess), accepted, took)
-        # the cache keeps what plain decoding would have fed: every generated token but the last
         # the cache keeps every token fed that plain decoding would have fed: all the generated
         # ones, but for the last when generation ends there (a rejected draft's replacement, or
         # the next token, is fed by the next pass)

@@ -1,16 +1,17 @@
-"""Helper processes: the other cores of a decode step.
+"""Helper processes: the other cores of a decode step (and of any pass of few tokens).
 
 Two threads that both call NumPy in short calls spend much of their time handing the GIL to
 each other (measured: the q8 decode kernel run on two cores scaled 1.3-1.6x as two threads and
-1.9x as two processes). So a one-token step hands the other cores' rows of each matvec to
-helper processes instead. A helper is forked from this process once the weights exist, so it
+1.9x as two processes). So a one-token step, or a pass of a few tokens (cores.FEW_TOKENS),
+hands the other cores' rows of each product to helper processes instead. A helper is forked from this process once the weights exist, so it
 sees every weight at the same address: memory-mapped files and copy-on-write pages are shared
 with it, never copied. For each matvec this process writes x into the helper's shared memory,
 sends it one small message through a pipe (which matrix, which rows), runs its own rows, and
 reads the helper's rows back from the shared memory.
 
-The protocol: a JOB message (seq, matrix key, expert, rows a..b, in, out) on the helper's job
-pipe, x in its shared memory; the helper writes y[a:b] beside x and answers DONE (seq, ok).
+The protocol: a JOB message (seq, matrix key, expert, rows a..b, in, out, k) on the helper's job
+pipe, x (k, in) in its shared memory; the helper writes its columns a..b of y (k, out) beside x
+and answers DONE (seq, ok).
 A matrix is known to a helper by its key (`register`), given before the fork.
 """
 
@@ -43,7 +44,7 @@ HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec 
 
 
 def helpers_wanted() -> bool:
-    """Whether decode steps split their matvecs across helper processes: on Linux (macOS's
+    """Whether few-token passes split their products across helper processes: on Linux (macOS's
     system libraries, Accelerate among them, are not safe to use in a forked child, which is why
     Python's multiprocessing no longer forks there), with more than one core; DS2_HELPERS=0
     turns them off, and threads are used instead."""
