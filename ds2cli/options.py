@@ -36,10 +36,12 @@ class FiniteFloatRange(click.FloatRange):
         return number
 
 
-class Seed(click.ParamType):
-    """A seed: an integer >= 0, or -1 for a random one (as llama.cpp and API clients mean it)."""
+class Seed(click.IntRange):
+    """A seed: an integer >= 0, or -1 for a random one (as llama.cpp and API clients mean it).
+    An IntRange, so that --help shows the range."""
 
-    name = "integer"
+    def __init__(self):
+        super().__init__(min=-1)
 
     def convert(self, value, param, ctx):
         if isinstance(value, int) and not isinstance(value, bool):
@@ -52,9 +54,6 @@ class Seed(click.ParamType):
         if seed < -1:
             self.fail(f"{seed} is not a seed: give an integer >= 0, or -1 for a random one.", param, ctx)
         return None if seed == -1 else seed
-
-    def get_metavar(self, param, *args, **kwargs) -> str:
-        return "INTEGER"
 
     def __repr__(self) -> str:
         return "SEED"
