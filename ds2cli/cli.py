@@ -26,6 +26,7 @@ from ds2cli.model import Model
 from ds2cli.options import (argument_text, chat_template_option, check_ctx, generation_options,
                             load_model, max_new_tokens_for, memory_options, model_config, model_from_env,
                             model_option, naming_ds2_model, sampler_for, strip_bom, thread_limits, unescape)
+from ds2cli.quantize import quantize_checkpoint
 from ds2cli.repl import CHAT_HELP, Repl
 from ds2cli.sampling import CountingSampler
 from ds2cli.serve import serve
@@ -316,9 +317,7 @@ def quantize(src, dst, bits, force, as_json):
 
     DST is a checkpoint every ds2 command loads (-m DST), memory-mapped: it loads in about a
     second and takes about a quarter (--bits 8) or a sixth (--bits 4) of the float32 memory."""
-    from ds2cli.quantize import quantize_checkpoint
-    progress = console.LoadProgress(delay=0, label="quantizing")
-    t0 = time.perf_counter()
+    progress, t0 = console.LoadProgress(delay=0, label="quantizing"), time.perf_counter()
     try:
         summary = quantize_checkpoint(src, dst, int(bits), force=force, progress=progress)
     except KeyboardInterrupt:
@@ -327,17 +326,17 @@ def quantize(src, dst, bits, force, as_json):
         sys.exit(130)
     finally:
         progress.close()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)   # DST is complete: a late Ctrl-C changes nothing
-    try:
-        summary["seconds"] = round(time.perf_counter() - t0, 2)
-        if as_json:
-            write_out(json.dumps(summary) + "\n")
-        else:
-            console.info(f"wrote {summary['path']}: {memory.gb(summary['bytes'])} ({bits}-bit, "
-                         f"{summary['bytes'] / summary['float32_bytes']:.2f}x the float32 weights) "
-                         f"in {summary['seconds']:.1f}s")
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    # DST is complete: a Ctrl-C from here to the process's end changes nothing, and must not
+    # turn the run into a failure after `wrote` (exit 130), not even while Python shuts down,
+    # when its own handler is gone and SIGINT would kill the process: ignored, as serve does
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    if as_json:
+        write_out(json.dumps(summary) + "\n")
+    else:
+        console.info(f"wrote {summary['path']}: {memory.gb(summary['bytes'])} ({bits}-bit, "
+                     f"{summary['bytes'] / summary['float32_bytes']:.2f}x the float32 weights) "
+                     f"in {summary['seconds']:.1f}s")
 
 
 main.add_command(bench)    # the benchmark: a tool of its own, in bench/

@@ -56,7 +56,8 @@ def stats_line(load_s: float | None, last: Chunk, cache: LatentCache) -> str:
 
 class LoadProgress:
     """A progress callback for loader.load that shows a bar on stderr only once loading has
-    taken more than `delay` seconds, so fast loads stay silent."""
+    taken more than `delay` seconds, so fast loads stay silent, and only on a terminal (rich
+    draws nothing useful into a pipe or a log, only the empty line a transient bar leaves)."""
 
     def __init__(self, delay: float = 1.0, label: str = "loading"):
         self.label = label
@@ -66,7 +67,7 @@ class LoadProgress:
         self.task = None
 
     def __call__(self, done: int, total: int) -> None:
-        if self.bar is None and time.perf_counter() - self.start > self.delay:
+        if self.bar is None and time.perf_counter() - self.start > self.delay and sys.stderr.isatty():
             self.bar = Progress(TextColumn(self.label), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
             self.bar.start()

@@ -17,6 +17,14 @@ REFERENCE = Path(__file__).parent / "data" / "reference"
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def sigint_as_it_was():
+    """A command run in-process may leave its own SIGINT handler behind (a finished quantize or
+    serve ignores late signals, as the process would be ending): the next test gets Python's."""
+    yield
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture
 def checkpoint_copy(tmp_path):
     """`checkpoint_copy("plain_rope_tied_fp16")` -> a copy of that reference case in tmp_path

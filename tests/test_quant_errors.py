@@ -261,7 +261,7 @@ def test_bench_refuses_what_cannot_fit_before_synthesising(tmp_path):
     assert "as 8-bit" in line and leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("at", ["a layer", "the commit"])
+@pytest.mark.parametrize("at", ["a layer", "the commit", "the summary"])
 def test_ctrl_c_in_quantize_says_nothing_was_written_and_leaves_nothing(tmp_path, monkeypatch, at):
     """Interrupted while writing a layer: one line says so, exit 130, and neither DST, its
     partial directory nor the parent directories made for it remain. A Ctrl-C that lands while
@@ -277,13 +277,22 @@ def test_ctrl_c_in_quantize_says_nothing_was_written_and_leaves_nothing(tmp_path
                 os.kill(os.getpid(), signal.SIGINT)      # a real SIGINT, raised at the next bytecode
             return real(*args, **kwargs)
         monkeypatch.setattr(qcheckpoint, "write_safetensors", write)
-    else:
+    elif at == "the commit":
         real_commit = files.commit
 
         def commit(*args):
             os.kill(os.getpid(), signal.SIGINT)
             return real_commit(*args)
         monkeypatch.setattr(files, "commit", commit)
+    else:                                               # while `wrote ...` is printed: too late
+        from ds2cli import console
+        real_info = console.info
+
+        def info(message):
+            if message.startswith("wrote"):
+                os.kill(os.getpid(), signal.SIGINT)
+            real_info(message)
+        monkeypatch.setattr(console, "info", info)
     r = run("quantize", bundled_model_dir(), dst, "--bits", "8")
     if at == "a layer":
         assert r.exit_code == 130, r.output
