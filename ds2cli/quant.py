@@ -301,15 +301,7 @@ class QuantMatrix:
             with workers().buffer(out * inp) as buf:
                 return dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)) @ x
         y = np.empty(out, np.float32)
-        pool = workers()
-        spans = split_rows(out, pool.parts, self.f.row_align)
-        procs = helpers.helpers_for() if len(spans) > 1 else None
-        try:
-            if procs is not None and procs.matvec(self, x, y, spans, self.span):
-                return y
-        except helpers.HelperGone:
-            pass
-        pool.run(lambda a, b: self.span(x, y, a, b), spans)
+        self.spread(x, y)
         return y
 
     def matmul_few(self, x: np.ndarray) -> np.ndarray:
@@ -326,16 +318,21 @@ class QuantMatrix:
             x = np.concatenate([x, np.zeros((GEMM_MIN_TOKENS - k, inp), np.float32)])
         x = np.ascontiguousarray(x)
         y = np.empty((len(x), out), np.float32)                             # (k, out)
+        self.spread(x, y)
+        return y[:k]
+
+    def spread(self, x: np.ndarray, y: np.ndarray) -> None:
+        """y = x @ W.T (x (in,) or (k, in)) in row spans over the cores: with the helper
+        processes in a few-token pass (they run the other spans), else with threads."""
         pool = workers()
-        spans = split_rows(out, pool.parts, self.f.row_align)
+        spans = split_rows(self.shape[0], pool.parts, self.f.row_align)
         procs = helpers.helpers_for() if len(spans) > 1 else None
         try:
             if procs is not None and procs.matvec(self, x, y, spans, self.span):
-                return y[:k]
+                return
         except helpers.HelperGone:
             pass
         pool.run(lambda a, b: self.span(x, y, a, b), spans)
-        return y[:k]
 
     def span(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """Columns a..b of y = x @ W.T on this thread (rows a..b of W): x (in,) and y (out,) for
