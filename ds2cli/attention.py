@@ -1,7 +1,8 @@
 """Multi-head Latent Attention (MLA) over the latent cache.
 
-Shape legend: T new tokens, S cached positions (including the new ones), H heads,
-C kv_lora_rank, R qk_rope_head_dim, d qk_nope_head_dim, v v_head_dim, D hidden size.
+Shape legend: T new tokens of one sequence, N new tokens of all the sequences of a batched
+pass, S cached positions (including the new ones), H heads, C kv_lora_rank,
+R qk_rope_head_dim, d qk_nope_head_dim, v v_head_dim, D hidden size.
 
 Weights (prepared once at load by model.py, Hugging Face names kept); the projections are
 weights you can multiply by (linear.py: float32 or low-bit, `w.matmul(x)` = x @ W.T):
@@ -12,6 +13,8 @@ The RoPE rows of q and kv_a_proj_with_mqa are stored de-interleaved (see rope.de
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -90,23 +93,45 @@ def attend_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray
     return np.matmul(softmax(scores), value).transpose(1, 0, 2)            # (T, H, v)
 
 
-def mla(x, w, latent_cache, k_pe_cache, start, cos, sin, H, eps, scale) -> np.ndarray:
-    """One MLA block for T new tokens at positions [start, start+T): writes their latent and
-    k_pe into the cache slots (this layer's views) and returns the attention output (T, D)."""
-    T = len(x)
+@dataclasses.dataclass
+class Span:
+    """One sequence of a batched pass: its rows of x, its cache slots in this layer, and the
+    position of its first new token."""
+    rows: slice
+    latent: np.ndarray              # (capacity, C)
+    k_pe: np.ndarray                # (capacity, R)
+    start: int
+
+
+def mla(x, w, spans, cos, sin, H, eps, scale) -> np.ndarray:
+    """One MLA block for a batch: x (N, D) stacks each sequence's new tokens (span.rows, at
+    positions [span.start, span.start+T)). The projections run on all rows at once; each
+    sequence writes its latent and k_pe into its own cache slots and attends to its own cache.
+    Returns the attention output (N, D)."""
+    N = len(x)
     C = w["kv_a_layernorm"].shape[0]
-    q = project_q(x, w, H, eps)                                             # (T, H, d+R)
+    q = project_q(x, w, H, eps)                                             # (N, H, d+R)
     d = w["w_uk"].shape[1]
     q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
-    kv = w["kv_a_proj_with_mqa"].matmul(x)                                  # (T, C+R)
-    end = start + T
-    latent_cache[start:end] = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)
-    k_pe_cache[start:end] = apply_rope(kv[:, C:], cos, sin)
-    latent, k_pe = latent_cache[:end], k_pe_cache[:end]                     # (S, C), (S, R)
-    dims = (T, end, H, C, k_pe.shape[1], d, w["w_uv"].shape[2])
-    attend = attend_absorbed if absorbed_cost(*dims) <= expanded_cost(*dims) else attend_expanded
-    # heads are independent: the cores may share them (cores.py decides when that pays)
-    ctx = np.concatenate(cores.map(
-        lambda h: attend(q_nope[:, h], q_pe[:, h], latent, k_pe, w["w_uk"][h], w["w_uv"][h], scale),
-        cores.split(H, tokens=T)), axis=1)                                  # (T, H, v)
-    return w["o_proj"].matmul(ctx.reshape(T, -1))                           # (T, D)
+    kv = w["kv_a_proj_with_mqa"].matmul(x)                                  # (N, C+R)
+    latent_new = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)              # (N, C)
+    k_pe_new = apply_rope(kv[:, C:], cos, sin)                              # (N, R)
+    work = []                       # (sequence, heads) pieces: heads are independent
+    for s in spans:
+        T = s.rows.stop - s.rows.start
+        s.latent[s.start:s.start + T], s.k_pe[s.start:s.start + T] = latent_new[s.rows], k_pe_new[s.rows]
+        work += [(s, T, heads) for heads in cores.split(H, tokens=T)]
+
+    def attend(piece) -> np.ndarray:
+        s, T, h = piece
+        latent, k_pe = s.latent[:s.start + T], s.k_pe[:s.start + T]         # (S, C), (S, R)
+        dims = (T, s.start + T, H, C, k_pe.shape[1], d, w["w_uv"].shape[2])
+        form = attend_absorbed if absorbed_cost(*dims) <= expanded_cost(*dims) else attend_expanded
+        return form(q_nope[s.rows, h], q_pe[s.rows, h], latent, k_pe, w["w_uk"][h], w["w_uv"][h], scale)
+
+    # the cores may share the pieces (cores.py decides when that pays), the costliest first
+    outs = cores.map(attend, work, cost=[T * (s.start + T) for s, T, _ in work])
+    ctx = np.empty((N, H, w["w_uv"].shape[2]), dtype=q.dtype)               # (N, H, v)
+    for (s, _, h), out in zip(work, outs):
+        ctx[s.rows, h] = out                                                # (T, h, v)
+    return w["o_proj"].matmul(ctx.reshape(N, -1))                           # (N, D)

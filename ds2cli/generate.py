@@ -12,7 +12,7 @@ import numpy as np
 from ds2cli.cache import LatentCache
 from ds2cli.draft import DraftLength, DraftSource, PromptLookup
 from ds2cli.errors import GenerationError
-from ds2cli.model import Model
+from ds2cli.model import Model, Step
 from ds2cli.sampling import Sampler
 
 
@@ -85,88 +85,156 @@ def check_logits(logits: np.ndarray) -> np.ndarray:
     return logits
 
 
-def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache, sampler: Sampler,
-                    max_new_tokens: int, stop: Sequence[str] = (),
-                    eos_ids: Sequence[int] | None = None,
-                    context: Sequence[int] = (), draft: int = 0,
-                    drafts: DraftSource | None = None) -> Iterator[Chunk]:
-    """Prefill `prompt_ids` after what `cache` holds, then sample up to max_new_tokens tokens.
+class Generation:
+    """One sequence's generation as a series of forward passes: `step()` says what the next pass
+    runs for it (a model Step), `take(logits)` takes that pass's logits and returns the chunks
+    they produce; `done` after the last one. stream_generate drives one Generation alone; the
+    serving engine drives several in each pass (Model.forward_batch): one code path, B = 1 or more.
 
-    The cache ends holding the prompt and every generated token that was fed back; the last
-    sampled token (eos or the limit's) is not fed back, since nothing needs its logits.
-    `context` lists the tokens already cached, for the repetition penalty.
+    The prompt runs after what `cache` holds, in one pass or in chunks of `prefill_chunk` tokens;
+    then up to max_new_tokens tokens are sampled. The cache ends holding the prompt and every
+    generated token that was fed back; the last sampled token (eos or the limit's) is not fed
+    back, since nothing needs its logits. `context` lists the tokens already cached, for the
+    repetition penalty.
 
     With `draft` N > 0, speculative decoding: after each token, up to N tokens are drafted
     (`drafts`, default prompt lookup; the length adapts, DraftLength) and verified in one pass of
     1 + N tokens; the longest agreeing prefix is kept (the sampler's `verify` keeps the output
     distribution exactly the sampler's), the cache is rolled back past the rest, and the pass's
     next logits give one more token. Everything else (eos, stop strings, limits) is as without."""
-    eos = set(model.eos_token_ids if eos_ids is None else eos_ids)
-    decoder, stops = model.tokenizer.stream_decoder(), StopMatcher(stop)
-    history = [*context, *prompt_ids]
-    base = cache.length + len(prompt_ids)          # the cache length before the first generated token
-    t0 = time.perf_counter()
-    logits = check_logits(model.forward(prompt_ids, cache))
-    prefill_s, t1 = time.perf_counter() - t0, time.perf_counter()
-    generated: list[int] = []
-    counts = {"drafted": 0, "accepted": 0}
-    reason = "length"
 
-    def emit(token: int):
-        """Take one generated token: yields its text; returns whether generation goes on."""
-        nonlocal reason
-        generated.append(token)
-        history.append(token)
-        if token in eos:
-            reason = "eos"
+    def __init__(self, model: Model, prompt_ids: Sequence[int], cache: LatentCache, sampler: Sampler,
+                 max_new_tokens: int, stop: Sequence[str] = (), eos_ids: Sequence[int] | None = None,
+                 context: Sequence[int] = (), draft: int = 0, drafts: DraftSource | None = None,
+                 prefill_chunk: int | None = None):
+        if len(prompt_ids) == 0:
+            raise GenerationError("a generation needs at least one prompt token")
+        self.cache, self.sampler, self.max_new_tokens = cache, sampler, max_new_tokens
+        self.eos = set(model.eos_token_ids if eos_ids is None else eos_ids)
+        self.decoder, self.stops = model.tokenizer.stream_decoder(), StopMatcher(stop)
+        self.prompt = list(prompt_ids)
+        self.pending = list(prompt_ids)             # prompt tokens not yet run
+        self.chunk = max(1, prefill_chunk or len(prompt_ids))
+        self.history = [*context, *prompt_ids]
+        self.base = cache.length + len(prompt_ids)  # the cache length before the first generated token
+        self.generated: list[int] = []
+        self.drafted = self.accepted = 0
+        self.reason = "length"
+        self.source = drafts or (PromptLookup() if draft > 0 else None)
+        self.length = DraftLength(draft) if draft > 0 else None
+        self.token: int | None = None               # sampled, to be fed by the next pass
+        self.guess: list[int] = []                  # the drafts that pass verifies
+        self.done = False
+        self.t0 = self.t1 = None                    # when the prompt started, and when it ended
+        self.prefill_s = 0.0
+        self.passed = 0.0                           # when the last step was made
+
+    # ---- the two calls ----
+    def step(self) -> Step:
+        """What the next forward pass runs for this sequence."""
+        self.passed = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = self.passed
+        if self.pending:
+            part = self.pending[:self.chunk]
+            return Step(part, self.cache, "last" if len(part) == len(self.pending) else "none")
+        n = 0
+        if self.length:
+            n = min(self.length.next(), self.max_new_tokens - len(self.generated) - 1, self.cache.free - 1)
+        self.guess = self.source.propose(self.history, n)[:n] if n > 0 else []
+        return Step([self.token, *self.guess], self.cache, "all" if self.guess else "last")
+
+    def take(self, logits: np.ndarray | None) -> list[Chunk]:
+        """The chunks that this sequence's logits from the pass of `step()` produce."""
+        took = time.perf_counter() - self.passed
+        out: list[Chunk] = []
+        if self.pending:
+            del self.pending[:self.chunk]
+            if self.pending:
+                return out
+            self.t1 = time.perf_counter()
+            self.prefill_s = self.t1 - self.t0
+            if self.max_new_tokens <= 0:
+                return self.finish(out)
+            token = self.sampler(check_logits(logits), self.history)
+        elif not self.guess:
+            token = self.sampler(check_logits(logits), self.history)
+            if self.length:
+                self.length.record_step(took)
+        else:
+            token = self.verify(check_logits(logits), took, out)
+            if token is None:
+                return self.finish(out)
+        if not self.emit(token, out) or self.cache.free <= 0:
+            return self.finish(out)
+        self.token = token
+        return out
+
+    def finish(self, out: list[Chunk], reason: str | None = None) -> list[Chunk]:
+        """End the generation (`reason` overrides why, e.g. a server's abort): the last chunk."""
+        self.reason = reason or self.reason
+        tail = ""
+        if self.reason != "stop":  # held-back bytes or a held-back stop-string prefix may remain
+            tail, hit = self.stops.feed(self.decoder.flush())
+            tail, self.reason = (tail, "stop") if hit else (tail + self.stops.flush(), self.reason)
+        self.done = True
+        out.append(Chunk(tail, None, self.reason, *self.so_far(), self.generated,
+                         self.drafted, self.accepted))
+        return out
+
+    # ---- the pieces ----
+    def so_far(self) -> tuple:
+        decode_s = time.perf_counter() - self.t1 if self.t1 is not None else 0.0
+        return len(self.prompt), len(self.generated), self.prefill_s, decode_s
+
+    def emit(self, token: int, out: list[Chunk]) -> bool:
+        """Take one generated token (its text joins `out`); return whether generation goes on."""
+        self.generated.append(token)
+        self.history.append(token)
+        if token in self.eos:
+            self.reason = "eos"
             return False
-        text, hit = stops.feed(decoder.push(token))
-        so_far = (None, len(prompt_ids), len(generated), prefill_s, time.perf_counter() - t1)
+        text, hit = self.stops.feed(self.decoder.push(token))
         if hit:
-            reason = "stop"
-            yield Chunk(text, token, *so_far)
-            return False
-        if text:
-            yield Chunk(text, token, *so_far)
-        return len(generated) < max_new_tokens
+            self.reason = "stop"
+        if text or hit:
+            out.append(Chunk(text, token, None, *self.so_far()))
+        return not hit and len(self.generated) < self.max_new_tokens
 
-    source = drafts or (PromptLookup() if draft > 0 else None)
-    length = DraftLength(draft) if draft > 0 else None
-    token = sampler(logits, history) if max_new_tokens > 0 else None
-    while token is not None and (yield from emit(token)) and cache.free > 0:
-        n = min(length.next(), max_new_tokens - len(generated) - 1, cache.free - 1) if length else 0
-        guess = source.propose(history, n)[:n] if n > 0 else []
-        started = time.perf_counter()
-        if not guess:
-            token = sampler(check_logits(model.forward([token], cache)), history)
-            if length:
-                length.record_step(time.perf_counter() - started)
-            continue
-        rows = check_logits(model.forward([token, *guess], cache, all_logits=True))  # (1 + d, V)
-        took = time.perf_counter() - started
+    def verify(self, rows: np.ndarray, took: float, out: list[Chunk]) -> int | None:
+        """Keep the longest prefix of the drafts that the sampler agrees with (rows (1 + d, V));
+        return the next token, or None when generation ended among the drafts."""
         accepted, going = 0, True
-        for row, guessed in zip(rows, guess):
-            ok, token = sampler.verify(row, history, guessed)
+        token = None
+        for row, guessed in zip(rows, self.guess):
+            ok, token = self.sampler.verify(row, self.history, guessed)
             if not ok:
                 break
             accepted += 1
-            going = yield from emit(guessed)
+            going = self.emit(guessed, out)
             if not going:
                 break
-        counts["drafted"] += len(guess)
-        counts["accepted"] += accepted
-        length.record(len(guess), accepted, took)
+        self.drafted += len(self.guess)
+        self.accepted += accepted
+        self.length.record(len(self.guess), accepted, took)
         # the cache keeps every token fed that plain decoding would have fed: all the generated
         # ones, but for the last when generation ends there (a rejected draft's replacement, or
         # the next token, is fed by the next pass)
-        cache.truncate(base + len(generated) - (not going))
+        self.cache.truncate(self.base + len(self.generated) - (not going))
         if not going:
-            break
-        if accepted == len(guess):      # every draft taken: the pass's last row gives one more
-            token = sampler(rows[-1], history)
-    tail = ""
-    if reason != "stop":  # held-back bytes or a held-back stop-string prefix may remain
-        tail, hit = stops.feed(decoder.flush())
-        tail, reason = (tail, "stop") if hit else (tail + stops.flush(), reason)
-    yield Chunk(tail, None, reason, len(prompt_ids), len(generated), prefill_s,
-                time.perf_counter() - t1, generated, counts["drafted"], counts["accepted"])
+            return None
+        if accepted == len(self.guess):      # every draft taken: the pass's last row gives one more
+            token = self.sampler(rows[-1], self.history)
+        return token
+
+
+def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache, sampler: Sampler,
+                    max_new_tokens: int, stop: Sequence[str] = (),
+                    eos_ids: Sequence[int] | None = None,
+                    context: Sequence[int] = (), draft: int = 0,
+                    drafts: DraftSource | None = None) -> Iterator[Chunk]:
+    """One Generation (see there) run alone, as a generator of its chunks."""
+    gen = Generation(model, prompt_ids, cache, sampler, max_new_tokens, stop, eos_ids, context,
+                     draft, drafts)
+    while not gen.done:
+        yield from gen.take(model.forward_batch([gen.step()])[0])

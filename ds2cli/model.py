@@ -3,18 +3,29 @@ LatentCache. loader.py builds it from a checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from ds2cli import cores, rope
-from ds2cli.attention import mla, rms_norm
+from ds2cli.attention import Span, mla, rms_norm
 from ds2cli.cache import LatentCache
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.linear import as_weight
 from ds2cli.moe import moe, swiglu
 from ds2cli.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Step:
+    """One sequence's part of a forward pass: `ids` run after what `cache` holds, and which
+    logits come back for them: "last" (V,), "all" (T, V), or "none" (a prompt chunk)."""
+    ids: Sequence[int]
+    cache: LatentCache
+    logits: str = "last"
 
 
 class Model:
@@ -58,32 +69,63 @@ class Model:
         """Run `token_ids` after what `cache` holds; return float32 logits for the last position
         (V,), or for every new position (T, V) with all_logits. With `trace`, each MoE layer
         appends the expert ids its gate chose (T, k): what the forward pass read."""
+        return self.forward_batch([Step(token_ids, cache, "all" if all_logits else "last")], trace)[0]
+
+    def forward_batch(self, steps: Sequence[Step], trace: list | None = None) -> list[np.ndarray | None]:
+        """One pass for several sequences (B = len(steps)), each advancing its own cache by its
+        own tokens: the projections, norms, router and experts run once on all their rows
+        stacked, attention per sequence against its cache. Returns each step's logits."""
         cfg = self.config
+        ids = [self._check_ids(s.ids) for s in steps]
+        if len({id(s.cache) for s in steps}) < len(steps):
+            raise Ds2Error("a forward pass got the same cache twice")
+        for s, t in zip(steps, ids):
+            if s.logits not in ("last", "all", "none"):
+                raise Ds2Error(f"a step's logits must be 'last', 'all' or 'none', not {s.logits!r}")
+            s.cache.check_room(len(t))
+        with cores.forward_pass(low_bit=self.quantization is not None, tokens=sum(map(len, ids))):
+            return self._forward(ids, steps, trace)
+
+    def _check_ids(self, token_ids) -> np.ndarray:
         ids = np.asarray(token_ids).reshape(-1)
         if len(ids) == 0:
             raise Ds2Error("forward needs at least one token")
         if ids.dtype.kind not in "iu":                       # 5.0 or "5" is a caller's bug, not token 5
             raise Ds2Error(f"token ids must be integers, got {ids.dtype} values")
         ids = ids.astype(np.int64)
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise Ds2Error(f"token id out of range [0, {cfg.vocab_size}): {int(ids.max() if ids.max() >= cfg.vocab_size else ids.min())}")
-        cache.check_room(len(ids))
-        with cores.forward_pass(low_bit=self.quantization is not None, tokens=len(ids)):
-            return self._forward(ids, cache, all_logits, trace)
+        V = self.config.vocab_size
+        if ids.min() < 0 or ids.max() >= V:
+            raise Ds2Error(f"token id out of range [0, {V}): {int(ids.max() if ids.max() >= V else ids.min())}")
+        return ids
 
-    def _forward(self, ids: np.ndarray, cache: LatentCache, all_logits: bool, trace: list | None) -> np.ndarray:
+    def _forward(self, ids: list[np.ndarray], steps: Sequence[Step], trace: list | None) -> list:
         cfg = self.config
-        start = cache.length
-        cos, sin = rope.cos_sin(np.arange(start, start + len(ids)), self.inv_freq, self.rope_scale)
-        x = self.embed_tokens.rows(ids)                                      # (T, D)
+        ends = np.cumsum([len(t) for t in ids])
+        rows = [slice(int(e - len(t)), int(e)) for t, e in zip(ids, ends)]   # each sequence's rows
+        starts = [s.cache.length for s in steps]
+        positions = np.concatenate([np.arange(p, p + len(t)) for p, t in zip(starts, ids)])
+        cos, sin = rope.cos_sin(positions, self.inv_freq, self.rope_scale)  # (N, R/2) each
+        x = self.embed_tokens.rows(np.concatenate(ids))                     # (N, D), N = sum of T
         for i, layer in enumerate(self.layers):
+            spans = [Span(r, s.cache.latent[i], s.cache.k_pe[i], p) for r, s, p in zip(rows, steps, starts)]
             h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
-            x = x + mla(h, layer["attn"], cache.latent[i], cache.k_pe[i], start, cos, sin,
-                        cfg.num_attention_heads, cfg.rms_norm_eps, self.softmax_scale)
+            x = x + mla(h, layer["attn"], spans, cos, sin, cfg.num_attention_heads, cfg.rms_norm_eps,
+                        self.softmax_scale)
             h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
             w = layer["mlp"]
             x = x + (moe(h, w, cfg, trace) if layer["is_moe"] else swiglu(h, w["gate_up"], w["down_proj"]))
-        cache.length = start + len(ids)
-        x = rms_norm(x if all_logits else x[-1:], self.norm, cfg.rms_norm_eps)
-        logits = self.lm_head.matmul(x)                                      # (T or 1, V)
-        return logits if all_logits else logits[0]
+        for s, t, p in zip(steps, ids, starts):
+            s.cache.length = p + len(t)
+        # the head runs only on the rows whose logits are wanted
+        wanted = [np.arange(r.start, r.stop) if s.logits == "all" else [r.stop - 1] if s.logits == "last" else []
+                  for r, s in zip(rows, steps)]
+        picked = np.concatenate([np.asarray(w, dtype=np.int64) for w in wanted])
+        if len(picked) == 0:
+            return [None] * len(steps)
+        logits = self.lm_head.matmul(rms_norm(x[picked], self.norm, cfg.rms_norm_eps))  # (M, V)
+        out, at = [], 0
+        for s, w in zip(steps, wanted):
+            part = logits[at:at + len(w)]
+            out.append(None if s.logits == "none" else part[0] if s.logits == "last" else part)
+            at += len(w)
+        return out

@@ -673,10 +673,10 @@ import os, runpy, select, sys, time
 import ds2cli
 step, until, count_file = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 del sys.argv[1:4]
-forward, steps = ds2cli.Model.forward, [0]
+forward, steps = ds2cli.Model.forward_batch, [0]
 
-def spied_forward(self, token_ids, *args, **kwargs):
-    if len(token_ids) == 1:
+def spied_forward(self, batch, *args, **kwargs):
+    if len(batch[0].ids) == 1:
         steps[0] += 1
         with open(count_file, "w") as f:
             f.write(str(steps[0]))
@@ -687,9 +687,9 @@ def spied_forward(self, token_ids, *args, **kwargs):
             poll = select.poll()
             poll.register(1, 0)
             poll.poll(60_000)
-    return forward(self, token_ids, *args, **kwargs)
+    return forward(self, batch, *args, **kwargs)
 
-ds2cli.Model.forward = spied_forward
+ds2cli.Model.forward_batch = spied_forward
 runpy.run_module("ds2cli", run_name="__main__")
 """
 

@@ -474,13 +474,13 @@ def test_requests_queue_in_order_and_beyond_the_queue_get_503(model):
 
 def test_a_client_that_hangs_up_mid_stream_stops_its_generation(model, monkeypatch):
     # decode steps wait until the client has hung up: the generation cannot run ahead of it
-    hung_up, forward = threading.Event(), model.forward
+    hung_up, forward = threading.Event(), model.forward_batch
 
-    def held_forward(token_ids, *args, **kwargs):
-        if len(token_ids) == 1:
+    def held_forward(steps, *args, **kwargs):
+        if len(steps[0].ids) == 1:
             hung_up.wait(60)
-        return forward(token_ids, *args, **kwargs)
-    monkeypatch.setattr(model, "forward", held_forward)
+        return forward(steps, *args, **kwargs)
+    monkeypatch.setattr(model, "forward_batch", held_forward)
     with running(model) as (port, state, lines):
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         body = json.dumps({"prompt": ROMEO, "max_tokens": 1000, "temperature": 0, "stream": True}).encode()

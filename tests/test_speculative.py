@@ -172,14 +172,14 @@ def test_limits_eos_and_the_end_of_the_context(tiny):
 def test_ctrl_c_during_a_verification_pass_leaves_the_cache_consistent(tiny, monkeypatch):
     ids = tiny.tokenizer.encode("1, 2, 3, 4, 1, 2, 3, 4, 1, 2,")
     cache = tiny.new_cache(80)
-    real, calls = tiny.forward, []
+    real, calls = tiny.forward_batch, []
 
-    def forward(token_ids, c, all_logits=False, trace=None):
-        calls.append(len(token_ids))
-        if len(calls) > 3 and len(token_ids) > 1:
+    def forward_batch(steps, trace=None):
+        calls.append(len(steps[0].ids))
+        if len(calls) > 3 and len(steps[0].ids) > 1:
             raise KeyboardInterrupt                  # inside a verification pass
-        return real(token_ids, c, all_logits, trace)
-    monkeypatch.setattr(tiny, "forward", forward)
+        return real(steps, trace)
+    monkeypatch.setattr(tiny, "forward_batch", forward_batch)
     gen = stream_generate(tiny, ids, cache, make_sampler(SamplingParams(temperature=0)), 40, draft=4)
     shown = []
     with pytest.raises(KeyboardInterrupt):
