@@ -46,6 +46,7 @@ class Job:
     stream: bool
     include_usage: bool
     cached: int = 0             # set by the engine: prompt tokens found in the prompt cache
+    draft: int | None = None    # speculative decoding's draft length (None: the server's default)
 
 
 @dataclasses.dataclass(frozen=True)

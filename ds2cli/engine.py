@@ -1,16 +1,21 @@
-"""The serving engine: one model, its prompt cache, and the line of requests waiting for it.
+"""The serving engine: one model, its prompt cache, and a scheduler that runs up to `parallel`
+requests in each forward pass (continuous batching).
 
-Batch 1 today: requests take turns in arrival order, and each runs its generation on its own
-(handler) thread when its turn comes. What the HTTP layer calls is the whole interface:
+What the HTTP layer calls is the whole interface:
 
-    with engine.admit(job, gone) as chunks:    # waits for a turn; Refused, ClientGone
+    with engine.admit(job, gone) as chunks:    # waits for a slot; Refused, ClientGone
         for chunk in chunks: ...               # the last chunk has finish_reason
     engine.close()                             # refuse new requests, send waiting ones away
     engine.abort()                             # end running generations at their next token
     engine.wait_idle()
 
-A continuous-batching scheduler can keep it: admit() then waits for a slot in the batch, and
-the chunks come from the scheduler's thread instead of this one.
+The scheduler's thread owns the model. Each pass, every running request whose prompt is done
+adds its next token (or its token and drafts) and one request still reading its prompt adds a
+chunk of it (at most `prefill_chunk` tokens while others decode, so that their streams never
+wait longer than one chunk and one step; a request alone runs its whole prompt in one pass).
+A request's chunks go to its own queue, which its handler thread drains onto its connection; a
+request whose queue is full (a client reading slowly) sits out passes until it drains. A request
+leaves the batch at once when it ends, fails, or its client leaves.
 
 No HTTP here (serve.py does that) and no request parsing (api.py).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import queue
 import threading
 import time
 from typing import Callable, Iterator
@@ -26,10 +32,14 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ds2cli.api import ABORTED, Job
-from ds2cli.generate import Chunk, lstrip_reply, stream_generate
+from ds2cli.generate import Chunk, Generation, lstrip_reply
 from ds2cli.model import Model
-from ds2cli.prompt_cache import PromptCache
+from ds2cli.prompt_cache import PromptCache, common_prefix, copy_prefix
 from ds2cli.sampling import make_sampler
+
+DEFAULT_PARALLEL = 4
+DEFAULT_PREFILL_CHUNK = 128
+BACKLOG = 256              # chunks a request may have waiting for its client before it sits out
 
 
 class ClientGone(Exception):
@@ -44,113 +54,226 @@ class Refused(Exception):
         self.code = code
 
 
-class _Aborted(Exception):
-    """Raised by the sampler when abort() was called: the generation ends before its next token."""
+class Request:
+    """One job in the engine: waiting for a slot, then running as a Generation over its cache."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.gen: Generation | None = None          # set when it gets a slot
+        self.out: queue.Queue = queue.Queue()       # Chunks, then None (ended) or an exception
+        self.cancelled = False                      # its client left, or its handler ended
+        self.running = False
+
+    def backlog(self) -> int:
+        return self.out.qsize()
 
 
 class Engine:
-    """The model and its prompt cache, used by one request at a time, in arrival order."""
+    """The model and its prompt cache, shared by up to `parallel` requests in each pass."""
 
-    def __init__(self, model: Model, ctx: int, cache_budget_bytes: int, max_queue: int):
+    def __init__(self, model: Model, ctx: int, cache_budget_bytes: int, max_queue: int,
+                 parallel: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: int = 0):
         self.model, self.ctx, self.max_queue = model, ctx, max_queue
+        self.parallel, self.prefill_chunk, self.draft = parallel, prefill_chunk, draft
         cache_bytes = model.new_cache(1).bytes_per_token * ctx
-        self.prompt_cache = PromptCache(lambda: model.new_cache(ctx), cache_bytes, cache_budget_bytes)
-        self.line: collections.deque = collections.deque()   # line[0] runs, the rest wait
+        self.prompt_cache = PromptCache(lambda: model.new_cache(ctx), cache_bytes,
+                                        max(cache_budget_bytes, parallel * cache_bytes))
+        self.waiting_line: collections.deque[Request] = collections.deque()
+        self.batch: list[Request] = []
         self.cond = threading.Condition()
         self.closing = False
         self.aborting = threading.Event()
+        self.steps = 0                              # passes run, for the tests and the log
+        self.thread = threading.Thread(target=self.run, name="ds2-scheduler", daemon=True)
+        self.thread.start()
 
     # ---- the interface ----
     @contextlib.contextmanager
     def admit(self, job: Job, gone: Callable[[], bool]) -> Iterator[Iterator[Chunk]]:
-        """Wait for `job`'s turn (`gone()` says whether its client left meanwhile), then give
-        its chunks; leaving the block ends the generation and frees the turn."""
-        with self.turn(gone), contextlib.closing(self.generate(job)) as chunks:
-            yield chunks
+        """Wait for a slot for `job` (`gone()` says whether its client left meanwhile), then
+        give its chunks; leaving the block ends the generation and frees the slot."""
+        request = self.enter(job, gone)
+        try:
+            chunks = self.chunks(request, gone)
+            yield lstrip_reply(chunks) if job.chat else chunks
+        finally:
+            with self.cond:
+                request.cancelled = True
+                self.cond.notify_all()
 
     def check_open(self) -> None:
         if self.closing:
             raise Refused("the server is shutting down", code="shutting_down")
 
     def close(self) -> None:
-        """Refuse new requests and send the waiting ones away; the running one goes on."""
+        """Refuse new requests and send the waiting ones away; the running ones go on."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
 
     def abort(self) -> None:
-        """End the running generation at its next token, with finish_reason ABORTED."""
+        """End the running generations at their next token, with finish_reason ABORTED."""
         self.close()
         self.aborting.set()
+        with self.cond:
+            self.cond.notify_all()
 
     def wait_idle(self) -> None:
         with self.cond:
-            while self.line:
+            while self.batch or self.waiting_line:
                 self.cond.wait(0.2)
 
     def running(self) -> int:
-        return min(1, len(self.line))
+        return len(self.batch)
 
     def waiting(self) -> int:
-        return max(0, len(self.line) - 1)
+        return len(self.waiting_line)
 
-    # ---- the pieces ----
-    @contextlib.contextmanager
-    def turn(self, gone: Callable[[], bool]):
-        """Wait for this request's turn (Refused when the queue is full or the engine is closing)."""
-        ticket = object()
+    # ---- the handler's side ----
+    def enter(self, job: Job, gone: Callable[[], bool]) -> Request:
+        """Queue `job` and wait until the scheduler gives it a slot."""
+        request = Request(job)
         with self.cond:
             self.check_open()
-            if len(self.line) > self.max_queue:
-                raise Refused(f"the server is busy: {len(self.line) - 1} requests are already waiting "
+            if len(self.waiting_line) >= self.max_queue and len(self.batch) >= self.parallel:
+                raise Refused(f"the server is busy: {len(self.waiting_line)} requests are already waiting "
                               f"(queue limit {self.max_queue}); retry later", code="queue_full")
-            self.line.append(ticket)
+            self.waiting_line.append(request)
+            self.cond.notify_all()
             try:
-                while self.line[0] is not ticket:
+                while not request.running:
                     self.cond.wait(0.25)
+                    if request.running:
+                        break
                     self.check_open()
                     if gone():
                         raise ClientGone()
             except BaseException:
-                self.line.remove(ticket)
+                if request in self.waiting_line:
+                    self.waiting_line.remove(request)
+                request.cancelled = True
                 self.cond.notify_all()
                 raise
-        try:
-            yield
-        finally:
+        return request
+
+    def chunks(self, request: Request, gone: Callable[[], bool]) -> Iterator[Chunk]:
+        """The request's chunks as the scheduler makes them, up to the last (finish_reason set)."""
+        while True:
+            try:
+                item = request.out.get(timeout=0.25)
+            except queue.Empty:
+                if gone():
+                    raise ClientGone() from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    # ---- the scheduler's side ----
+    def run(self) -> None:
+        """The scheduler: admit, run one pass, deliver; forever (a daemon thread)."""
+        while True:
             with self.cond:
-                self.line.popleft()
-                self.cond.notify_all()
+                if self.closing and not self.batch and not self.waiting_line:
+                    return                          # closed and idle: nothing can come any more
+                self.admit_waiting()
+                self.drop_cancelled()
+                if self.aborting.is_set():
+                    for request in list(self.batch):
+                        self.deliver(request, request.gen.finish([], ABORTED))
+                plan = self.plan()
+                if not plan:
+                    self.cond.wait(0.25 if not self.batch else 0.01)
+                    continue
+            self.run_pass(plan)
 
-    def generate(self, job: Job) -> Iterator[Chunk]:
-        """Chunks for `job` (call within turn()), starting from the longest cached prefix, which
-        it records in job.cached. After abort() the last chunk says ABORTED. Closed early (a
-        client gone), the cache still returns to the pool, holding the prompt and the reply so far."""
-        cache, job.cached = self.prompt_cache.take(job.ids)
-        keep = job.cached
-        sampled: list[int] = []             # every token sampled, however the generation ends
-        first_sample_t = None               # when the prefill ended
-        sample = make_sampler(job.params)
+    def admit_waiting(self) -> None:
+        """Give free slots to waiting requests, first come first served (closing: send them away)."""
+        if self.closing:
+            self.waiting_line.clear()       # their handlers see `closing` and answer 503
+            self.cond.notify_all()
+        while self.waiting_line and len(self.batch) < self.parallel:
+            request = self.waiting_line.popleft()
+            if request.cancelled:
+                continue
+            job = request.job
+            cache, job.cached = self.prompt_cache.take(job.ids)
+            self.share_prefix(job, cache)
+            keep = job.cached
+            request.running = True
+            self.cond.notify_all()
+            try:
+                request.gen = Generation(self.model, job.ids[keep:], cache, make_sampler(job.params),
+                                         job.max_tokens, job.stop, context=job.ids[:keep],
+                                         draft=job.draft if job.draft is not None else self.draft)
+            except Exception as e:
+                request.out.put(e)
+                self.prompt_cache.put([], cache)
+                continue
+            self.batch.append(request)
 
-        def sampler(logits, history) -> int:
-            nonlocal first_sample_t
-            if self.aborting.is_set():
-                raise _Aborted()
-            first_sample_t = first_sample_t or time.perf_counter()
-            sampled.append(sample(logits, history))
-            return sampled[-1]
+    def share_prefix(self, job: Job, cache) -> None:
+        """A running request whose prompt is in its cache may share more of this prompt than the
+        prompt cache had (n samples of one prompt, one system prompt for many users): copy it."""
+        for other in self.batch:
+            if other.gen.pending:
+                continue
+            n = min(common_prefix(np.asarray(other.job.ids), np.asarray(job.ids)), len(job.ids) - 1)
+            if n > job.cached:
+                copy_prefix(other.gen.cache, cache, n)
+                job.cached = n
 
-        t0 = time.perf_counter()
-        chunks = stream_generate(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
-                                 context=job.ids[:keep])
+    def drop_cancelled(self) -> None:
+        for request in [r for r in self.batch if r.cancelled]:
+            self.leave(request)
+
+    def plan(self) -> list[Request]:
+        """The requests of the next pass: every decoding one whose client keeps up, and one
+        reading its prompt (a chunk of it while others decode)."""
+        decoding = [r for r in self.batch if not r.gen.pending and r.backlog() < BACKLOG]
+        prefilling = [r for r in self.batch if r.gen.pending]
+        return decoding + prefilling[:1]
+
+    def run_pass(self, plan: list[Request]) -> None:
+        limit = self.prefill_chunk if len(plan) > 1 else None
+        steps = [r.gen.step(limit if r.gen.pending else None) for r in plan]
         try:
             with np.errstate(all="ignore"):  # non-finite logits are reported as GenerationError
+                logits = self.model.forward_batch(steps)
+        except Exception as e:       # nothing of this pass can be trusted: each request gets the error
+            with self.cond:
+                for r in plan:
+                    self.fail(r, e)
+            return
+        self.steps += 1
+        with self.cond:
+            for r, rows in zip(plan, logits):
+                if r.cancelled:
+                    continue
                 try:
-                    yield from (lstrip_reply(chunks) if job.chat else chunks)
-                except _Aborted:
-                    t1 = first_sample_t or time.perf_counter()
-                    yield Chunk("", None, ABORTED, len(job.ids) - keep, len(sampled), t1 - t0,
-                                time.perf_counter() - t1, list(sampled))
-        finally:
-            chunks.close()
-            self.prompt_cache.put(job.ids + sampled, cache)
+                    with np.errstate(all="ignore"):
+                        self.deliver(r, r.gen.take(rows))
+                except Exception as e:
+                    self.fail(r, e)
+
+    def deliver(self, request: Request, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            request.out.put(chunk)
+        if request.gen.done:
+            self.leave(request)
+
+    def fail(self, request: Request, error: Exception) -> None:
+        request.out.put(error)
+        request.gen.cache.reset()           # what the failed pass wrote is not kept
+        self.leave(request, keep=False)
+
+    def leave(self, request: Request, keep: bool = True) -> None:
+        """Take `request` out of the batch; its cache returns to the pool holding its prompt and
+        the reply so far."""
+        if request in self.batch:
+            self.batch.remove(request)
+            gen = request.gen
+            self.prompt_cache.put(request.job.ids + gen.generated if keep else [], gen.cache)
+            self.cond.notify_all()

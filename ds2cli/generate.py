@@ -91,7 +91,7 @@ class Generation:
     they produce; `done` after the last one. stream_generate drives one Generation alone; the
     serving engine drives several in each pass (Model.forward_batch): one code path, B = 1 or more.
 
-    The prompt runs after what `cache` holds, in one pass or in chunks of `prefill_chunk` tokens;
+    The prompt runs after what `cache` holds, in one pass or in chunks (step's `limit`);
     then up to max_new_tokens tokens are sampled. The cache ends holding the prompt and every
     generated token that was fed back; the last sampled token (eos or the limit's) is not fed
     back, since nothing needs its logits. `context` lists the tokens already cached, for the
@@ -105,8 +105,7 @@ class Generation:
 
     def __init__(self, model: Model, prompt_ids: Sequence[int], cache: LatentCache, sampler: Sampler,
                  max_new_tokens: int, stop: Sequence[str] = (), eos_ids: Sequence[int] | None = None,
-                 context: Sequence[int] = (), draft: int = 0, drafts: DraftSource | None = None,
-                 prefill_chunk: int | None = None):
+                 context: Sequence[int] = (), draft: int = 0, drafts: DraftSource | None = None):
         if len(prompt_ids) == 0:
             raise GenerationError("a generation needs at least one prompt token")
         self.cache, self.sampler, self.max_new_tokens = cache, sampler, max_new_tokens
@@ -114,7 +113,7 @@ class Generation:
         self.decoder, self.stops = model.tokenizer.stream_decoder(), StopMatcher(stop)
         self.prompt = list(prompt_ids)
         self.pending = list(prompt_ids)             # prompt tokens not yet run
-        self.chunk = max(1, prefill_chunk or len(prompt_ids))
+        self.fed = 0                                # how many of them the last step ran
         self.history = [*context, *prompt_ids]
         self.base = cache.length + len(prompt_ids)  # the cache length before the first generated token
         self.generated: list[int] = []
@@ -130,13 +129,14 @@ class Generation:
         self.passed = 0.0                           # when the last step was made
 
     # ---- the two calls ----
-    def step(self) -> Step:
-        """What the next forward pass runs for this sequence."""
+    def step(self, limit: int | None = None) -> Step:
+        """What the next forward pass runs for this sequence: at most `limit` prompt tokens."""
         self.passed = time.perf_counter()
         if self.t0 is None:
             self.t0 = self.passed
         if self.pending:
-            part = self.pending[:self.chunk]
+            part = self.pending[:max(1, limit or len(self.pending))]
+            self.fed = len(part)
             return Step(part, self.cache, "last" if len(part) == len(self.pending) else "none")
         n = 0
         if self.length:
@@ -149,7 +149,7 @@ class Generation:
         took = time.perf_counter() - self.passed
         out: list[Chunk] = []
         if self.pending:
-            del self.pending[:self.chunk]
+            del self.pending[:self.fed]
             if self.pending:
                 return out
             self.t1 = time.perf_counter()

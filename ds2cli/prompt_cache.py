@@ -4,7 +4,7 @@ Chat clients resend the whole conversation every turn. Each pooled cache remembe
 ids whose latents it holds; a request starts from the entry sharing the longest token prefix
 with its prompt, keeps that prefix and prefills the rest (as ChatSession does for one
 conversation). The pool holds at most `budget_bytes` of caches, counted at full capacity
-(the one in use included), and evicts the least recently used first.
+(the ones in use included), and evicts the least recently used first.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PromptCache:
-    """`slots` caches of `new_cache()`'s size fit in the budget: the one a request is using plus
-    the pooled ones. With no room for even one, nothing is kept between requests."""
+    """`slots` caches of `new_cache()`'s size fit in the budget: the ones requests are using plus
+    the pooled ones. With no room beyond those in use, nothing is kept between requests."""
 
     def __init__(self, new_cache: Callable[[], LatentCache], cache_bytes: int, budget_bytes: int):
         self.new_cache = new_cache
         self.slots = budget_bytes // cache_bytes
         self.entries: list[Entry] = []      # least recently used first
+        self.in_use = 0                     # caches taken and not yet put back
 
     def take(self, ids: Sequence[int]) -> tuple[LatentCache, int]:
         """A cache for prompt `ids` holding its longest cached prefix, and that prefix's length.
@@ -52,7 +53,8 @@ class PromptCache:
             n = min(common_prefix(entry.ids, prompt), len(ids) - 1)
             if n > keep:
                 best, keep = entry, n
-        room = len(self.entries) + 1 <= self.slots
+        room = len(self.entries) + self.in_use + 1 <= self.slots
+        self.in_use += 1
         if best is not None and (keep == len(best.ids) or not room):
             self.entries.remove(best)
             best.cache.truncate(keep)
@@ -68,11 +70,13 @@ class PromptCache:
 
     def put(self, ids: Sequence[int], cache: LatentCache) -> None:
         """Keep `cache`, which holds the latents of ids[:cache.length], as most recently used."""
+        self.in_use = max(0, self.in_use - 1)
         kept = np.asarray(ids[:cache.length], dtype=np.int64)
         cache.truncate(len(kept))
-        if len(kept) and self.slots > 0:
+        room = self.slots - self.in_use
+        if len(kept) and room > 0:
             self.entries.append(Entry(kept, cache))
-        del self.entries[:max(0, len(self.entries) - self.slots)]
+        del self.entries[:max(0, len(self.entries) - room)]
 
     @property
     def cached_tokens(self) -> int:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+
 from contextlib import contextmanager
 
 import numpy as np
@@ -20,7 +21,7 @@ from click.testing import CliRunner
 import ds2cli
 from ds2cli import engine as engine_module
 from ds2cli import serve as serve_module
-from ds2cli.api import Defaults
+from ds2cli.api import Defaults, Job
 from ds2cli.cli import main
 from ds2cli.errors import GenerationError
 from ds2cli.generate import lstrip_reply, stream_generate
@@ -40,13 +41,24 @@ def model():
     return ds2cli.load()
 
 
-def make_server(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024, params=None, system=None):
+def make_server(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024, params=None, system=None,
+                parallel=1, **engine):
     """A server not yet serving; returns (server, state, log lines)."""
     lines = []
     params = params or SamplingParams.from_generation_config(model.generation_config)
     defaults = Defaults(params, 256, ctx, system)
-    state = State(Engine(model, ctx, budget, max_queue), "ds2-tiny", defaults, api_key, sink=lines.append)
+    state = State(Engine(model, ctx, budget, max_queue, parallel=parallel, **engine), "ds2-tiny", defaults,
+                  api_key, sink=lines.append)
     return Server(("127.0.0.1", 0), state), state, lines
+
+
+@contextmanager
+def holding(engine):
+    """The test holds one of the engine's slots, as a long request whose client reads nothing
+    would: it sits out every pass once its backlog is full."""
+    job = Job(False, engine.model.tokenizer.encode(ROMEO), SamplingParams(temperature=0), 10 ** 6, (), True, False)
+    with engine.admit(job, lambda: False):
+        yield
 
 
 @contextmanager
@@ -412,26 +424,29 @@ def test_keep_alive_serves_requests_after_an_error(server):
 
 
 def test_internal_errors_are_one_line_without_traceback(server, monkeypatch):
-    port, _, lines = server
+    port, state, lines = server
+    model = state.engine.model
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom\nsecond line")
-        yield
 
-    monkeypatch.setattr(engine_module, "stream_generate", broken)
+    monkeypatch.setattr(model, "forward_batch", broken)
     status, payload, _ = request(port, "POST", "/v1/completions", {"prompt": "hi"})
     assert status == 500 and payload["error"]["type"] == "server_error"
     assert payload["error"]["message"] == "internal error: RuntimeError: boom second line"
     assert logged(lines, "500 | error: internal error: RuntimeError: boom second line")
+    monkeypatch.undo()
 
-    def nan_midway(*args, **kwargs):
-        yield ds2cli.generate.Chunk("x", 5)
-        raise GenerationError("the model produced non-finite logits")
+    real = model.forward_batch
 
-    monkeypatch.setattr(engine_module, "stream_generate", nan_midway)
-    events = sse(port, {"prompt": "hi", "stream": True})
-    assert events[0]["choices"][0]["text"] == "x"
-    assert events[1]["error"]["message"] == "the model produced non-finite logits" and events[2] == "[DONE]"
+    def nan_midway(steps, *args, **kwargs):    # the prefill is fine, the first decode step is not
+        out = real(steps, *args, **kwargs)
+        return [np.full_like(o, np.nan) if len(s.ids) == 1 else o for s, o in zip(steps, out)]
+
+    monkeypatch.setattr(model, "forward_batch", nan_midway)
+    events = sse(port, {"prompt": "1, 2, 3,", "stream": True, "temperature": 0})
+    assert events[0]["choices"][0]["text"]
+    assert "non-finite logits" in events[1]["error"]["message"] and events[2] == "[DONE]"
 
 
 def logged(lines, text, timeout=60):
@@ -458,7 +473,7 @@ def sse(port, body, path="/v1/completions"):
 def test_requests_queue_in_order_and_beyond_the_queue_get_503(model):
     with running(model, max_queue=1) as (port, state, lines):
         results = []
-        with state.engine.turn(lambda: False):      # the test holds the engine, as a long request would
+        with holding(state.engine):      # the test holds the engine, as a long request would
             waiter = threading.Thread(target=lambda: results.append(
                 request(port, "POST", "/v1/completions", {"prompt": "What", "max_tokens": 2, "temperature": 0})))
             waiter.start()
@@ -592,7 +607,7 @@ def test_stopping_answers_503_until_the_running_request_ends_then_closes(model):
     port, stop = server.server_address[1], threading.Event()
     stopping = threading.Thread(target=serve_module.serve_until, args=(server, state, stop))
     stopping.start()
-    with state.engine.turn(lambda: False):      # the test holds the engine, as a running request would
+    with holding(state.engine):      # the test holds the engine, as a running request would
         stop.set()
         assert logged(lines, "ds2 serve: stopping")
         status, body, r = request(port, "GET", "/health")
