@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Any
 
+from ds2cli.draft import MAX_DRAFT
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk
 from ds2cli.sampling import SamplingError, SamplingParams
@@ -20,6 +21,7 @@ from ds2cli.tokenizer import Tokenizer
 ABORTED = "aborted"     # the engine's finish_reason for a generation the server ended (beside eos | stop | length)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16
+MAX_CHOICES = 64        # prompts x n in one request: each choice is a sequence of the batch
 
 
 class ApiError(Exception):
@@ -47,6 +49,8 @@ class Job:
     include_usage: bool
     cached: int = 0             # set by the engine: prompt tokens found in the prompt cache
     draft: int | None = None    # speculative decoding's draft length (None: the server's default)
+    index: int = 0              # the choice this job answers: prompt * n + sample
+    sample: int = 0             # which of the n samples of its prompt (0 pays the prompt's tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +88,6 @@ def _show(value: Any) -> str:
 
 def _unsupported(body: dict) -> None:
     """Refuse what ds2 cannot honour rather than silently ignore it; defaults pass."""
-    n = _number(body, "n", integer=True)
-    if n is not None and n != 1:
-        raise ApiError(400, f"n = {n}: ds2 generates one choice per request (n must be 1)", param="n")
     best_of = _number(body, "best_of", integer=True)
     if best_of is not None and best_of != 1:
         raise ApiError(400, "best_of must be 1", param="best_of")
@@ -100,6 +101,21 @@ def _unsupported(body: dict) -> None:
         if _number(body, name) not in (None, 0):
             raise ApiError(400, f"{name} is not supported: ds2 applies repetition_penalty (multiplicative,"
                                 f" as Hugging Face does; 1 = off) instead", param=name)
+
+
+def _n(body: dict) -> int:
+    n = _number(body, "n", integer=True)
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], not {n}", param="n")
+    return n or 1
+
+
+def _draft(body: dict) -> int | None:
+    """ds2's extension: prompt-lookup speculative decoding with up to `draft` tokens a pass."""
+    draft = _number(body, "draft", integer=True)
+    if draft is not None and not 0 <= draft <= MAX_DRAFT:
+        raise ApiError(400, f"draft must be in [0, {MAX_DRAFT}], not {draft}", param="draft")
+    return draft
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -191,85 +207,123 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """/v1/completions' prompt: a string, or token ids, alone or as a one-element list."""
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+    """/v1/completions' prompt: a string or token ids, or a list of either (one choice each)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(_text(prompt, "prompt"))
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t < vocab_size for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-        return list(prompt)
-    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)",
-                   param="prompt")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either", param="prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            out.append(tokenizer.encode(_text(p, where)))
+        elif not all(0 <= t < vocab_size for t in p):
+            raise ApiError(400, f"{where} token ids must be in [0, {vocab_size})", param="prompt")
+        else:
+            out.append(list(p))
+    return out
 
 
-def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> Job:
+def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> list[Job]:
+    """The request's choices as jobs, in OpenAI's order: index = prompt * n + sample."""
     _unsupported(body)
     if chat:
         messages = chat_messages(body)
         if defaults.system and all(m["role"] != "system" for m in messages):
             messages.insert(0, {"role": "system", "content": defaults.system})
         try:
-            ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+            prompts = [tokenizer.encode_chat(messages, add_generation_prompt=True)]
         except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
             raise ApiError(400, str(e), param="messages") from None
     else:
-        ids = prompt_ids(body, tokenizer, vocab_size)
-    if not ids:
-        raise ApiError(400, "the prompt is empty and the tokenizer adds no bos token: nothing to condition on",
-                       param="prompt")
-    if len(ids) > defaults.ctx:
-        raise ApiError(400, f"the prompt is {len(ids)} tokens, more than the context of {defaults.ctx} tokens",
-                       param="messages" if chat else "prompt", code="context_length_exceeded")
+        prompts = prompt_ids(body, tokenizer, vocab_size)
+    n = _n(body)
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts x n = {n} is more than {MAX_CHOICES} choices in one request",
+                       param="n")
+    for i, ids in enumerate(prompts):
+        where = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not ids:
+            raise ApiError(400, f"{where} is empty and the tokenizer adds no bos token: nothing to condition on",
+                           param="messages" if chat else "prompt")
+        if len(ids) > defaults.ctx:
+            raise ApiError(400, f"{where} is {len(ids)} tokens, more than the context of {defaults.ctx} tokens",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
     stream, include_usage = _stream(body)
-    return Job(chat, ids, _params(body, defaults), _max_tokens(body, defaults), _stop(body),
-               stream, include_usage)
+    params, max_tokens, stop, draft = _params(body, defaults), _max_tokens(body, defaults), _stop(body), _draft(body)
+    jobs = []
+    for p, ids in enumerate(prompts):
+        for k in range(n):
+            # each sample its own random stream: a seed gives the k-th sample seed + k
+            seeded = params if k == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + k)
+            jobs.append(Job(chat, list(ids), seeded, max_tokens, stop, stream, include_usage,
+                            draft=draft, index=p * n + k, sample=k))
+    return jobs
+
+
+def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> Job:
+    """A request that must be one choice."""
+    jobs = parse_jobs(body, chat, tokenizer, vocab_size, defaults)
+    if len(jobs) > 1:
+        raise ApiError(400, "this request must have one prompt and n = 1", param="n")
+    return jobs[0]
 
 
 # ---- responses ----
 class Response:
-    """Builds the objects of one completion, streamed or whole, in OpenAI's shapes."""
+    """Builds the objects of one completion (its choices, one per job), streamed or whole, in
+    OpenAI's shapes."""
 
-    def __init__(self, job: Job, model_id: str):
-        self.job, self.model_id = job, model_id
-        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+    def __init__(self, jobs: list[Job], model_id: str):
+        self.jobs, self.job, self.model_id = jobs, jobs[0], model_id
+        self.id = ("chatcmpl-" if self.job.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.object = "chat.completion" if job.chat else "text_completion"
+        self.object = "chat.completion" if self.job.chat else "text_completion"
 
     def _wrap(self, choices: list, obj: str, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id,
                 "choices": choices, **extra}
 
-    def _choice(self, text: str | None, finish: str | None, delta: bool, role: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, finish: str | None, delta: bool, role: bool = False) -> dict:
         if not self.job.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
         body: dict = {"role": "assistant"} if role or not delta else {}
         if text is not None:
             body["content"] = text
-        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": None, "finish_reason": finish}
+        return {"index": index, ("delta" if delta else "message"): body, "logprobs": None, "finish_reason": finish}
 
-    def usage(self, last: Chunk) -> dict:
-        return {"prompt_tokens": len(self.job.ids), "completion_tokens": last.generated_tokens,
-                "total_tokens": len(self.job.ids) + last.generated_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.job.cached}}
+    def usage(self, lasts: dict[int, Chunk]) -> dict:
+        """A prompt's tokens count once however many samples it has; every sample's reply counts."""
+        prompt = sum(len(j.ids) for j in self.jobs if j.sample == 0)
+        completion = sum(last.generated_tokens for last in lasts.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(j.cached for j in self.jobs if j.sample == 0)}}
 
-    def whole(self, text: str, last: Chunk) -> dict:
-        return self._wrap([self._choice(text, finish_reason(last), delta=False)], self.object,
-                          usage=self.usage(last))
+    def whole(self, texts: dict[int, str], lasts: dict[int, Chunk]) -> dict:
+        choices = [self._choice(j.index, texts[j.index], finish_reason(lasts[j.index]), delta=False)
+                   for j in self.jobs]
+        return self._wrap(choices, self.object, usage=self.usage(lasts))
 
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, index: int = 0) -> dict:
         extra = {"usage": None} if self.job.include_usage else {}
-        return self._wrap([self._choice(text, finish, delta=True, role=role)], self._chunk_object(), **extra)
+        return self._wrap([self._choice(index, text, finish, delta=True, role=role)], self._chunk_object(), **extra)
 
-    def final_chunks(self, last: Chunk) -> list[dict]:
-        """The chunk that carries finish_reason, then (with include_usage) the one with usage."""
-        out = [self.chunk(None if self.job.chat else "", finish_reason(last))]
-        if self.job.include_usage:
-            out.append(self._wrap([], self._chunk_object(), usage=self.usage(last)))
-        return out
+    def finish_chunk(self, last: Chunk, index: int = 0) -> dict:
+        """The chunk that carries a choice's finish_reason."""
+        return self.chunk(None if self.job.chat else "", finish_reason(last), index=index)
+
+    def usage_chunk(self, lasts: dict[int, Chunk]) -> list[dict]:
+        """After every choice has finished: (with include_usage) the chunk with usage."""
+        return [self._wrap([], self._chunk_object(), usage=self.usage(lasts))] if self.job.include_usage else []
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.job.chat else "text_completion"

@@ -15,6 +15,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+MAX_DRAFT = 63      # a verification pass is at most cores.FEW_TOKENS (64) tokens: a draft and one more
+
 
 class DraftSource(Protocol):
     def propose(self, history: Sequence[int], n: int) -> list[int]:

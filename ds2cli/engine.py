@@ -3,8 +3,8 @@ requests in each forward pass (continuous batching).
 
 What the HTTP layer calls is the whole interface:
 
-    with engine.admit(job, gone) as chunks:    # waits for a slot; Refused, ClientGone
-        for chunk in chunks: ...               # the last chunk has finish_reason
+    with engine.admit(jobs, gone) as chunks:   # waits for a slot; Refused, ClientGone
+        for index, chunk in chunks: ...        # each choice's last chunk has finish_reason
     engine.close()                             # refuse new requests, send waiting ones away
     engine.abort()                             # end running generations at their next token
     engine.wait_idle()
@@ -13,8 +13,10 @@ The scheduler's thread owns the model. Each pass, every running request whose pr
 adds its next token (or its token and drafts) and one request still reading its prompt adds a
 chunk of it (at most `prefill_chunk` tokens while others decode, so that their streams never
 wait longer than one chunk and one step; a request alone runs its whole prompt in one pass).
-A request's chunks go to its own queue, which its handler thread drains onto its connection; a
-request whose queue is full (a client reading slowly) sits out passes until it drains. A request
+A request's chunks go to its own queue (shared by the choices of one HTTP request: n samples,
+a list of prompts), which its handler thread drains onto its connection; a request whose queue
+is full (a client reading slowly) sits out passes until it drains. The n samples of one prompt
+share its prefill: the later ones wait until the first has read the prompt, then copy its latents. A request
 leaves the batch at once when it ends, fails, or its client leaves.
 
 No HTTP here (serve.py does that) and no request parsing (api.py).
@@ -32,7 +34,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ds2cli.api import ABORTED, Job
-from ds2cli.generate import Chunk, Generation, lstrip_reply
+from ds2cli.generate import Chunk, Generation
 from ds2cli.model import Model
 from ds2cli.prompt_cache import PromptCache, common_prefix, copy_prefix
 from ds2cli.sampling import make_sampler
@@ -57,10 +59,9 @@ class Refused(Exception):
 class Request:
     """One job in the engine: waiting for a slot, then running as a Generation over its cache."""
 
-    def __init__(self, job: Job):
-        self.job = job
+    def __init__(self, job: Job, out: queue.Queue, after: Request | None = None):
+        self.job, self.out, self.after = job, out, after
         self.gen: Generation | None = None          # set when it gets a slot
-        self.out: queue.Queue = queue.Queue()       # Chunks, then None (ended) or an exception
         self.cancelled = False                      # its client left, or its handler ended
         self.running = False
 
@@ -89,16 +90,19 @@ class Engine:
 
     # ---- the interface ----
     @contextlib.contextmanager
-    def admit(self, job: Job, gone: Callable[[], bool]) -> Iterator[Iterator[Chunk]]:
-        """Wait for a slot for `job` (`gone()` says whether its client left meanwhile), then
-        give its chunks; leaving the block ends the generation and frees the slot."""
-        request = self.enter(job, gone)
+    def admit(self, jobs: list[Job], gone: Callable[[], bool]) -> Iterator[Iterator[tuple[int, Chunk]]]:
+        """Queue `jobs` (one HTTP request's choices) and wait until the first has a slot
+        (`gone()` says whether the client left meanwhile), then give their (index, chunk) pairs;
+        leaving the block ends every generation still running and frees the slots."""
+        requests = self.enter(jobs, gone)
         try:
-            chunks = self.chunks(request, gone)
-            yield lstrip_reply(chunks) if job.chat else chunks
+            yield self.chunks(requests, gone)
         finally:
             with self.cond:
-                request.cancelled = True
+                for request in requests:
+                    request.cancelled = True
+                    if request in self.waiting_line:
+                        self.waiting_line.remove(request)
                 self.cond.notify_all()
 
     def check_open(self) -> None:
@@ -130,46 +134,62 @@ class Engine:
         return len(self.waiting_line)
 
     # ---- the handler's side ----
-    def enter(self, job: Job, gone: Callable[[], bool]) -> Request:
-        """Queue `job` and wait until the scheduler gives it a slot."""
-        request = Request(job)
+    def enter(self, jobs: list[Job], gone: Callable[[], bool]) -> list[Request]:
+        """Queue `jobs` and wait until the scheduler gives the first a slot."""
+        out: queue.Queue = queue.Queue()
+        requests, first = [], {}
+        for job in jobs:         # a prompt's later samples wait for its first to read it
+            key = tuple(job.ids)
+            requests.append(Request(job, out, after=first.get(key)))
+            first.setdefault(key, requests[-1])
         with self.cond:
             self.check_open()
-            if len(self.waiting_line) >= self.max_queue and len(self.batch) >= self.parallel:
+            free = max(0, self.parallel - len(self.batch))
+            if len(self.waiting_line) + len(requests) > self.max_queue + free:
                 raise Refused(f"the server is busy: {len(self.waiting_line)} requests are already waiting "
                               f"(queue limit {self.max_queue}); retry later", code="queue_full")
-            self.waiting_line.append(request)
+            self.waiting_line.extend(requests)
             self.cond.notify_all()
             try:
-                while not request.running:
+                while not requests[0].running:
                     self.cond.wait(0.25)
-                    if request.running:
+                    if requests[0].running:
                         break
                     self.check_open()
                     if gone():
                         raise ClientGone()
             except BaseException:
-                if request in self.waiting_line:
-                    self.waiting_line.remove(request)
-                request.cancelled = True
+                for request in requests:
+                    request.cancelled = True
+                    if request in self.waiting_line:
+                        self.waiting_line.remove(request)
                 self.cond.notify_all()
                 raise
-        return request
+        return requests
 
-    def chunks(self, request: Request, gone: Callable[[], bool]) -> Iterator[Chunk]:
-        """The request's chunks as the scheduler makes them, up to the last (finish_reason set)."""
-        while True:
+    def chunks(self, requests: list[Request], gone: Callable[[], bool]) -> Iterator[tuple[int, Chunk]]:
+        """The requests' (index, chunk) pairs as the scheduler makes them, until each has given
+        its last. A chat reply's leading whitespace is dropped (templates end at "Assistant:")."""
+        out = requests[0].out
+        unfinished = {r.job.index for r in requests}
+        started: set[int] = set()
+        chat = requests[0].job.chat
+        while unfinished:
             try:
-                item = request.out.get(timeout=0.25)
+                index, item = out.get(timeout=0.25)
             except queue.Empty:
                 if gone():
                     raise ClientGone() from None
                 continue
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            if chat and index not in started:
+                item.text = item.text.lstrip()
+                if item.text:
+                    started.add(index)
+            yield index, item
             if item.finish_reason is not None:
-                return
+                unfinished.discard(index)
 
     # ---- the scheduler's side ----
     def run(self) -> None:
@@ -192,12 +212,23 @@ class Engine:
     def admit_waiting(self) -> None:
         """Give free slots to waiting requests, first come first served (closing: send them away)."""
         if self.closing:
-            self.waiting_line.clear()       # their handlers see `closing` and answer 503
+            # a request not yet started gets its 503 (enter sees `closing`); the later choices
+            # of a started one end with nothing generated
+            for request in self.waiting_line:
+                request.cancelled = True
+                request.out.put((request.job.index, Chunk("", None, ABORTED, len(request.job.ids))))
+            self.waiting_line.clear()
             self.cond.notify_all()
-        while self.waiting_line and len(self.batch) < self.parallel:
-            request = self.waiting_line.popleft()
+        for request in list(self.waiting_line):
+            if len(self.batch) >= self.parallel:
+                break
             if request.cancelled:
+                self.waiting_line.remove(request)
                 continue
+            if request.after is not None and request.after.running and request.after.gen is not None \
+                    and request.after.gen.pending and not request.after.cancelled:
+                continue                        # its prompt's first sample is still reading it
+            self.waiting_line.remove(request)
             job = request.job
             cache, job.cached = self.prompt_cache.take(job.ids)
             self.share_prefix(job, cache)
@@ -209,7 +240,7 @@ class Engine:
                                          job.max_tokens, job.stop, context=job.ids[:keep],
                                          draft=job.draft if job.draft is not None else self.draft)
             except Exception as e:
-                request.out.put(e)
+                request.out.put((job.index, e))
                 self.prompt_cache.put([], cache)
                 continue
             self.batch.append(request)
@@ -260,12 +291,12 @@ class Engine:
 
     def deliver(self, request: Request, chunks: list[Chunk]) -> None:
         for chunk in chunks:
-            request.out.put(chunk)
+            request.out.put((request.job.index, chunk))
         if request.gen.done:
             self.leave(request)
 
     def fail(self, request: Request, error: Exception) -> None:
-        request.out.put(error)
+        request.out.put((request.job.index, error))
         request.gen.cache.reset()           # what the failed pass wrote is not kept
         self.leave(request, keep=False)
 

@@ -17,6 +17,7 @@ from click.core import ParameterSource
 
 from ds2cli import console, memory
 from ds2cli.cores import kernel_threads
+from ds2cli.draft import MAX_DRAFT
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
 from ds2cli.loader import bundled_model_dir, check_model_dir, load
@@ -101,7 +102,10 @@ def sampling_options(f):
     return threads_option(f)
 
 
-MAX_DRAFT = 64      # a verification pass is at most cores.FEW_TOKENS tokens: a draft and one more
+draft_option = click.option(
+    "--draft", type=click.IntRange(0, MAX_DRAFT), default=0, show_default=True,
+    help="Speculative decoding: draft up to N tokens by prompt lookup (copied from where the text's last "
+         "tokens occurred before) and verify them in one pass; the output is the same as without. 0 = off.")
 
 
 def generation_options(ctx_help: str):
@@ -111,10 +115,7 @@ def generation_options(ctx_help: str):
                      help="Stop at this string (repeatable; not printed). Understands the escapes "
                           "\\n \\t \\r \\\\ \\\" \\' and \\xNN, as llama-cli does."),
         click.option("--ctx", type=click.IntRange(min=1), help=ctx_help),
-        click.option("--draft", type=click.IntRange(0, MAX_DRAFT - 1), default=0, show_default=True,
-                     help="Speculative decoding: draft up to N tokens by prompt lookup (copied from "
-                          "where the text's last tokens occurred before) and verify them in one pass; "
-                          "the output is the same as without. 0 = off."),
+        draft_option,
         click.option("--stats", is_flag=True, help="Print timings and cache use on stderr."),
     ]
 

@@ -25,14 +25,14 @@ from urllib.parse import unquote, urlsplit
 import click
 
 from ds2cli import __version__, console
-from ds2cli.api import ApiError, Defaults, Response, parse_job
+from ds2cli.api import ApiError, Defaults, Response, parse_jobs
 from ds2cli.config import JSON_ERRORS, json_error
-from ds2cli.engine import ClientGone, Engine, Refused
+from ds2cli.engine import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, ClientGone, Engine, Refused
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk
-from ds2cli.options import (argument_text, chat_template_option, check_ctx, load_model, max_new_tokens_for,
-                            memory_options, model_config, model_option, sampling_options, sampling_params,
-                            thread_limits)
+from ds2cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
+                            max_new_tokens_for, memory_options, model_config, model_option, sampling_options,
+                            sampling_params, thread_limits)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024    # a request body beyond this gets 413 (a 160k-token prompt fits)
 DEFAULT_CTX = 4096                  # per-request context (cache capacity), as ds2 chat
@@ -207,31 +207,44 @@ class Handler(BaseHTTPRequestHandler):
         state = self.server.state
         engine, model = state.engine, state.engine.model
         engine.check_open()     # while stopping, 503 before the body is read
-        job = parse_job(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
-        self.note = f"prompt {len(job.ids)} tok"
-        response = Response(job, state.model_id)
-        with engine.admit(job, self.client_gone) as chunks:
-            last = (self.stream if job.stream else self.collect)(response, chunks)
-        self.note = (f"prompt {len(job.ids)} tok, {job.cached} cached | gen {last.generated_tokens} tok, "
-                     f"{last.decode_tok_per_s:.1f} tok/s | {last.finish_reason}")
+        jobs = parse_jobs(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
+        prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
+        self.note = f"prompt {prompt} tok" + (f", {len(jobs)} choices" if len(jobs) > 1 else "")
+        response = Response(jobs, state.model_id)
+        with engine.admit(jobs, self.client_gone) as chunks:
+            lasts = (self.stream if jobs[0].stream else self.collect)(response, chunks)
+        cached = sum(j.cached for j in jobs if j.sample == 0)
+        generated = sum(last.generated_tokens for last in lasts.values())
+        rate = max(last.decode_tok_per_s for last in lasts.values())
+        reasons = sorted({last.finish_reason for last in lasts.values()})
+        self.note = (f"prompt {prompt} tok, {cached} cached | gen {generated} tok, {rate:.1f} tok/s"
+                     f"{' (best choice)' if len(lasts) > 1 else ''} | {'/'.join(reasons)}")
 
-    def collect(self, response: Response, chunks) -> Chunk:
-        pieces = []
-        for chunk in chunks:
-            pieces.append(chunk.text)
+    def collect(self, response: Response, chunks) -> dict:
+        pieces: dict = {j.index: [] for j in response.jobs}
+        lasts: dict = {}
+        for index, chunk in chunks:
+            pieces[index].append(chunk.text)
+            if chunk.finish_reason is not None:
+                lasts[index] = chunk
             self.tokens += 1
             self.check_alive()
-        self.send_json(200, response.whole("".join(pieces), chunk))
-        return chunk
+        self.send_json(200, response.whole({i: "".join(p) for i, p in pieces.items()}, lasts))
+        return lasts
 
-    def stream(self, response: Response, chunks) -> Chunk:
+    def stream(self, response: Response, chunks) -> dict:
         self.start_events()
         if response.job.chat:
-            self.send_event(response.chunk("", role=True))
+            for job in response.jobs:
+                self.send_event(response.chunk("", role=True, index=job.index))
+        lasts: dict = {}
         try:
-            for chunk in chunks:
+            for index, chunk in chunks:
                 if chunk.text:
-                    self.send_event(response.chunk(chunk.text))
+                    self.send_event(response.chunk(chunk.text, index=index))
+                if chunk.finish_reason is not None:
+                    lasts[index] = chunk
+                    self.send_event(response.finish_chunk(chunk, index))
                 self.tokens += 1
                 self.check_alive()
         except Ds2Error as e:  # the status is sent: the error travels as an event, then the stream ends
@@ -239,10 +252,10 @@ class Handler(BaseHTTPRequestHandler):
             self.send_event(error.body())
             self.end_events()
             raise error from None
-        for obj in response.final_chunks(chunk):
+        for obj in response.usage_chunk(lasts):
             self.send_event(obj)
         self.end_events()
-        return chunk
+        return lasts
 
     def check_alive(self) -> None:
         if self.client_gone():
@@ -442,32 +455,43 @@ def serve_until(server: Server, state: State, stop: threading.Event) -> None:
               help="Memory for latent caches of recent conversations (0 = no reuse).")
 @click.option("--queue", "max_queue", default=DEFAULT_QUEUE, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait while one runs; beyond, 503.")
+@click.option("--parallel", default=DEFAULT_PARALLEL, show_default=True, type=click.IntRange(1, 64),
+              help="Requests decoded together, in one pass over the weights (continuous batching); "
+                   "each has a latent cache of --ctx tokens, allocated up front.")
+@click.option("--prefill-chunk", default=DEFAULT_PREFILL_CHUNK, show_default=True, type=click.IntRange(min=1),
+              help="While other requests decode, a new prompt runs this many tokens a pass: their "
+                   "streams wait at most one such pass for a token.")
+@draft_option
 @click.option("--system", metavar="TEXT", help="A default system message, for chat requests that bring "
               "no system (or developer) message.")
 @chat_template_option()
 @sampling_options
 @memory_options
-def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue, system, chat_template,
-          quantize, no_memory_check, **opts):
+def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue, parallel, prefill_chunk,
+          draft, system, chat_template, quantize, no_memory_check, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
-    Listens on 127.0.0.1:8000 unless told otherwise. The sampling options and -n are the defaults
-    of requests that do not give them. Ctrl-C (or SIGTERM) stops gracefully: the running request
-    finishes (a second one ends it at its next token)."""
+    Listens on 127.0.0.1:8000 unless told otherwise. The sampling options, -n and --draft are the
+    defaults of requests that do not give them. Up to --parallel requests share each pass over the
+    weights; more wait in the queue. Ctrl-C (or SIGTERM) stops gracefully: the running requests
+    finish (a second one ends them at their next token)."""
     system = argument_text(system, "--system argument", hint="give it in UTF-8") or None
     path, config = model_config(model_dir)          # config.json only: --ctx is checked before any load
     check_ctx(config, ctx)
+    ctx = ctx or min(config.max_position_embeddings, DEFAULT_CTX)
     with thread_limits(opts["threads"]):
-        model, load_s = load_model(path, quantize, ctx or DEFAULT_CTX, not no_memory_check, chat_template)
-        ctx = ctx or min(model.config.max_position_embeddings, DEFAULT_CTX)
+        # the memory check counts the --parallel caches the running requests use at once
+        model, load_s = load_model(path, quantize, ctx * parallel, not no_memory_check, chat_template)
         defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                             ctx, system)
-        engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue)
+        engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue, parallel, prefill_chunk, draft)
         model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
         state = State(engine, model_id, defaults, api_key or None)
         server = listen(host, port, state)
         slots = engine.prompt_cache.slots
-        state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | prompt cache "
+        cache_mb = model.new_cache(1).bytes_per_token * ctx / 2 ** 20
+        state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
+                  f"request{'s' * (parallel != 1)} at once ({cache_mb:.0f} MB of cache each) | prompt cache "
                   f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)} | queue {max_queue}")
         serve_forever(server, state)
     state.log("ds2 serve: stopped")

@@ -57,7 +57,7 @@ def holding(engine):
     """The test holds one of the engine's slots, as a long request whose client reads nothing
     would: it sits out every pass once its backlog is full."""
     job = Job(False, engine.model.tokenizer.encode(ROMEO), SamplingParams(temperature=0), 10 ** 6, (), True, False)
-    with engine.admit(job, lambda: False):
+    with engine.admit([job], lambda: False):
         yield
 
 
@@ -237,8 +237,12 @@ ERROR_CASES = [
      "temperature must be >= 0"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
      "max_tokens must be at least 1"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400,
-     "n must be 1"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400,
+     "n must be in [1, 64], not 0"),
+    ("POST", "/v1/completions", {"prompt": ["a", "b"], "n": 40}, 400, "2 prompts x n = 40 is more than 64 choices"),
+    ("POST", "/v1/completions", {"prompt": ["a", [5, 99999]]}, 400, "prompt[1] token ids must be in [0, 4096)"),
+    ("POST", "/v1/completions", {"prompt": ["a", 5]}, 400, "prompt must be a string, a list of token ids, or a list"),
+    ("POST", "/v1/completions", {"prompt": "hi", "draft": 64}, 400, "draft must be in [0, 63], not 64"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400,
      "stream must be true or false"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [1]}, 400,
