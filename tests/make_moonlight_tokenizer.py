@@ -1,0 +1,119 @@
+"""Make a Moonlight-like tokenizer the way Moonshot's are made: tiktoken.model + tokenizer_config.json.
+
+No real Moonlight or Kimi tokenizer file is reachable offline, so this writes one of the same kind:
+- tiktoken.model: ranks learned in order from a known byte-level BPE, DeepSeek-V2's
+  (tests/data/tokenizers/deepseek-v2/tokenizer.json): the 256 single bytes first (in that
+  vocabulary's order, as cl100k's ranks 0-255 are the GPT-2 alphabet's; the 13 bytes UTF-8
+  never uses, which DeepSeek's lacks, after them), then the result of each
+  merge in merge order, each token once: a rank is when the token was learned, as in tiktoken files;
+- tokenizer_config.json: Moonlight-16B-A3B-Instruct's special-token layout after the base ranks
+  ([BOS], [EOS], <|im_end|>, <|im_user|>, <|im_assistant|>, <|start_header_id|>,
+  <|end_header_id|>, [EOT], <|im_system|>, <|im_middle|> at their offsets, the rest of the 256
+  reserved ids unnamed), bos [BOS] / eos [EOS], and its chat template
+  (`<|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...`).
+
+    python tests/make_moonlight_tokenizer.py    # rewrites tests/data/tokenizers/moonlight-like/
+
+The committed fixture keeps 3,840 ranks (+ 256 reserved = 4,096 ids, the reference_v3
+moonlight_like case's embedding rows); tests/test_tiktoken.py builds the full ~100k-rank file
+from the same function at test time.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+DEEPSEEK_V2_TOKENIZER = DATA / "tokenizers" / "deepseek-v2" / "tokenizer.json"
+FIXTURE = DATA / "tokenizers" / "moonlight-like"
+FIXTURE_RANKS = 3840            # + 256 reserved special ids = 4096 = moonlight_like's vocab_size
+
+# Offsets after the base ranks, as Moonlight's and Kimi-K2's added_tokens_decoder place them
+# (Moonlight: 163584 [BOS], 163585 [EOS], 163586 <|im_end|>, ..., 163601 <|im_middle|>).
+SPECIAL_OFFSETS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
+                   6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
+                   17: "<|im_middle|>"}
+
+# Moonlight-16B-A3B-Instruct's template: a default system turn, then
+# <|im_{role}|>{role}<|im_middle|>{content}<|im_end|> per message; no bos.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and messages[0]['role'] != 'system' -%}"
+    "{{'<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>'}}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}{{'<|im_system|>'}}{%- endif -%}"
+    "{%- if message['role'] == 'user' -%}{{'<|im_user|>'}}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{{'<|im_assistant|>'}}{%- endif -%}"
+    "{{- message['role'] -}}{{'<|im_middle|>'}}{{message['content']}}{{'<|im_end|>'}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<|im_assistant|>assistant<|im_middle|>'}}{%- endif -%}"
+)
+
+
+def byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte (written out here so the generator stands alone)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+def ranks_from_bpe(tokenizer_json: Path = DEEPSEEK_V2_TOKENIZER, n_ranks: int | None = None) -> dict[bytes, int]:
+    """tiktoken ranks of a byte-level BPE: its bytes, then each merge's result in merge order."""
+    model = json.loads(tokenizer_json.read_text(encoding="utf-8"))["model"]
+    alphabet = byte_alphabet()
+    as_bytes = lambda token: bytes(alphabet[c] for c in token)  # noqa: E731
+    singles = sorted((i, t) for t, i in model["vocab"].items() if len(t) == 1 and t in alphabet)
+    ranks: dict[bytes, int] = {}
+    for _, t in singles:
+        ranks.setdefault(as_bytes(t), len(ranks))
+    # DeepSeek's lacks the 13 bytes UTF-8 never uses (0xc0, 0xc1, 0xf5-0xff); tiktoken files have all 256.
+    for b in range(256):
+        ranks.setdefault(bytes([b]), len(ranks))
+    for merge in model["merges"]:
+        if n_ranks is not None and len(ranks) >= n_ranks:
+            break
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        a, b = as_bytes(left), as_bytes(right)
+        if a in ranks and b in ranks:           # a trained BPE's parts always come first
+            ranks.setdefault(a + b, len(ranks))
+    return ranks
+
+
+def tiktoken_model_text(ranks: dict[bytes, int]) -> str:
+    return "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda x: x[1]))
+
+
+def special_tokens(n_base: int) -> dict[int, str]:
+    return {n_base + k: v for k, v in SPECIAL_OFFSETS.items()}
+
+
+def tokenizer_config(n_base: int) -> dict:
+    added = {str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, c in special_tokens(n_base).items()}
+    return {"added_tokens_decoder": added, "additional_special_tokens": list(SPECIAL_OFFSETS.values())[2:],
+            "auto_map": {"AutoTokenizer": ["tokenization_moonshot.TikTokenTokenizer", None]},
+            "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False, "model_max_length": 1000000000000000019884624838656,
+            "tokenizer_class": "TikTokenTokenizer"}
+
+
+def write(directory: Path, ranks: dict[bytes, int]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tiktoken.model").write_text(tiktoken_model_text(ranks), encoding="ascii")
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(len(ranks)), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else FIXTURE
+    write(out, ranks_from_bpe(n_ranks=FIXTURE_RANKS))
+    print(f"wrote {out}")
