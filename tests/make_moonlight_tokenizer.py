@@ -15,8 +15,10 @@ No real Moonlight or Kimi tokenizer file is reachable offline, so this writes on
     python tests/make_moonlight_tokenizer.py    # rewrites tests/data/tokenizers/moonlight-like/
 
 The committed fixture keeps 3,840 ranks (+ 256 reserved = 4,096 ids, the reference_v3
-moonlight_like case's embedding rows); tests/test_tiktoken.py builds the full ~100k-rank file
-from the same function at test time.
+moonlight_like case's embedding rows): DeepSeek-V2's first 3,584, then 256 merges learned over
+unsplit text (`crossing_merges`: tokens across the pattern's boundaries, which make the id test
+sensitive to the split); tests/test_tiktoken.py builds the full ~100k-rank file from the same
+functions at test time.
 """
 
 from __future__ import annotations
@@ -30,6 +32,21 @@ DATA = Path(__file__).parent / "data"
 DEEPSEEK_V2_TOKENIZER = DATA / "tokenizers" / "deepseek-v2" / "tokenizer.json"
 FIXTURE = DATA / "tokenizers" / "moonlight-like"
 FIXTURE_RANKS = 3840            # + 256 reserved special ids = 4096 = moonlight_like's vocab_size
+CROSSING_RANKS = 256            # of which the last are learned over unsplit text (see crossing_merges)
+MAX_CROSSING_BYTES = 8          # short tokens, so the merges spread over every boundary of the text
+
+# Text to learn the crossing merges from: every boundary Moonshot's pattern draws (Han | Latin,
+# space | Han, case turns, contractions, digit groups, punctuation | letters, whitespace kinds).
+TRAINING_TEXT = """\
+中文English混合，汉字abc北京市 Pascal 月之暗面Moonlight发布了16B模型。日本語のテキストとカタカナ、東京2024年。
+Hello World THE QUICK brown Fox's tail; don't, WON'T, they'RE, I'M, we'LL, you'VE, he'D.
+CamelCaseXMLHttpRequest getHTTPResponseCode iPhone McDonald's O'NEIL'S 'S 'LL
+1234567890 12345 3.14159 1,000,000 x1 a22 b333c 2024年12月1日 ١٢٣٤ ५६७८
+def f(x):\n    return x ** 2  # comment\n\n\tif x>=10: print(f'{x:08.3f}')\r\n}}\n
+  spaces   and\ttabs\n\n\n   newlines \u00a0nbsp\u3000ideographic\u2028line  \n  \n
+emoji 👨‍👩‍👧‍👦 🚀🔥 ✨💯 (parens) [brackets] {braces} <tags/> "quotes" ...!!! ??? --- ===
+안녕하세요세계 Привет,МИР Ωμέγα مرحبا नमस्ते Ünïcödé ÀÉÎÕÜ ßẞ e\u0301 ȁ\u0308
+"""
 
 # Offsets after the base ranks, as Moonlight's and Kimi-K2's added_tokens_decoder place them
 # (Moonlight: 163584 [BOS], 163585 [EOS], 163586 <|im_end|>, ..., 163601 <|im_middle|>).
@@ -88,6 +105,44 @@ def ranks_from_bpe(tokenizer_json: Path = DEEPSEEK_V2_TOKENIZER, n_ranks: int | 
     return ranks
 
 
+def tiktoken_bpe(ranks: dict[bytes, int], piece: bytes) -> list[bytes]:
+    """tiktoken's loop over one piece: merge the adjacent pair of lowest rank until none is a token."""
+    parts = [piece[i:i + 1] for i in range(len(piece))]
+    while len(parts) > 1:
+        found = [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]
+        if not found:
+            break
+        i = min(found)[1]
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def crossing_merges(ranks: dict[bytes, int], n: int, text: str = TRAINING_TEXT) -> dict[bytes, int]:
+    """`ranks` plus n merges learned by BPE over text that was not split (each line whole), so the
+    vocabulary has tokens across every boundary of the pattern: a tokenizer that splits anywhere
+    else than tiktoken does then gives other ids. (DeepSeek's merges were learned on split text,
+    so alone they cannot tell two patterns apart: no token crosses a boundary either draws.)"""
+    ranks = dict(ranks)
+    words = [tiktoken_bpe(ranks, line.encode()) for line in text.splitlines() if line]
+    for _ in range(n):
+        counts: dict[tuple[bytes, bytes], int] = {}
+        for w in words:
+            for pair in zip(w, w[1:]):
+                if pair[0] + pair[1] not in ranks and len(pair[0] + pair[1]) <= MAX_CROSSING_BYTES:
+                    counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))      # most frequent, then bytewise: deterministic
+        ranks[best[0] + best[1]] = len(ranks)
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == best:
+                    w[i:i + 2] = [best[0] + best[1]]
+                i += 1
+    return ranks
+
+
 def tiktoken_model_text(ranks: dict[bytes, int]) -> str:
     return "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda x: x[1]))
 
@@ -115,5 +170,5 @@ def write(directory: Path, ranks: dict[bytes, int]) -> None:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else FIXTURE
-    write(out, ranks_from_bpe(n_ranks=FIXTURE_RANKS))
+    write(out, crossing_merges(ranks_from_bpe(n_ranks=FIXTURE_RANKS - CROSSING_RANKS), CROSSING_RANKS))
     print(f"wrote {out}")
