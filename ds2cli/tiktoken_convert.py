@@ -90,23 +90,21 @@ def load_backend(model_dir: Path) -> tokenizers.Tokenizer:
     """The converted tokenizer of `model_dir`/tiktoken.model, from the cache when it was built before."""
     path = cached_tokenizer_json(model_dir)
     if path is None:        # no writable cache: convert in memory, every time
-        return build(*_inputs(model_dir)[:2])
+        return convert(model_dir)
     return tokenizers.Tokenizer.from_file(str(path))
 
 
 def cached_tokenizer_json(model_dir: Path) -> Path | None:
     """Where the converted tokenizer.json is kept (written now if it is not yet), or None when
     no cache directory is writable."""
-    ranks, specials, key = _inputs(model_dir)
-    root = cache_dir()
-    path = root / f"{key}.json"
+    path = cache_dir() / f"{cache_key(model_dir)}.json"
     if path.is_file():
-        return path
-    backend = build(ranks, specials)
+        return path         # the same bytes were checked and converted before
+    backend = convert(model_dir)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         # Atomic: two ds2 processes converting at once each rename a whole file into place.
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=".tokenizer-", suffix=".json")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".json")
         os.close(fd)
         backend.save(tmp)
         os.replace(tmp, path)
@@ -123,21 +121,32 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "ds2" / "tokenizers"
 
 
-def _inputs(model_dir: Path) -> tuple[dict[bytes, int], dict[int, str], str]:
-    """(ranks, special tokens, cache key) of a model directory."""
-    model_dir = Path(model_dir)
-    path = model_dir / TIKTOKEN_FILE
+def cache_key(model_dir: Path) -> str:
+    """A hash of everything the conversion reads: tiktoken.model's bytes, the added tokens, the
+    pattern and this converter's version (hashing is milliseconds; parsing 160k lines is not)."""
+    digest = hashlib.sha256(_read(Path(model_dir) / TIKTOKEN_FILE))
+    added = _tokenizer_config(model_dir).get("added_tokens_decoder")
+    digest.update(json.dumps([CONVERTER_VERSION, MOONSHOT_PATTERN, added], sort_keys=True).encode())
+    return digest.hexdigest()[:32]
+
+
+def convert(model_dir: Path) -> tokenizers.Tokenizer:
+    """Read, check and convert `model_dir`'s tiktoken.model and tokenizer_config.json."""
+    path = Path(model_dir) / TIKTOKEN_FILE
+    ranks = parse_ranks(_read(path), path)
+    return build(ranks, special_tokens(_tokenizer_config(model_dir), len(ranks)))
+
+
+def _read(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
         raise TokenizerError(f"cannot read {path}: {e.strerror}") from None
-    ranks = parse_ranks(data, path)
-    config_path = model_dir / TOKENIZER_CONFIG_FILE
-    config = read_json_object(config_path, TokenizerError) if config_path.is_file() else {}
-    specials = special_tokens(config, len(ranks))
-    digest = hashlib.sha256(data)
-    digest.update(json.dumps([CONVERTER_VERSION, MOONSHOT_PATTERN, sorted(specials.items())]).encode())
-    return ranks, specials, digest.hexdigest()[:32]
+
+
+def _tokenizer_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / TOKENIZER_CONFIG_FILE
+    return read_json_object(path, TokenizerError) if path.is_file() else {}
 
 
 def parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
