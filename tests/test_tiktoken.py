@@ -275,3 +275,21 @@ def test_inspect_says_the_tokenizer_is_converted_from_tiktoken(moonlight_checkpo
     assert tok["bos_token_id"] == 3840 and tok["eos_token_id"] == 3841
     r = run("inspect", "-m", moonlight_checkpoint)
     assert r.exit_code == 0 and "tiktoken.model (converted)" in r.stdout
+
+
+def test_generate_on_a_malformed_tiktoken_model_prints_one_error_line(moonlight_checkpoint):
+    lines = (moonlight_checkpoint / "tiktoken.model").read_text().splitlines()
+    lines[99] = "not-base64! 99"
+    (moonlight_checkpoint / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    r = run("generate", "-m", moonlight_checkpoint, "hi")
+    assert r.exit_code == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == [f"error: {moonlight_checkpoint / 'tiktoken.model'} line 100: "
+                                     f"'not-base64!' is not valid base64"]
+
+
+def test_a_tokenizer_json_beside_tiktoken_model_is_what_loads(moonlight_checkpoint, monkeypatch):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REFERENCE_V3 / "moonlight_like" / name, moonlight_checkpoint)
+    monkeypatch.setattr(tiktoken_convert, "build", None)               # never converts
+    tok = Tokenizer.load(moonlight_checkpoint)
+    assert tok.vocab_size == 4096 and tok.encode("<|im_end|>", add_special_tokens=False) != [3842]
