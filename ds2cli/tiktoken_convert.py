@@ -107,6 +107,7 @@ def cached_tokenizer_json(model_dir: Path) -> Path | None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".json")
         os.close(fd)
         backend.save(tmp)
+        os.chmod(tmp, 0o644)    # mkstemp's 0600 would hide it from other users of a shared cache
         os.replace(tmp, path)
     except OSError:
         return None
