@@ -13,10 +13,10 @@ code adds to the file is three things, rebuilt here:
   the adjacent pair whose concatenation has the lowest rank is merged, again and again. The
   equivalent `tokenizers` BPE has one merge per token, the pair tiktoken's own loop ends with when
   run over that token's bytes (`merge_pair`), in rank order, and `ignore_merges` for the
-  whole-token lookup. Any run of tiktoken inside a longer piece forms a token from exactly that
-  pair: the merges inside the token's span depend only on the bytes in it.
+  whole-token lookup. Inside a longer piece tiktoken forms a token from exactly that pair too:
+  the merges within the token's span depend only on the bytes in it, and come in the same order.
 
-The conversion of a 160k-token file takes seconds, so its tokenizer.json is kept in ds2's own
+The conversion takes seconds (2-3 s at 100k ranks), so its tokenizer.json is kept in ds2's own
 cache (`$XDG_CACHE_HOME/ds2/tokenizers`, else `~/.cache/ds2/tokenizers`, or `$DS2_TOKENIZER_CACHE`),
 under a hash of everything it was built from; never in the model directory unless
 DS2_TOKENIZER_CACHE points there.

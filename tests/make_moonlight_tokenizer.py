@@ -12,7 +12,7 @@ No real Moonlight or Kimi tokenizer file is reachable offline, so this writes on
   reserved ids unnamed), bos [BOS] / eos [EOS], and its chat template
   (`<|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...`).
 
-    python tests/make_moonlight_tokenizer.py    # rewrites tests/data/tokenizers/moonlight-like/
+    PYTHONPATH=$PWD python tests/make_moonlight_tokenizer.py    # rewrites tests/data/tokenizers/moonlight-like/
 
 The committed fixture keeps 3,840 ranks (+ 256 reserved = 4,096 ids, the reference_v3
 moonlight_like case's embedding rows): DeepSeek-V2's first 3,584, then 256 merges learned over
@@ -27,6 +27,8 @@ import base64
 import json
 import sys
 from pathlib import Path
+
+from ds2cli.tiktoken_convert import byte_level_alphabet
 
 DATA = Path(__file__).parent / "data"
 DEEPSEEK_V2_TOKENIZER = DATA / "tokenizers" / "deepseek-v2" / "tokenizer.json"
@@ -70,23 +72,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, char -> byte (written out here so the generator stands alone)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
-
-
 def ranks_from_bpe(tokenizer_json: Path = DEEPSEEK_V2_TOKENIZER, n_ranks: int | None = None) -> dict[bytes, int]:
     """tiktoken ranks of a byte-level BPE: its bytes, then each merge's result in merge order."""
     model = json.loads(tokenizer_json.read_text(encoding="utf-8"))["model"]
-    alphabet = byte_alphabet()
+    alphabet = byte_level_alphabet()
     as_bytes = lambda token: bytes(alphabet[c] for c in token)  # noqa: E731
     singles = sorted((i, t) for t, i in model["vocab"].items() if len(t) == 1 and t in alphabet)
     ranks: dict[bytes, int] = {}
