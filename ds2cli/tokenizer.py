@@ -1,4 +1,5 @@
-"""tokenizer.json + tokenizer_config.json -> ids, text, chat prompts, and a streaming detokenizer.
+"""tokenizer.json (or a converted tiktoken.model) + tokenizer_config.json -> ids, text, chat prompts,
+and a streaming detokenizer.
 
 Three jobs, one screen each:
 - `Tokenizer.load` reads the Hugging Face files, resolves bos/eos, and compiles the chat template once.
@@ -23,7 +24,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ds2cli.config import read_json_object
 from ds2cli.errors import TokenizerError
-from ds2cli.tiktoken_convert import byte_level_alphabet, has_tiktoken, load_backend as tiktoken_backend
+from ds2cli.tiktoken_convert import byte_level_alphabet, has_tiktoken
+from ds2cli.tiktoken_convert import load_backend as tiktoken_backend
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
