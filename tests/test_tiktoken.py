@@ -293,3 +293,13 @@ def test_a_tokenizer_json_beside_tiktoken_model_is_what_loads(moonlight_checkpoi
     monkeypatch.setattr(tiktoken_convert, "build", None)               # never converts
     tok = Tokenizer.load(moonlight_checkpoint)
     assert tok.vocab_size == 4096 and tok.encode("<|im_end|>", add_special_tokens=False) != [3842]
+
+
+def test_streaming_the_converted_tokenizer_never_splits_a_character(full_vocab):
+    tok = Tokenizer.load(full_vocab)
+    text = "月之暗面 🚀👨‍👩‍👧 café<|im_end|>ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.token_text(i) for i in ids)              # some character spans tokens
+    stream = tok.stream_decoder()
+    pieces = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
