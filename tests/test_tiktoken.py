@@ -128,9 +128,13 @@ def test_merges_are_replayed_from_ranks():
         ranks[token] = len(ranks)
     assert tiktoken_convert.merge_pair(ranks, b"abc") == (b"ab", b"c")   # ab (256) before bc (257)
     assert tiktoken_convert.merge_pair(ranks, b"xyz") is None            # neither xy nor yz is a token
+    # a file need not be learned in order: "pqr" ranks before its part "qr", yet tiktoken forms it from (p, qr)
+    for token in (b"pqr", b"qr"):
+        ranks[token] = len(ranks)
+    assert tiktoken_convert.merge_pair(ranks, b"pqr") == (b"p", b"qr")
     backend = tiktoken_convert.build(ranks, {})
     enc = tiktoken.Encoding("t", pat_str=tiktoken_convert.MOONSHOT_PATTERN, mergeable_ranks=ranks, special_tokens={})
-    for text in ("abc", "xyz", "xyzabc", "abcd", "zabc", "bcab"):
+    for text in ("abc", "xyz", "xyzabc", "abcd", "zabc", "bcab", "pqrs", "opqr", "qrpqr"):
         assert backend.encode(text).ids == enc.encode_ordinary(text), text
 
 
