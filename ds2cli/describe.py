@@ -28,6 +28,7 @@ decoder (reported under `mtp` and counted apart: inference never reads them).
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ from ds2cli.checkpoint import TensorInfo
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import CheckpointError, Ds2Error
 from ds2cli.loader import check_model_dir, read_generation_config
+from ds2cli.tiktoken_convert import has_tiktoken, load_backend as load_tiktoken_backend
 from ds2cli.tokenizer import Tokenizer
 
 FLOAT32_BYTES = 4  # ds2 computes, and keeps its caches, in float32
@@ -363,14 +365,20 @@ def tokenizer_section(model_dir: Path, cfg: DeepseekV2Config,
     tokenizer_config.json is not a problem (every field has a default)."""
     tok_json, p1 = _read_json(model_dir / "tokenizer.json")
     tok_cfg, p2 = _read_json(model_dir / "tokenizer_config.json")
-    if not (model_dir / "tokenizer.json").is_file():
+    kind = "tokenizer.json"
+    if not (model_dir / "tokenizer.json").is_file() and has_tiktoken(model_dir):
+        kind = "tiktoken.model (converted)"
+        tok_json, p1 = converted_tiktoken_json(model_dir)
+        if not (p1 or p2):
+            p1 = tokenizer_problems(model_dir, cfg)
+    elif not (model_dir / "tokenizer.json").is_file():
         p1 = [f"{model_dir / 'tokenizer.json'} not found: generate and chat need a Hugging Face tokenizer.json"]
     elif not (p1 or p2):
         p1 = tokenizer_problems(model_dir, cfg)
     vocab = vocabulary(tok_json) if tok_json else {}
     tc = tok_cfg or {}
     bos, eos = token_content(tc.get("bos_token")), token_content(tc.get("eos_token"))
-    section = {"tokenizer_json": tok_json is not None,
+    section = {"kind": kind, "tokenizer_json": kind == "tokenizer.json" and tok_json is not None,
                "tokenizer_config": tok_cfg is not None,
                "vocab_size": max(vocab.values()) + 1 if vocab else None,
                "bos_token": bos, "bos_token_id": vocab.get(bos) if bos else None,
@@ -381,6 +389,14 @@ def tokenizer_section(model_dir: Path, cfg: DeepseekV2Config,
                "config_bos_token_id": cfg.bos_token_id,
                "config_eos_token_ids": list(cfg.eos_token_ids)}
     return section, p1 + p2
+
+
+def converted_tiktoken_json(model_dir: Path) -> tuple[dict | None, list[str]]:
+    """What tiktoken.model converts to (from ds2's cache once converted), as tokenizer.json's object."""
+    try:
+        return json.loads(load_tiktoken_backend(model_dir).to_str()), []
+    except Ds2Error as e:
+        return None, [str(e)]
 
 
 SAMPLE_CHAT = [{"role": "user", "content": "Hello"}]

@@ -21,8 +21,9 @@ HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev
 COMMIT = re.compile(r"[0-9a-f]{40}")
 
 # What ds2 reads from a checkpoint; the Hub repository may hold much more (.bin, .pt, docs).
+# tiktoken.model is Moonlight's and Kimi-K2's tokenizer (they have no tokenizer.json).
 DOWNLOAD_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "model.safetensors.index.json", "*.safetensors"]
+                     "tiktoken.model", "model.safetensors.index.json", "*.safetensors"]
 
 
 def parse_hub_id(spec: str) -> tuple[str, str] | None:

@@ -129,9 +129,10 @@ def _memory_table(r: dict) -> Table:
 
 def _tokenizer_table(r: dict) -> Table:
     t = r["tokenizer"]
-    if not (t["tokenizer_json"] or t["tokenizer_config"]):
+    if not (t["tokenizer_json"] or t["tokenizer_config"] or t["kind"] != "tokenizer.json"):
         return _kv_table("Tokenizer", [("files", "absent (no tokenizer.json, tokenizer_config.json)")])
     return _kv_table("Tokenizer", [
+        ("read from", t["kind"]),
         ("tokenizer.json", "present" if t["tokenizer_json"] else "absent"),
         ("tokenizer_config.json", "present" if t["tokenizer_config"] else "absent"),
         ("vocabulary", t["vocab_size"]),

@@ -1,4 +1,5 @@
-"""tokenizer.json + tokenizer_config.json -> ids, text, chat prompts, and a streaming detokenizer.
+"""tokenizer.json (or a converted tiktoken.model) + tokenizer_config.json -> ids, text, chat prompts,
+and a streaming detokenizer.
 
 Three jobs, one screen each:
 - `Tokenizer.load` reads the Hugging Face files, resolves bos/eos, and compiles the chat template once.
@@ -23,6 +24,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ds2cli.config import read_json_object
 from ds2cli.errors import TokenizerError
+from ds2cli.tiktoken_convert import byte_level_alphabet, has_tiktoken
+from ds2cli.tiktoken_convert import load_backend as tiktoken_backend
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -49,21 +52,6 @@ TEMPLATE_FRAME_FILENAME = "<template>"
 # What a lossy UTF-8 decode writes for bytes that do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
 
-
-
-def byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, char -> byte: printable bytes stand for themselves, the
-    others are shifted to 256 + n (the table `tokenizers.decoders.ByteLevel` inverts)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
 
 
 class Tokenizer:
@@ -228,13 +216,9 @@ class StreamDecoder:
 
 # ---- loading ----
 def _read_backend(path: Path) -> tokenizers.Tokenizer:
-    if not path.is_file() and (path.parent / "tiktoken.model").is_file():
-        # Moonlight and Kimi-K2 ship a tiktoken BPE plus Python code to read it; ds2 never runs a
-        # checkpoint's code, so it asks for the tokenizer.json that code can write once.
-        raise TokenizerError(f"{path} not found: {path.parent} has only tiktoken.model, read by Python "
-                             f"code that ds2 does not run; convert it once to a tokenizer.json (for example "
-                             f"with transformers' convert_slow_tokenizer.TikTokenConverter, using the "
-                             f"checkpoint's pattern and special tokens) and put it beside config.json")
+    if not path.is_file() and has_tiktoken(path.parent):
+        # Moonlight and Kimi-K2 ship tiktoken.model plus Python code ds2 never runs: convert it (cached).
+        return tiktoken_backend(path.parent)
     if not path.is_file():
         raise TokenizerError(f"{path} not found: the model directory needs a Hugging Face tokenizer.json")
     try:

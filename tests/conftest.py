@@ -1,5 +1,6 @@
 """Shared fixtures: writable copies of the bundled and reference checkpoints, to break in tmp_path."""
 
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -15,6 +16,20 @@ REFERENCE = Path(__file__).parent / "data" / "reference"
 # ignored, and so would every ds2 process the tests start: the tests that press Ctrl-C need the
 # default disposition in their children, whatever the suite was started from.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def tokenizer_cache(tmp_path_factory):
+    """Converted tiktoken tokenizers go to a cache of the suite's own, never the user's ~/.cache/ds2
+    (set in the environment, so the ds2 subprocesses that tests start use it too)."""
+    path = tmp_path_factory.mktemp("ds2-tokenizer-cache")
+    old = os.environ.get("DS2_TOKENIZER_CACHE")
+    os.environ["DS2_TOKENIZER_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("DS2_TOKENIZER_CACHE", None)
+    else:
+        os.environ["DS2_TOKENIZER_CACHE"] = old
 
 
 @pytest.fixture(autouse=True)

@@ -101,6 +101,7 @@ def test_not_cached_downloads_through_huggingface_hub(hf_env, tmp_path):
     assert r.exit_code == 0, r.stderr
     assert r.stdout == "2 + 3 = 5.\n"
     assert calls[0][:3] == ("org/tiny", "main", tmp_path / "cache") and "*.safetensors" in calls[0][3]
+    assert "tiktoken.model" in calls[0][3]                # Moonlight's / Kimi-K2's tokenizer
     # now cached: no second download
     r = CliRunner().invoke(main, ["inspect", "--json", "-m", "org/tiny"])
     assert r.exit_code == 0 and len(calls) == 1

@@ -544,11 +544,12 @@ def test_bench_accepts_a_v3_checkpoint(monkeypatch):
 
 
 def test_tiktoken_only_checkpoint_says_what_is_missing(v3_copy):
-    """Moonlight and Kimi-K2 ship tiktoken.model and Python code: ds2 asks for a tokenizer.json."""
+    """Moonlight and Kimi-K2 ship tiktoken.model: ds2 converts it (tests/test_tiktoken.py), and a
+    file that cannot encode every text is refused in one line."""
     model_dir = v3_copy("moonlight_like")
     (model_dir / "tokenizer.json").unlink()
     (model_dir / "tiktoken.model").write_text("IQ== 0\n")
-    one_error_line(cli("generate", "-m", model_dir, "hi"), "has only tiktoken.model")
+    one_error_line(cli("generate", "-m", model_dir, "hi"), "single bytes are not tokens")
 
 
 def test_fp8_vector_is_a_problem_not_a_crash(v3_copy):
