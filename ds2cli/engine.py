@@ -195,19 +195,24 @@ class Engine:
     def run(self) -> None:
         """The scheduler: admit, run one pass, deliver; forever (a daemon thread)."""
         while True:
-            with self.cond:
-                if self.closing and not self.batch and not self.waiting_line:
-                    return                          # closed and idle: nothing can come any more
-                self.admit_waiting()
-                self.drop_cancelled()
-                if self.aborting.is_set():
+            try:
+                with self.cond:
+                    if self.closing and not self.batch and not self.waiting_line:
+                        return                      # closed and idle: nothing can come any more
+                    self.admit_waiting()
+                    self.drop_cancelled()
+                    if self.aborting.is_set():
+                        for request in list(self.batch):
+                            self.deliver(request, request.gen.finish([], ABORTED))
+                    plan = self.plan()
+                    if not plan:
+                        self.cond.wait(0.25 if not self.batch else 0.01)
+                        continue
+                self.run_pass(plan)
+            except Exception as e:  # a bug of the scheduler's own: no request may wait forever on it
+                with self.cond:
                     for request in list(self.batch):
-                        self.deliver(request, request.gen.finish([], ABORTED))
-                plan = self.plan()
-                if not plan:
-                    self.cond.wait(0.25 if not self.batch else 0.01)
-                    continue
-            self.run_pass(plan)
+                        self.fail(request, e)
 
     def admit_waiting(self) -> None:
         """Give free slots to waiting requests, first come first served (closing: send them away)."""
@@ -229,19 +234,20 @@ class Engine:
                     and request.after.gen.pending and not request.after.cancelled:
                 continue                        # its prompt's first sample is still reading it
             self.waiting_line.remove(request)
-            job = request.job
-            cache, job.cached = self.prompt_cache.take(job.ids)
-            self.share_prefix(job, cache)
-            keep = job.cached
-            request.running = True
+            request.running = True          # from here its handler reads its queue
             self.cond.notify_all()
+            job, cache = request.job, None
             try:
+                cache, job.cached = self.prompt_cache.take(job.ids)
+                self.share_prefix(job, cache)
+                keep = job.cached
                 request.gen = Generation(self.model, job.ids[keep:], cache, make_sampler(job.params),
                                          job.max_tokens, job.stop, context=job.ids[:keep],
                                          draft=job.draft if job.draft is not None else self.draft)
             except Exception as e:
                 request.out.put((job.index, e))
-                self.prompt_cache.put([], cache)
+                if cache is not None:
+                    self.prompt_cache.put([], cache)
                 continue
             self.batch.append(request)
 

@@ -492,7 +492,8 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
         cache_mb = model.new_cache(1).bytes_per_token * ctx / 2 ** 20
         state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
                   f"request{'s' * (parallel != 1)} at once ({cache_mb:.0f} MB of cache each) | prompt cache "
-                  f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)} | queue {max_queue}")
+                  f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)}, the running ones included "
+                  f"| queue {max_queue}")
         serve_forever(server, state)
     state.log("ds2 serve: stopped")
 
