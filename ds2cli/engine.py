@@ -27,6 +27,7 @@ import numpy as np
 
 from ds2cli.api import ABORTED, Job
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
+from ds2cli.logprobs import TokenLogprobs, score_prompt
 from ds2cli.model import Model
 from ds2cli.prompt_cache import PromptCache
 from ds2cli.sampling import make_sampler
@@ -131,6 +132,7 @@ class Engine:
         sampled: list[int] = []             # every token sampled, however the generation ends
         first_sample_t = None               # when the prefill ended
         sample = make_sampler(job.params)
+        logprobs = TokenLogprobs(job.logprobs) if job.logprobs is not None else None   # logprobs hook
 
         def sampler(logits, history) -> int:
             nonlocal first_sample_t
@@ -138,15 +140,27 @@ class Engine:
                 raise _Aborted()
             first_sample_t = first_sample_t or time.perf_counter()
             sampled.append(sample(logits, history))
+            if logprobs is not None:        # logprobs hook: the raw row and the chosen id
+                logprobs.observe(logits, sampled[-1])
             return sampled[-1]
 
         t0 = time.perf_counter()
+        if job.echo:    # echo hook: the prompt's logprobs need every position's logits, cached or not
+            cache.reset()
+            job.cached, keep = 0, len(job.ids) - 1
+            try:
+                with np.errstate(all="ignore"):
+                    job.prompt_logprobs = score_prompt(self.model, job.ids, cache, job.logprobs or 0)
+            except BaseException:
+                self.prompt_cache.put(job.ids, cache)
+                raise
         chunks = stream_generate(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
                                  context=job.ids[:keep])
         try:
             with np.errstate(all="ignore"):  # non-finite logits are reported as GenerationError
                 try:
-                    yield from (lstrip_reply(chunks) if job.chat else chunks)
+                    out = lstrip_reply(chunks) if job.chat and not job.continue_final else chunks
+                    yield from (logprobs.attach(out) if logprobs is not None else out)
                 except _Aborted:
                     t1 = first_sample_t or time.perf_counter()
                     yield Chunk("", None, ABORTED, len(job.ids) - keep, len(sampled), t1 - t0,

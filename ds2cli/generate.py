@@ -31,6 +31,7 @@ class Chunk:
     tokens: list = dataclasses.field(default_factory=list)  # every generated id, on the last chunk
     drafted: int = 0                      # speculative decoding: tokens drafted, and accepted
     accepted: int = 0
+    logprobs: list | None = None          # serve: logprobs.Entry of the tokens this chunk sends (TokenLogprobs)
 
     @property
     def prefill_tok_per_s(self) -> float:

@@ -20,16 +20,18 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import click
 
 from ds2cli import __version__, console
-from ds2cli.api import ApiError, Defaults, Response, parse_job
+from ds2cli.api import ApiError, Defaults, Response, detokenize_request, parse_job, tokenize_request, tokenizer_info
 from ds2cli.config import JSON_ERRORS, json_error
 from ds2cli.engine import ClientGone, Engine, Refused
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk
+from ds2cli.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from ds2cli.options import (argument_text, chat_template_option, check_ctx, load_model, max_new_tokens_for,
                             memory_options, model_config, model_option, sampling_options, sampling_params,
                             thread_limits)
@@ -40,15 +42,22 @@ DEFAULT_QUEUE = 16                  # requests that may wait while one runs
 DEFAULT_PROMPT_CACHE_MB = 1024
 IDLE_TIMEOUT_S = 120                # a connection that sends nothing for this long is closed
 LINGER_S = 1.0                      # after a 413, how long to swallow the unread body before closing
+CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"
+CORS_MAX_AGE_S = 600                # how long a browser may reuse a preflight's answer
+OPEN_PATHS = ("/health", "/")       # no API key needed: the probe, and the chat page (which asks for the key)
+ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+             "/tokenize", "/detokenize", "/tokenizer_info")   # the /metrics labels; other paths count as "other"
 
 
 class State:
     """What every handler thread shares: the engine and the server's settings."""
 
     def __init__(self, engine: Engine, model_id: str, defaults: Defaults, api_key: str | None,
-                 sink=None):
+                 sink=None, cors_origins: tuple[str, ...] = ()):
         self.engine, self.model_id, self.defaults, self.api_key = engine, model_id, defaults, api_key
         self.sink = sink                    # where log lines go (tests collect them); default stderr
+        self.cors_origins = tuple(cors_origins)     # --cors-origin: the origins whose pages may call us ("*": any)
+        self.metrics = Metrics()
         self.created = int(time.time())
         self.active = 0                     # requests being handled, for a graceful stop
         self.active_cond = threading.Condition()
@@ -119,7 +128,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def route(self, method: str, path: str):
         routes = {"/v1/models": ("GET", self.models), "/v1/chat/completions": ("POST", self.chat),
-                  "/v1/completions": ("POST", self.completions), "/health": ("GET", self.health)}
+                  "/v1/completions": ("POST", self.completions), "/health": ("GET", self.health),
+                  "/": ("GET", self.page), "/metrics": ("GET", self.metrics),
+                  "/tokenize": ("POST", self.tokenize), "/detokenize": ("POST", self.detokenize),
+                  "/tokenizer_info": ("GET", self.tokenizer_info)}
         if path in ("/models", "/chat/completions", "/completions"):
             path = "/v1" + path
         if path.startswith("/v1/models/"):
@@ -142,8 +154,11 @@ class Handler(BaseHTTPRequestHandler):
         self.linger = False
         path = urlsplit(self.path).path
         try:
+            if method == "OPTIONS" and self.cors_origin() is not None:    # a CORS preflight: no key asked
+                self.preflight()
+                return
             path, handler = self.route(method, path.rstrip("/") or "/")
-            if path != "/health":
+            if path not in OPEN_PATHS:
                 self.check_key()
             handler()
         except ApiError as e:
@@ -158,6 +173,7 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # never a traceback to the client or the log: one line each
             self.fail(ApiError(500, f"internal error: {type(e).__name__}: {' '.join(str(e).split())}"))
         finally:
+            state.metrics.request(path if path in ENDPOINTS else "other", self.status)
             self.log_line(method, path)
             if self.linger:
                 self.swallow_body()
@@ -176,7 +192,55 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(401, ("incorrect" if token else "missing") + " API key: send Authorization: Bearer KEY"
                            " with the key ds2 serve was given", code="invalid_api_key")
 
+    # ---- CORS ----
+    def cors_origin(self) -> str | None:
+        """What Access-Control-Allow-Origin says to this request: its Origin when --cors-origin
+        lists it, "*" when that lists "*"; None (no CORS headers) otherwise."""
+        headers, allowed = getattr(self, "headers", None), self.server.state.cors_origins
+        origin = headers.get("Origin") if headers is not None else None
+        if origin is None or not allowed:
+            return None
+        return origin if origin in allowed else "*" if "*" in allowed else None
+
+    def cors_headers(self) -> None:
+        origin = self.cors_origin()
+        if origin is not None:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            if origin != "*":
+                self.send_header("Vary", "Origin")
+
+    def preflight(self) -> None:
+        self.status = 204
+        self.send_response(204)
+        self.cors_headers()
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Max-Age", str(CORS_MAX_AGE_S))
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     # ---- endpoints ----
+    def page(self) -> None:
+        """The chat page: one static file in the package."""
+        self.send_body(200, CHAT_PAGE.read_bytes(), "text/html; charset=utf-8")
+
+    def metrics(self) -> None:
+        engine = self.server.state.engine
+        text = self.server.state.metrics.render(engine.running(), engine.waiting(), len(engine.prompt_cache.entries))
+        self.send_body(200, text.encode(), METRICS_TYPE)
+
+    def tokenize(self) -> None:
+        state = self.server.state
+        self.send_json(200, tokenize_request(self.read_json(), state.engine.model.tokenizer, state.defaults))
+
+    def detokenize(self) -> None:
+        model = self.server.state.engine.model
+        self.send_json(200, detokenize_request(self.read_json(), model.tokenizer, model.config.vocab_size))
+
+    def tokenizer_info(self) -> None:
+        model = self.server.state.engine.model
+        self.send_json(200, tokenizer_info(model.tokenizer, model.path, self.server.state.defaults.ctx))
+
     def health(self) -> None:
         engine = self.server.state.engine
         status = 503 if engine.closing else 200
@@ -209,19 +273,21 @@ class Handler(BaseHTTPRequestHandler):
         engine.check_open()     # while stopping, 503 before the body is read
         job = parse_job(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
         self.note = f"prompt {len(job.ids)} tok"
-        response = Response(job, state.model_id)
+        response = Response(job, state.model_id, model.tokenizer)
         with engine.admit(job, self.client_gone) as chunks:
             last = (self.stream if job.stream else self.collect)(response, chunks)
+        state.metrics.generation(len(job.ids), job.cached, last)
         self.note = (f"prompt {len(job.ids)} tok, {job.cached} cached | gen {last.generated_tokens} tok, "
                      f"{last.decode_tok_per_s:.1f} tok/s | {last.finish_reason}")
 
     def collect(self, response: Response, chunks) -> Chunk:
-        pieces = []
+        pieces, entries = [], []
         for chunk in chunks:
             pieces.append(chunk.text)
+            entries += chunk.logprobs or []
             self.tokens += 1
             self.check_alive()
-        self.send_json(200, response.whole("".join(pieces), chunk))
+        self.send_json(200, response.whole("".join(pieces), chunk, entries))
         return chunk
 
     def stream(self, response: Response, chunks) -> Chunk:
@@ -230,8 +296,10 @@ class Handler(BaseHTTPRequestHandler):
             self.send_event(response.chunk("", role=True))
         try:
             for chunk in chunks:
-                if chunk.text:
-                    self.send_event(response.chunk(chunk.text))
+                if response.job.echo and self.tokens == 0:    # the prompt is scored once the turn came
+                    self.send_event(response.echo_chunk())
+                if chunk.text or chunk.logprobs:
+                    self.send_event(response.chunk(chunk.text, entries=chunk.logprobs))
                 self.tokens += 1
                 self.check_alive()
         except Ds2Error as e:  # the status is sent: the error travels as an event, then the stream ends
@@ -309,13 +377,16 @@ class Handler(BaseHTTPRequestHandler):
 
     # ---- writing ----
     def send_json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode()
+        self.send_body(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
+
+    def send_body(self, status: int, data: bytes, content_type: str) -> None:
         if self.body_pending() or self.server.state.engine.closing:
             self.close_connection = True   # an unread body would be parsed as the next request
         self.status = status
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        self.cors_headers()
         for name, value in self.extra_headers.items():
             self.send_header(name, value)
         if self.close_connection:
@@ -350,6 +421,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.cors_headers()
         if self.chunked:
             self.send_header("Transfer-Encoding", "chunked")
         else:   # HTTP/1.0: the end of the connection ends the stream
@@ -442,13 +514,16 @@ def serve_until(server: Server, state: State, stop: threading.Event) -> None:
               help="Memory for latent caches of recent conversations (0 = no reuse).")
 @click.option("--queue", "max_queue", default=DEFAULT_QUEUE, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait while one runs; beyond, 503.")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="Let pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser. "
+              "Repeatable; off by default.")
 @click.option("--system", metavar="TEXT", help="A default system message, for chat requests that bring "
               "no system (or developer) message.")
 @chat_template_option()
 @sampling_options
 @memory_options
-def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue, system, chat_template,
-          quantize, no_memory_check, **opts):
+def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue, cors_origins, system,
+          chat_template, quantize, no_memory_check, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
     Listens on 127.0.0.1:8000 unless told otherwise. The sampling options and -n are the defaults
@@ -464,7 +539,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
                             ctx, system)
         engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue)
         model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
-        state = State(engine, model_id, defaults, api_key or None)
+        state = State(engine, model_id, defaults, api_key or None, cors_origins=cors_origins)
         server = listen(host, port, state)
         slots = engine.prompt_cache.slots
         state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | prompt cache "
