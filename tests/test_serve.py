@@ -40,12 +40,14 @@ def model():
     return ds2cli.load()
 
 
-def make_server(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024, params=None, system=None):
+def make_server(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024, params=None, system=None,
+                cors_origins=()):
     """A server not yet serving; returns (server, state, log lines)."""
     lines = []
     params = params or SamplingParams.from_generation_config(model.generation_config)
     defaults = Defaults(params, 256, ctx, system)
-    state = State(Engine(model, ctx, budget, max_queue), "ds2-tiny", defaults, api_key, sink=lines.append)
+    state = State(Engine(model, ctx, budget, max_queue), "ds2-tiny", defaults, api_key, sink=lines.append,
+                  cors_origins=cors_origins)
     return Server(("127.0.0.1", 0), state), state, lines
 
 
