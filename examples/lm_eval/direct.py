@@ -57,7 +57,7 @@ def main():
         pred = int(np.argmax(scores))
         correct += pred == doc["label"]
         print(f"{doc['a']} + {doc['b']}: choices {doc['choices']} log-likelihoods "
-              f"{[round(s, 4) for s in scores]} -> {doc['choices'][pred]} ({'right' if pred == doc['label'] else 'wrong'})")
+              f"{[round(s, 6) for s in scores]} -> {doc['choices'][pred]} ({'right' if pred == doc['label'] else 'wrong'})")
     print(f"acc {correct / len(docs):.4f} ({correct}/{len(docs)})")
 
 
