@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import re
 import select
 import signal
 import socket
@@ -514,7 +515,7 @@ def serve_until(server: Server, state: State, stop: threading.Event) -> None:
               help="Memory for latent caches of recent conversations (0 = no reuse).")
 @click.option("--queue", "max_queue", default=DEFAULT_QUEUE, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait while one runs; beyond, 503.")
-@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN", callback=lambda ctx, p, v: check_origins(v),
               help="Let pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser. "
               "Repeatable; off by default.")
 @click.option("--system", metavar="TEXT", help="A default system message, for chat requests that bring "
@@ -546,6 +547,15 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
                   f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)} | queue {max_queue}")
         serve_forever(server, state)
     state.log("ds2 serve: stopped")
+
+
+def check_origins(origins: tuple[str, ...]) -> tuple[str, ...]:
+    """An origin as browsers send it: scheme://host[:port], no path (a trailing "/" never matches); or "*"."""
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+            raise click.BadParameter(f"{origin!r} is not an origin: give scheme://host[:port] as a browser sends it "
+                                     f"(e.g. http://localhost:3000, no path), or * for any", param_hint="'--cors-origin'")
+    return origins
 
 
 def listen(host: str, port: int, state: State) -> Server:

@@ -301,6 +301,8 @@ def test_seed_minus_one_asks_for_a_random_seed_over_the_server_default(model):
     (["--seed", "-5"], "--seed", "-5 is not a seed"),
     (["--threads", "0"], "--threads", "0 is not in the range x>=1"),
     (["--ctx", "4096"], "--ctx", "4096 is larger than the model's max_position_embeddings (1024)"),
+    (["--cors-origin", "http://localhost:3000/"], "--cors-origin", "is not an origin"),
+    (["--cors-origin", "localhost"], "--cors-origin", "is not an origin"),
 ])
 def test_serve_options_are_usage_errors_before_any_weight_loads(no_loading, args, option, text):
     r = CliRunner().invoke(main, ["serve", "--port", "0", *args])
@@ -323,11 +325,13 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
 
     monkeypatch.setattr(serve_module, "serve_forever", serve_forever)
     r = CliRunner().invoke(main, ["serve", "--port", "0", "--alias", "my-model", "--system", "Answer in French.",
-                                  "--chat-template", str(template), "--threads", "1", "--temp", "0", "--seed", "-1"])
+                                  "--chat-template", str(template), "--threads", "1", "--temp", "0", "--seed", "-1",
+                                  "--cors-origin", "http://localhost:3000", "--cors-origin", "*"])
     assert r.exit_code == 0, r.stderr
     assert re.match(r"ds2 serve: my-model \(loaded in", r.stderr)
     state = seen["state"]
     assert state.model_id == "my-model" and state.defaults.system == "Answer in French."
+    assert state.cors_origins == ("http://localhost:3000", "*")
     assert state.defaults.params.temperature == 0 and state.defaults.params.seed is None
     assert set(seen["blas"]) == {1} and seen["cores"] == 1
     tok = state.engine.model.tokenizer
