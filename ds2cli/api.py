@@ -423,7 +423,7 @@ class Response:
     def whole(self, text: str, last: Chunk, entries: list | None = None) -> dict:
         if self.job.echo:
             text = self.echoed_prompt() + text
-            entries = None if entries is None else [*self.job.prompt_logprobs, *entries]
+            entries = None if entries is None or self.job.logprobs is None else [*self.job.prompt_logprobs, *entries]
         logprobs = self._logprobs(entries, echoed=self.job.echo)
         return self._wrap([self._choice(text, finish_reason(last), delta=False, logprobs=logprobs)], self.object,
                           usage=self.usage(last))

@@ -145,7 +145,7 @@ class Engine:
             return sampled[-1]
 
         t0 = time.perf_counter()
-        if job.echo:    # echo hook: the prompt's logprobs need every position's logits, cached or not
+        if job.echo and logprobs is not None:   # echo hook: the prompt's logprobs need every position's logits
             cache.reset()
             job.cached, keep = 0, len(job.ids) - 1
             try:

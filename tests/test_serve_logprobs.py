@@ -216,6 +216,18 @@ def test_echo_recomputes_the_cached_prefix_and_streams_the_prompt_first(server, 
     assert "".join(c["choices"][0]["text"] for c in chunks) == first["choices"][0]["text"]
 
 
+def test_echo_without_logprobs_only_prefixes_the_text_and_keeps_the_prompt_cache(server, model):
+    port, _, _ = server
+    body = {"prompt": "ROMEO:\nWhat, shall", "max_tokens": 5, "temperature": 0}
+    plain = request(port, "POST", "/v1/completions", body)[1]["choices"][0]
+    echoed = request(port, "POST", "/v1/completions", {**body, "echo": True})[1]
+    prompt = model.tokenizer.decode(model.tokenizer.encode(body["prompt"]))
+    assert echoed["choices"][0]["text"] == prompt + plain["text"] and echoed["choices"][0]["logprobs"] is None
+    assert echoed["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    events = [e for e in sse(port, {**body, "echo": True, "stream": True}) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == echoed["choices"][0]["text"]
+
+
 # ---- bad input ----
 BAD = [
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
