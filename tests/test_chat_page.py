@@ -25,8 +25,9 @@ QUESTION, ANSWER = "What is 451 - 123?", "451 - 123 = 328."
 WAIT_S = 60
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def browser():
+    """One headless chromium for the module (each test's server has its own port, so its own origin)."""
     profile = tempfile.mkdtemp(prefix="ds2-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)

