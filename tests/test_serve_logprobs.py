@@ -115,7 +115,7 @@ def _partial(piece: bytes) -> bool:
 def test_chat_logprobs_are_the_model_s_own_whole_and_streamed(server, model):
     port, _, _ = server
     c = client(port)
-    r = c.chat.completions.create(model="x", messages=QUESTION, temperature=0, logprobs=True, top_logprobs=3,
+    r = c.chat.completions.create(model="x", messages=QUESTION, temperature=0, logprobs=True, top_logprobs=5,
                                   max_tokens=20)
     content = r.choices[0].logprobs.content
     tokens = [e.token for e in content]
@@ -127,10 +127,10 @@ def test_chat_logprobs_are_the_model_s_own_whole_and_streamed(server, model):
         row = ref[len(prompt) - 1 + i]
         assert abs(e.logprob - row[ids[len(prompt) + i]]) < TOL
         assert bytes(e.bytes) == model.tokenizer.token_bytes(ids[len(prompt) + i])
-        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == e.logprob   # greedy: the top one
+        assert len(e.top_logprobs) == 5 and e.top_logprobs[0].logprob == e.logprob   # greedy: the top one
         assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
     streamed = [ch.choices[0].logprobs.content for ch in c.chat.completions.create(
-        model="x", messages=QUESTION, temperature=0, logprobs=True, top_logprobs=3, max_tokens=20, stream=True)
+        model="x", messages=QUESTION, temperature=0, logprobs=True, top_logprobs=5, max_tokens=20, stream=True)
         if ch.choices and ch.choices[0].logprobs is not None]
     flat = [e for part in streamed for e in part]
     assert [e.token for e in flat] == tokens
