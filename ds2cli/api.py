@@ -7,14 +7,17 @@ a client sent and says, in OpenAI's error format, what is wrong with it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from ds2cli.draft import MAX_DRAFT
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk
+from ds2cli.logprobs import MAX_TOP, TextOffsets, chat_content, completion_logprobs
 from ds2cli.sampling import SamplingError, SamplingParams
 from ds2cli.tokenizer import Tokenizer
 
@@ -48,6 +51,10 @@ class Job:
     stream: bool
     include_usage: bool
     cached: int = 0             # set by the engine: prompt tokens found in the prompt cache
+    logprobs: int | None = None     # None: off; else how many top alternatives each token reports
+    echo: bool = False              # completions: the answer starts with the prompt (and its logprobs)
+    continue_final: bool = False    # chat: the reply continues the last assistant message (no lstrip)
+    prompt_logprobs: list | None = None  # set by the engine under echo: an Entry per prompt token (None first)
     draft: int | None = None    # speculative decoding's draft length (None: the server's default)
     index: int = 0              # the choice this job answers: prompt * n + sample
     sample: int = 0             # which of the n samples of its prompt (0 pays the prompt's tokens)
@@ -91,7 +98,7 @@ def _unsupported(body: dict) -> None:
     best_of = _number(body, "best_of", integer=True)
     if best_of is not None and best_of != 1:
         raise ApiError(400, "best_of must be 1", param="best_of")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+    for name in ("suffix", "tools", "functions"):
         if body.get(name) not in (None, False, [], {}, ""):
             raise ApiError(400, f"{name} is not supported by ds2", param=name)
     fmt = body.get("response_format")
@@ -130,12 +137,56 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _params(body: dict, defaults: Defaults) -> SamplingParams:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top alternatives each token reports, or None when logprobs are off. Chat takes
+    `logprobs: true` with `top_logprobs` N; completions also take `logprobs: N` (legacy OpenAI)."""
+    value, top = body.get("logprobs"), _number(body, "top_logprobs", integer=True)
+    if top is not None and not 0 <= top <= MAX_TOP:
+        raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP}], not {top}", param="top_logprobs")
+    if value is None or isinstance(value, bool):
+        on, n = bool(value), top
+    elif chat:
+        raise ApiError(400, f"logprobs must be true or false (the count goes in top_logprobs), not {_show(value)}",
+                       param="logprobs")
+    elif isinstance(value, int) and 0 <= value <= MAX_TOP:
+        if top is not None and top != value:
+            raise ApiError(400, f"logprobs = {value} and top_logprobs = {top} disagree: give one", param="top_logprobs")
+        on, n = True, value
+    else:
+        raise ApiError(400, f"logprobs must be true, false or an integer in [0, {MAX_TOP}], not {_show(value)}",
+                       param="logprobs")
+    if top is not None and not on:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (n or 0) if on else None
+
+
+def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """{"token id": value}: ids in the vocabulary, values in [-100, 100] (OpenAI's range)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise ApiError(400, "logit_bias must be an object mapping token ids to numbers", param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        text = key.strip()
+        if not (text.isascii() and text.isdigit()) or int(text) >= vocab_size:
+            raise ApiError(400, f"logit_bias: {_show(key)} is not a token id in [0, {vocab_size})", param="logit_bias")
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not -100 <= value <= 100):
+            raise ApiError(400, f"logit_bias[{key!r}] must be a number in [-100, 100], not {_show(value)}",
+                           param="logit_bias")
+        out.append((int(text), float(value)))
+    return tuple(out)
+
+
+def _params(body: dict, defaults: Defaults, vocab_size: int) -> SamplingParams:
     given = {name: _number(body, name) for name in ("temperature", "top_p", "min_p", "repetition_penalty")}
     given["top_k"] = _number(body, "top_k", integer=True)
     given["seed"] = _number(body, "seed", integer=True)
     if given["seed"] is not None and given["seed"] < -1:
         raise ApiError(400, f"seed must be >= 0, or -1 for a random one; not {given['seed']}", param="seed")
+    given["logit_bias"] = _logit_bias(body, vocab_size) or None
     merged = {**dataclasses.asdict(defaults.params), **{k: v for k, v in given.items() if v is not None}}
     if given["seed"] == -1:     # random, as OpenAI clients and llama.cpp send it (over --seed too)
         merged["seed"] = None
@@ -145,12 +196,14 @@ def _params(body: dict, defaults: Defaults) -> SamplingParams:
         raise ApiError(400, f"{e.field} {e.rule}", param=e.field) from None
 
 
-def _max_tokens(body: dict, defaults: Defaults) -> int:
+def _max_tokens(body: dict, defaults: Defaults, echo: bool = False) -> int:
+    """0 only with echo: the prompt's own logprobs and no reply (lm-eval's loglikelihood requests)."""
     for name in ("max_completion_tokens", "max_tokens"):
         value = _number(body, name, integer=True)
         if value is not None:
-            if value < 1:
-                raise ApiError(400, f"{name} must be at least 1, not {value}", param=name)
+            if value < (0 if echo else 1):
+                raise ApiError(400, f"{name} must be at least 1{' (0 only with echo)' * (value == 0)}, "
+                                    f"not {value}", param=name)
             return value
     return defaults.max_tokens
 
@@ -233,17 +286,63 @@ def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[i
     return out
 
 
+CONTINUE_MARK = "\x00ds2-continue\x00"    # where the last message's content ends, in a rendered prompt
+
+
+def continuation(body: dict, messages: list[dict]) -> bool:
+    """Whether the reply continues the last (assistant) message: continue_final_message, or a
+    trailing assistant message with add_generation_prompt false (as vLLM and HF read them)."""
+    cont, gen = _bool(body, "continue_final_message"), body.get("add_generation_prompt")
+    if gen is not None and not isinstance(gen, bool):
+        raise ApiError(400, f"add_generation_prompt must be true or false, not {_show(gen)}",
+                       param="add_generation_prompt")
+    last = messages[-1]["role"]
+    if cont and gen:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       param="continue_final_message")
+    if cont and last != "assistant":
+        raise ApiError(400, f"continue_final_message needs the last message to be the assistant's, not {last}'s",
+                       param="continue_final_message")
+    return cont or (gen is False and last == "assistant")
+
+
+def render_continuation(tokenizer: Tokenizer, messages: list[dict]) -> str:
+    """The prompt up to the end of the last message's content: rendered without a generation
+    prompt, with a mark after that content, and cut at the mark (which drops whatever the
+    template closes a message with: DeepSeek's eos, ChatML's <|im_end|>)."""
+    marked = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_MARK}]
+    text = tokenizer.render_chat(marked, add_generation_prompt=False)
+    cut = text.rfind(CONTINUE_MARK)
+    if cut < 0:
+        raise ApiError(400, "the chat template does not render the last message's content as given, so it "
+                            "cannot be continued", param="continue_final_message")
+    return text[:cut]
+
+
+def chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults) -> tuple[list[int], bool]:
+    """The chat prompt's ids, and whether it continues the last message."""
+    messages = chat_messages(body)
+    if defaults.system and all(m["role"] != "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": defaults.system})
+    cont, gen = continuation(body, messages), body.get("add_generation_prompt") is not False
+    try:
+        if cont:
+            return tokenizer.encode(render_continuation(tokenizer, messages), add_special_tokens=False), True
+        return tokenizer.encode_chat(messages, add_generation_prompt=gen), False
+    except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
+        raise ApiError(400, str(e), param="messages") from None
+
+
 def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> list[Job]:
     """The request's choices as jobs, in OpenAI's order: index = prompt * n + sample."""
     _unsupported(body)
+    cont = False
+    echo = _bool(body, "echo")
+    if chat and echo:
+        raise ApiError(400, "echo is only for /v1/completions", param="echo")
     if chat:
-        messages = chat_messages(body)
-        if defaults.system and all(m["role"] != "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": defaults.system})
-        try:
-            prompts = [tokenizer.encode_chat(messages, add_generation_prompt=True)]
-        except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
-            raise ApiError(400, str(e), param="messages") from None
+        ids, cont = chat_ids(body, tokenizer, defaults)
+        prompts = [ids]
     else:
         prompts = prompt_ids(body, tokenizer, vocab_size)
     n = _n(body)
@@ -254,19 +353,21 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
         where = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if not ids:
             raise ApiError(400, f"{where} is empty and the tokenizer adds no bos token: nothing to condition on",
-                           param="messages" if chat else "prompt")
+                           param="prompt")
         if len(ids) > defaults.ctx:
             raise ApiError(400, f"{where} is {len(ids)} tokens, more than the context of {defaults.ctx} tokens",
                            param="messages" if chat else "prompt", code="context_length_exceeded")
     stream, include_usage = _stream(body)
-    params, max_tokens, stop, draft = _params(body, defaults), _max_tokens(body, defaults), _stop(body), _draft(body)
+    params, max_tokens = _params(body, defaults, vocab_size), _max_tokens(body, defaults, echo)
+    stop, draft, logprobs = _stop(body), _draft(body), _logprobs(body, chat)
     jobs = []
     for p, ids in enumerate(prompts):
         for k in range(n):
             # each sample its own random stream: a seed gives the k-th sample seed + k
             seeded = params if k == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + k)
             jobs.append(Job(chat, list(ids), seeded, max_tokens, stop, stream, include_usage,
-                            draft=draft, index=p * n + k, sample=k))
+                            logprobs=logprobs, echo=echo, continue_final=cont, draft=draft,
+                            index=p * n + k, sample=k))
     return jobs
 
 
@@ -278,44 +379,133 @@ def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, def
     return jobs[0]
 
 
+# ---- the tokenizer endpoints ----
+def tokenize_request(body: dict, tokenizer: Tokenizer, defaults: Defaults) -> dict:
+    """POST /tokenize: llama-server's {"content", "add_special", "with_pieces"}, or vLLM's
+    {"prompt", "add_special_tokens"} or {"messages", "add_generation_prompt"} -> {"tokens", ...}."""
+    if "messages" in body:
+        ids, _ = chat_ids(body, tokenizer, defaults)
+    else:
+        name = "content" if "content" in body else "prompt"
+        text = body.get(name)
+        if not isinstance(text, str):
+            raise ApiError(400, "give the text to tokenize as content (or prompt), a string", param=name)
+        # llama-server's add_special (default false), vLLM's add_special_tokens (default true)
+        given = [_bool(body, k) for k in ("add_special", "add_special_tokens") if body.get(k) is not None]
+        special = given[0] if given else name == "prompt"
+        ids = tokenizer.encode(_text(text, name), add_special_tokens=special)
+    tokens: list = ids
+    if _bool(body, "with_pieces"):
+        tokens = [{"id": t, "piece": tokenizer.token_bytes(t).decode("utf-8", errors="replace")} for t in ids]
+    out = {"tokens": tokens, "count": len(ids), "max_model_len": defaults.ctx}
+    if _bool(body, "return_token_strs"):
+        out["token_strs"] = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+    return out
+
+
+def detokenize_request(body: dict, tokenizer: Tokenizer, vocab_size: int) -> dict:
+    """POST /detokenize: {"tokens": [ids]} -> {"content": text} (llama-server), also as "prompt" (vLLM)."""
+    ids = body.get("tokens")
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ApiError(400, "tokens must be a list of token ids", param="tokens")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise ApiError(400, f"token ids must be in [0, {vocab_size})", param="tokens")
+    text = tokenizer.decode(ids)
+    return {"content": text, "prompt": text}
+
+
+def tokenizer_info(tokenizer: Tokenizer, model_dir, ctx: int) -> dict:
+    """GET /tokenizer_info, as vLLM answers it: the checkpoint's tokenizer_config.json (its
+    added_tokens_decoder left out), with tokenizer_class, the special tokens and the chat template."""
+    config: dict = {}
+    path = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = {}
+    config = {k: v for k, v in config.items() if k != "added_tokens_decoder"} if isinstance(config, dict) else {}
+    return {**config, "tokenizer_class": config.get("tokenizer_class") or "PreTrainedTokenizerFast",
+            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+            "chat_template": tokenizer.chat_template, "model_max_length": ctx,
+            "vocab_size": tokenizer.vocab_size}
+
+
 # ---- responses ----
 class Response:
     """Builds the objects of one completion (its choices, one per job), streamed or whole, in
     OpenAI's shapes."""
 
-    def __init__(self, jobs: list[Job], model_id: str):
-        self.jobs, self.job, self.model_id = jobs, jobs[0], model_id
+    def __init__(self, jobs: list[Job], model_id: str, tokenizer: Tokenizer | None = None):
+        self.jobs = {j.index: j for j in jobs}
+        self.job, self.model_id, self.tokenizer = jobs[0], model_id, tokenizer
         self.id = ("chatcmpl-" if self.job.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if self.job.chat else "text_completion"
+        # completions' text_offset counts in each choice's own text
+        self.offsets = {i: TextOffsets(tokenizer) for i in self.jobs} if tokenizer is not None else {}
 
     def _wrap(self, choices: list, obj: str, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id,
                 "choices": choices, **extra}
 
-    def _choice(self, index: int, text: str | None, finish: str | None, delta: bool, role: bool = False) -> dict:
+    def _logprobs(self, index: int, entries: list | None, echoed: bool = False) -> dict | None:
+        """The choice's logprobs for `entries` (None when the request did not ask for them)."""
+        job = self.jobs[index]
+        if job.logprobs is None or entries is None:
+            return None
+        if job.chat:
+            return {"content": chat_content(self.tokenizer, entries)}
+        return completion_logprobs(self.tokenizer, entries, self.offsets[index], job.ids if echoed else None)
+
+    def _choice(self, index: int, text: str | None, finish: str | None, delta: bool, role: bool = False,
+                logprobs: dict | None = None) -> dict:
         if not self.job.chat:
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         body: dict = {"role": "assistant"} if role or not delta else {}
         if text is not None:
             body["content"] = text
-        return {"index": index, ("delta" if delta else "message"): body, "logprobs": None, "finish_reason": finish}
+        return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
+                "finish_reason": finish}
 
     def usage(self, lasts: dict[int, Chunk]) -> dict:
         """A prompt's tokens count once however many samples it has; every sample's reply counts."""
-        prompt = sum(len(j.ids) for j in self.jobs if j.sample == 0)
+        jobs = self.jobs.values()
+        prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
         completion = sum(last.generated_tokens for last in lasts.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(j.cached for j in self.jobs if j.sample == 0)}}
+                "prompt_tokens_details": {"cached_tokens": sum(j.cached for j in jobs if j.sample == 0)}}
 
-    def whole(self, texts: dict[int, str], lasts: dict[int, Chunk]) -> dict:
-        choices = [self._choice(j.index, texts[j.index], finish_reason(lasts[j.index]), delta=False)
-                   for j in self.jobs]
+    def echoed_prompt(self, index: int = 0) -> str:
+        """Under echo, the text the answer starts with: the prompt's tokens decoded, so that
+        text_offset counts in the very text returned."""
+        job = self.jobs[index]
+        return self.tokenizer.decode(job.ids) if job.echo else ""
+
+    def whole(self, texts: dict[int, str], lasts: dict[int, Chunk], entries: dict[int, list] | None = None) -> dict:
+        choices = []
+        for index, job in self.jobs.items():
+            text, ents = texts[index], (entries or {}).get(index)
+            if job.echo:
+                text = self.echoed_prompt(index) + text
+                ents = None if ents is None or job.logprobs is None else [*job.prompt_logprobs, *ents]
+            choices.append(self._choice(index, text, finish_reason(lasts[index]), delta=False,
+                                        logprobs=self._logprobs(index, ents, echoed=job.echo)))
         return self._wrap(choices, self.object, usage=self.usage(lasts))
 
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, index: int = 0) -> dict:
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, index: int = 0,
+              entries: list | None = None) -> dict:
         extra = {"usage": None} if self.job.include_usage else {}
-        return self._wrap([self._choice(index, text, finish, delta=True, role=role)], self._chunk_object(), **extra)
+        choice = self._choice(index, text, finish, delta=True, role=role, logprobs=self._logprobs(index, entries))
+        return self._wrap([choice], self._chunk_object(), **extra)
+
+    def echo_chunk(self, index: int = 0) -> dict:
+        """A choice's first chunk under echo: the prompt's text (and its logprobs)."""
+        extra = {"usage": None} if self.job.include_usage else {}
+        job = self.jobs[index]
+        choice = self._choice(index, self.echoed_prompt(index), None, delta=True,
+                              logprobs=self._logprobs(index, job.prompt_logprobs, echoed=True))
+        return self._wrap([choice], self._chunk_object(), **extra)
 
     def finish_chunk(self, last: Chunk, index: int = 0) -> dict:
         """The chunk that carries a choice's finish_reason."""

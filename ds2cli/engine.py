@@ -35,6 +35,7 @@ import numpy as np
 
 from ds2cli.api import ABORTED, Job
 from ds2cli.generate import Chunk, Generation
+from ds2cli.logprobs import PROMPT_CHUNK, ObservedSampler, TokenLogprobs, entry
 from ds2cli.model import Model
 from ds2cli.prompt_cache import PromptCache, common_prefix, copy_prefix
 from ds2cli.sampling import make_sampler
@@ -62,6 +63,7 @@ class Request:
     def __init__(self, job: Job, out: queue.Queue, after: Request | None = None):
         self.job, self.out, self.after = job, out, after
         self.gen: Generation | None = None          # set when it gets a slot
+        self.logprobs: TokenLogprobs | None = None  # the generated tokens' entries, when asked for
         self.cancelled = False                      # its client left, or its handler ended
         self.running = False
 
@@ -183,7 +185,7 @@ class Engine:
                 continue
             if isinstance(item, BaseException):
                 raise item
-            if chat and index not in started:
+            if chat and index not in started and not requests[0].job.continue_final:
                 item.text = item.text.lstrip()
                 if item.text:
                     started.add(index)
@@ -240,16 +242,33 @@ class Engine:
             try:
                 cache, job.cached = self.prompt_cache.take(job.ids)
                 self.share_prefix(job, cache)
+                scored = job.echo and job.logprobs is not None
+                if scored:      # echo: the prompt's logprobs need every position's logits
+                    cache.reset()
+                    job.cached, job.prompt_logprobs = 0, [None]
                 keep = job.cached
-                request.gen = Generation(self.model, job.ids[keep:], cache, make_sampler(job.params),
-                                         job.max_tokens, job.stop, context=job.ids[:keep],
-                                         draft=job.draft if job.draft is not None else self.draft)
+                sampler = make_sampler(job.params)
+                if job.logprobs is not None:
+                    request.logprobs = TokenLogprobs(job.logprobs)
+                    sampler = ObservedSampler(sampler, request.logprobs)
+                request.gen = Generation(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
+                                         context=job.ids[:keep],
+                                         draft=job.draft if job.draft is not None else self.draft,
+                                         prompt_rows=self.prompt_rows(job) if scored else None,
+                                         prompt_rows_chunk=PROMPT_CHUNK)
             except Exception as e:
                 request.out.put((job.index, e))
                 if cache is not None:
                     self.prompt_cache.put([], cache)
                 continue
             self.batch.append(request)
+
+    @staticmethod
+    def prompt_rows(job: Job):
+        """Where an echo job's prompt rows go: each reduced to its entry as its pass ends."""
+        def take(rows, tokens):
+            job.prompt_logprobs += [entry(row, t, job.logprobs) for row, t in zip(rows, tokens)]
+        return take
 
     def share_prefix(self, job: Job, cache) -> None:
         """A running request whose prompt is in its cache may share more of this prompt than the
@@ -296,6 +315,8 @@ class Engine:
                     self.fail(r, e)
 
     def deliver(self, request: Request, chunks: list[Chunk]) -> None:
+        if request.logprobs is not None:     # each token's entry rides the chunk of its pass
+            chunks = list(request.logprobs.attach(chunks))
         for chunk in chunks:
             request.out.put((request.job.index, chunk))
         if request.gen.done:

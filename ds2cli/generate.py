@@ -31,6 +31,7 @@ class Chunk:
     tokens: list = dataclasses.field(default_factory=list)  # every generated id, on the last chunk
     drafted: int = 0                      # speculative decoding: tokens drafted, and accepted
     accepted: int = 0
+    logprobs: list | None = None          # serve: logprobs.Entry of the tokens this chunk sends (TokenLogprobs)
 
     @property
     def prefill_tok_per_s(self) -> float:
@@ -101,11 +102,16 @@ class Generation:
     (`drafts`, default prompt lookup; the length adapts, DraftLength) and verified in one pass of
     1 + N tokens; the longest agreeing prefix is kept (the sampler's `verify` keeps the output
     distribution exactly the sampler's), the cache is rolled back past the rest, and the pass's
-    next logits give one more token. Everything else (eos, stop strings, limits) is as without."""
+    next logits give one more token. Everything else (eos, stop strings, limits) is as without.
+
+    With `prompt_rows(rows, tokens)`, every prompt position's logits come back (serve's echo):
+    the prompt runs at most `prompt_rows_chunk` tokens a pass, and each pass hands its rows with
+    the prompt tokens they predict."""
 
     def __init__(self, model: Model, prompt_ids: Sequence[int], cache: LatentCache, sampler: Sampler,
                  max_new_tokens: int, stop: Sequence[str] = (), eos_ids: Sequence[int] | None = None,
-                 context: Sequence[int] = (), draft: int = 0, drafts: DraftSource | None = None):
+                 context: Sequence[int] = (), draft: int = 0, drafts: DraftSource | None = None,
+                 prompt_rows=None, prompt_rows_chunk: int = 256):
         if len(prompt_ids) == 0:
             raise GenerationError("a generation needs at least one prompt token")
         self.cache, self.sampler, self.max_new_tokens = cache, sampler, max_new_tokens
@@ -114,6 +120,7 @@ class Generation:
         self.prompt = list(prompt_ids)
         self.pending = list(prompt_ids)             # prompt tokens not yet run
         self.fed = 0                                # how many of them the last step ran
+        self.prompt_rows, self.prompt_rows_chunk = prompt_rows, prompt_rows_chunk
         self.history = [*context, *prompt_ids]
         self.base = cache.length + len(prompt_ids)  # the cache length before the first generated token
         self.generated: list[int] = []
@@ -135,8 +142,12 @@ class Generation:
         if self.t0 is None:
             self.t0 = self.passed
         if self.pending:
+            if self.prompt_rows is not None:
+                limit = min(limit or self.prompt_rows_chunk, self.prompt_rows_chunk)
             part = self.pending[:max(1, limit or len(self.pending))]
             self.fed = len(part)
+            if self.prompt_rows is not None:
+                return Step(part, self.cache, "all")
             return Step(part, self.cache, "last" if len(part) == len(self.pending) else "none")
         n = 0
         if self.length:
@@ -149,7 +160,12 @@ class Generation:
         took = time.perf_counter() - self.passed
         out: list[Chunk] = []
         if self.pending:
+            part = self.pending[:self.fed]
             del self.pending[:self.fed]
+            if self.prompt_rows is not None:     # rows (fed, V): each predicts the next prompt token
+                nexts = part[1:] + self.pending[:1]
+                self.prompt_rows(check_logits(logits[:len(nexts)]), nexts)
+                logits = logits[-1]
             if self.pending:
                 return out
             self.t1 = time.perf_counter()

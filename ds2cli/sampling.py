@@ -28,6 +28,7 @@ class SamplingParams:
     min_p: float = 0.0        # 0 = off
     repetition_penalty: float = 1.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, value) pairs added to the logits first
 
     def __post_init__(self):
         checks = [("temperature", "temperature", self.temperature >= 0, "must be >= 0"),
@@ -53,6 +54,17 @@ class SamplingParams:
                 base[key] = type(getattr(SamplingParams, key))(gen[key])
         base.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams(**base)
+
+
+def apply_logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndarray:
+    """OpenAI's logit_bias: each value added to its token's logit (-100 all but bans a token,
+    100 all but forces it), before the penalty and the filters."""
+    if not bias:
+        return logits
+    ids, values = zip(*bias)
+    logits = logits.copy()
+    np.add.at(logits, list(ids), np.asarray(values, dtype=logits.dtype))    # an id given twice adds twice
+    return logits
 
 
 def apply_repetition_penalty(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
@@ -108,6 +120,7 @@ class TokenSampler:
     def distribution(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray | int:
         """The token probabilities (V,) float64, or the one token greedy decoding picks."""
         params = self.params
+        logits = apply_logit_bias(logits, params.logit_bias)
         logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
         if params.temperature == 0:
             return int(np.argmax(logits))

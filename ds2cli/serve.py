@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import re
 import select
 import signal
 import socket
@@ -20,16 +21,18 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import click
 
 from ds2cli import __version__, console
-from ds2cli.api import ApiError, Defaults, Response, parse_jobs
+from ds2cli.api import ApiError, Defaults, Response, detokenize_request, parse_jobs, tokenize_request, tokenizer_info
 from ds2cli.config import JSON_ERRORS, json_error
 from ds2cli.engine import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, ClientGone, Engine, Refused
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk
+from ds2cli.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from ds2cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
                             max_new_tokens_for, memory_options, model_config, model_option, sampling_options,
                             sampling_params, thread_limits)
@@ -40,15 +43,22 @@ DEFAULT_QUEUE = 16                  # requests that may wait while one runs
 DEFAULT_PROMPT_CACHE_MB = 1024
 IDLE_TIMEOUT_S = 120                # a connection that sends nothing for this long is closed
 LINGER_S = 1.0                      # after a 413, how long to swallow the unread body before closing
+CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"
+CORS_MAX_AGE_S = 600                # how long a browser may reuse a preflight's answer
+OPEN_PATHS = ("/health", "/")       # no API key needed: the probe, and the chat page (which asks for the key)
+ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+             "/tokenize", "/detokenize", "/tokenizer_info")   # the /metrics labels; other paths count as "other"
 
 
 class State:
     """What every handler thread shares: the engine and the server's settings."""
 
     def __init__(self, engine: Engine, model_id: str, defaults: Defaults, api_key: str | None,
-                 sink=None):
+                 sink=None, cors_origins: tuple[str, ...] = ()):
         self.engine, self.model_id, self.defaults, self.api_key = engine, model_id, defaults, api_key
         self.sink = sink                    # where log lines go (tests collect them); default stderr
+        self.cors_origins = tuple(cors_origins)     # --cors-origin: the origins whose pages may call us ("*": any)
+        self.metrics = Metrics()
         self.created = int(time.time())
         self.active = 0                     # requests being handled, for a graceful stop
         self.active_cond = threading.Condition()
@@ -119,7 +129,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def route(self, method: str, path: str):
         routes = {"/v1/models": ("GET", self.models), "/v1/chat/completions": ("POST", self.chat),
-                  "/v1/completions": ("POST", self.completions), "/health": ("GET", self.health)}
+                  "/v1/completions": ("POST", self.completions), "/health": ("GET", self.health),
+                  "/": ("GET", self.page), "/metrics": ("GET", self.metrics),
+                  "/tokenize": ("POST", self.tokenize), "/detokenize": ("POST", self.detokenize),
+                  "/tokenizer_info": ("GET", self.tokenizer_info)}
         if path in ("/models", "/chat/completions", "/completions"):
             path = "/v1" + path
         if path.startswith("/v1/models/"):
@@ -142,8 +155,11 @@ class Handler(BaseHTTPRequestHandler):
         self.linger = False
         path = urlsplit(self.path).path
         try:
+            if method == "OPTIONS" and self.cors_origin() is not None:    # a CORS preflight: no key asked
+                self.preflight()
+                return
             path, handler = self.route(method, path.rstrip("/") or "/")
-            if path != "/health":
+            if path not in OPEN_PATHS:
                 self.check_key()
             handler()
         except ApiError as e:
@@ -158,6 +174,7 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # never a traceback to the client or the log: one line each
             self.fail(ApiError(500, f"internal error: {type(e).__name__}: {' '.join(str(e).split())}"))
         finally:
+            state.metrics.request(path if path in ENDPOINTS else "other", self.status)
             self.log_line(method, path)
             if self.linger:
                 self.swallow_body()
@@ -176,7 +193,55 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(401, ("incorrect" if token else "missing") + " API key: send Authorization: Bearer KEY"
                            " with the key ds2 serve was given", code="invalid_api_key")
 
+    # ---- CORS ----
+    def cors_origin(self) -> str | None:
+        """What Access-Control-Allow-Origin says to this request: its Origin when --cors-origin
+        lists it, "*" when that lists "*"; None (no CORS headers) otherwise."""
+        headers, allowed = getattr(self, "headers", None), self.server.state.cors_origins
+        origin = headers.get("Origin") if headers is not None else None
+        if origin is None or not allowed:
+            return None
+        return origin if origin in allowed else "*" if "*" in allowed else None
+
+    def cors_headers(self) -> None:
+        origin = self.cors_origin()
+        if origin is not None:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            if origin != "*":
+                self.send_header("Vary", "Origin")
+
+    def preflight(self) -> None:
+        self.status = 204
+        self.send_response(204)
+        self.cors_headers()
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Max-Age", str(CORS_MAX_AGE_S))
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     # ---- endpoints ----
+    def page(self) -> None:
+        """The chat page: one static file in the package."""
+        self.send_body(200, CHAT_PAGE.read_bytes(), "text/html; charset=utf-8")
+
+    def metrics(self) -> None:
+        engine = self.server.state.engine
+        text = self.server.state.metrics.render(engine.running(), engine.waiting(), len(engine.prompt_cache.entries))
+        self.send_body(200, text.encode(), METRICS_TYPE)
+
+    def tokenize(self) -> None:
+        state = self.server.state
+        self.send_json(200, tokenize_request(self.read_json(), state.engine.model.tokenizer, state.defaults))
+
+    def detokenize(self) -> None:
+        model = self.server.state.engine.model
+        self.send_json(200, detokenize_request(self.read_json(), model.tokenizer, model.config.vocab_size))
+
+    def tokenizer_info(self) -> None:
+        model = self.server.state.engine.model
+        self.send_json(200, tokenizer_info(model.tokenizer, model.path, self.server.state.defaults.ctx))
+
     def health(self) -> None:
         engine = self.server.state.engine
         status = 503 if engine.closing else 200
@@ -210,9 +275,12 @@ class Handler(BaseHTTPRequestHandler):
         jobs = parse_jobs(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
         prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
         self.note = f"prompt {prompt} tok" + (f", {len(jobs)} choices" if len(jobs) > 1 else "")
-        response = Response(jobs, state.model_id)
+        response = Response(jobs, state.model_id, model.tokenizer)
         with engine.admit(jobs, self.client_gone) as chunks:
             lasts = (self.stream if jobs[0].stream else self.collect)(response, chunks)
+        for job in jobs:
+            state.metrics.generation(len(job.ids) if job.sample == 0 else 0, job.cached if job.sample == 0 else 0,
+                                     lasts[job.index])
         cached = sum(j.cached for j in jobs if j.sample == 0)
         generated = sum(last.generated_tokens for last in lasts.values())
         rate = max(last.decode_tok_per_s for last in lasts.values())
@@ -221,27 +289,33 @@ class Handler(BaseHTTPRequestHandler):
                      f"{' (best choice)' if len(lasts) > 1 else ''} | {'/'.join(reasons)}")
 
     def collect(self, response: Response, chunks) -> dict:
-        pieces: dict = {j.index: [] for j in response.jobs}
+        pieces: dict = {i: [] for i in response.jobs}
+        entries: dict = {i: [] for i in response.jobs}
         lasts: dict = {}
         for index, chunk in chunks:
             pieces[index].append(chunk.text)
+            entries[index] += chunk.logprobs or []
             if chunk.finish_reason is not None:
                 lasts[index] = chunk
             self.tokens += 1
             self.check_alive()
-        self.send_json(200, response.whole({i: "".join(p) for i, p in pieces.items()}, lasts))
+        self.send_json(200, response.whole({i: "".join(p) for i, p in pieces.items()}, lasts, entries))
         return lasts
 
     def stream(self, response: Response, chunks) -> dict:
         self.start_events()
         if response.job.chat:
-            for job in response.jobs:
-                self.send_event(response.chunk("", role=True, index=job.index))
+            for index in response.jobs:
+                self.send_event(response.chunk("", role=True, index=index))
         lasts: dict = {}
         try:
+            started: set = set()
             for index, chunk in chunks:
-                if chunk.text:
-                    self.send_event(response.chunk(chunk.text, index=index))
+                if response.jobs[index].echo and index not in started:   # scored once its prompt ran
+                    self.send_event(response.echo_chunk(index))
+                started.add(index)
+                if chunk.text or chunk.logprobs:
+                    self.send_event(response.chunk(chunk.text, index=index, entries=chunk.logprobs))
                 if chunk.finish_reason is not None:
                     lasts[index] = chunk
                     self.send_event(response.finish_chunk(chunk, index))
@@ -322,13 +396,16 @@ class Handler(BaseHTTPRequestHandler):
 
     # ---- writing ----
     def send_json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode()
+        self.send_body(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
+
+    def send_body(self, status: int, data: bytes, content_type: str) -> None:
         if self.body_pending() or self.server.state.engine.closing:
             self.close_connection = True   # an unread body would be parsed as the next request
         self.status = status
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        self.cors_headers()
         for name, value in self.extra_headers.items():
             self.send_header(name, value)
         if self.close_connection:
@@ -363,6 +440,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.cors_headers()
         if self.chunked:
             self.send_header("Transfer-Encoding", "chunked")
         else:   # HTTP/1.0: the end of the connection ends the stream
@@ -462,13 +540,16 @@ def serve_until(server: Server, state: State, stop: threading.Event) -> None:
               help="While other requests decode, a new prompt runs this many tokens a pass: their "
                    "streams wait at most one such pass for a token.")
 @draft_option
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN", callback=lambda ctx, p, v: check_origins(v),
+              help="Let pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser. "
+              "Repeatable; off by default.")
 @click.option("--system", metavar="TEXT", help="A default system message, for chat requests that bring "
               "no system (or developer) message.")
 @chat_template_option()
 @sampling_options
 @memory_options
 def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue, parallel, prefill_chunk,
-          draft, system, chat_template, quantize, no_memory_check, **opts):
+          draft, cors_origins, system, chat_template, quantize, no_memory_check, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
     Listens on 127.0.0.1:8000 unless told otherwise. The sampling options, -n and --draft are the
@@ -486,7 +567,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
                             ctx, system)
         engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue, parallel, prefill_chunk, draft)
         model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
-        state = State(engine, model_id, defaults, api_key or None)
+        state = State(engine, model_id, defaults, api_key or None, cors_origins=cors_origins)
         server = listen(host, port, state)
         slots = engine.prompt_cache.slots
         cache_mb = model.new_cache(1).bytes_per_token * ctx / 2 ** 20
@@ -496,6 +577,15 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
                   f"| queue {max_queue}")
         serve_forever(server, state)
     state.log("ds2 serve: stopped")
+
+
+def check_origins(origins: tuple[str, ...]) -> tuple[str, ...]:
+    """An origin as browsers send it: scheme://host[:port], no path (a trailing "/" never matches); or "*"."""
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+            raise click.BadParameter(f"{origin!r} is not an origin: give scheme://host[:port] as a browser sends it "
+                                     f"(e.g. http://localhost:3000, no path), or * for any", param_hint="'--cors-origin'")
+    return origins
 
 
 def listen(host: str, port: int, state: State) -> Server:

@@ -36,6 +36,7 @@ def test_bundled_model_found_through_the_package(tmp_path):
     assert {"README.md", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "model.safetensors.index.json", "model-00001-of-00002.safetensors",
             "model-00002-of-00002.safetensors"} <= shipped
+    assert (Path(module).parent / "static" / "chat.html").is_file()     # ds2 serve's chat page
 
 
 def test_console_script_help_and_version():

@@ -42,13 +42,13 @@ def model():
 
 
 def make_server(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024, params=None, system=None,
-                parallel=1, **engine):
+                parallel=1, cors_origins=(), **engine):
     """A server not yet serving; returns (server, state, log lines)."""
     lines = []
     params = params or SamplingParams.from_generation_config(model.generation_config)
     defaults = Defaults(params, 256, ctx, system)
     state = State(Engine(model, ctx, budget, max_queue, parallel=parallel, **engine), "ds2-tiny", defaults,
-                  api_key, sink=lines.append)
+                  api_key, sink=lines.append, cors_origins=cors_origins)
     return Server(("127.0.0.1", 0), state), state, lines
 
 
@@ -251,7 +251,7 @@ ERROR_CASES = [
      400, "repetition_penalty"),
     ("POST", "/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt must be a string"),
     ("POST", "/v1/completions", {"prompt": [5, 99999]}, 400, "prompt token ids must be in [0, 4096)"),
-    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs is not supported"),
+    ("POST", "/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix is not supported"),
     ("POST", "/v1/completions", {"prompt": "hi", "seed": -2}, 400, "seed must be >= 0, or -1 for a random one"),
     ("POST", "/v1/completions", {"prompt": "hi", "top_p": 1e999}, 400, "top_p must be a finite number"),
     ("POST", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt is not valid Unicode"),
@@ -315,6 +315,8 @@ def test_seed_minus_one_asks_for_a_random_seed_over_the_server_default(model):
     (["--seed", "-5"], "--seed", "-5 is not a seed"),
     (["--threads", "0"], "--threads", "0 is not in the range x>=1"),
     (["--ctx", "4096"], "--ctx", "4096 is larger than the model's max_position_embeddings (1024)"),
+    (["--cors-origin", "http://localhost:3000/"], "--cors-origin", "is not an origin"),
+    (["--cors-origin", "localhost"], "--cors-origin", "is not an origin"),
 ])
 def test_serve_options_are_usage_errors_before_any_weight_loads(no_loading, args, option, text):
     r = CliRunner().invoke(main, ["serve", "--port", "0", *args])
@@ -337,11 +339,13 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
 
     monkeypatch.setattr(serve_module, "serve_forever", serve_forever)
     r = CliRunner().invoke(main, ["serve", "--port", "0", "--alias", "my-model", "--system", "Answer in French.",
-                                  "--chat-template", str(template), "--threads", "1", "--temp", "0", "--seed", "-1"])
+                                  "--chat-template", str(template), "--threads", "1", "--temp", "0", "--seed", "-1",
+                                  "--cors-origin", "http://localhost:3000", "--cors-origin", "*"])
     assert r.exit_code == 0, r.stderr
     assert re.match(r"ds2 serve: my-model \(loaded in", r.stderr)
     state = seen["state"]
     assert state.model_id == "my-model" and state.defaults.system == "Answer in French."
+    assert state.cors_origins == ("http://localhost:3000", "*")
     assert state.defaults.params.temperature == 0 and state.defaults.params.seed is None
     assert set(seen["blas"]) == {1} and seen["cores"] == 1
     tok = state.engine.model.tokenizer

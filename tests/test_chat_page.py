@@ -1,0 +1,119 @@
+"""The chat page at GET / in a real browser: Debian's chromium, driven by Selenium through
+/usr/bin/chromedriver (never a downloaded driver), against a `ds2 serve` of ds2-tiny on
+localhost. Where chromium is not installed, the tests skip and say how to install it."""
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from test_serve import logged, running, serve_process
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+    pytest.skip("the chat page's browser test needs Debian's chromium and chromedriver: "
+                "sudo apt-get install chromium chromium-driver", allow_module_level=True)
+webdriver = pytest.importorskip("selenium.webdriver", reason="the test extra: pip install '.[test]'")
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+QUESTION, ANSWER = "What is 451 - 123?", "451 - 123 = 328."
+WAIT_S = 60
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless chromium for the module (each test's server has its own port, so its own origin)."""
+    profile = tempfile.mkdtemp(prefix="ds2-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    # the driver's path given outright, so Selenium Manager never looks for (or downloads) one
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(WAIT_S)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def ask(driver, text, temperature="0"):
+    """Set the page's temperature, type `text`, send it; return the assistant's answer once done."""
+    field = driver.find_element(By.ID, "temperature")
+    field.clear()
+    field.send_keys(temperature)
+    done = len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]"))
+    driver.find_element(By.ID, "input").send_keys(text)
+    driver.find_element(By.ID, "send").click()
+    wait = WebDriverWait(driver, WAIT_S)
+    reply = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]")[done:])[0]
+    return reply.get_attribute("data-done"), reply.find_element(By.CLASS_NAME, "text").text
+
+
+def test_the_page_streams_an_answer_and_shows_the_stats(browser):
+    with serve_process() as (proc, port):
+        browser.get(f"http://127.0.0.1:{port}/")
+        assert browser.title == "ds2 chat"
+        WebDriverWait(browser, WAIT_S).until(lambda d: "ds2-tiny" in d.find_element(By.ID, "model").text)
+        assert browser.find_element(By.ID, "key-panel").get_attribute("hidden") is not None   # no key asked
+        done, text = ask(browser, QUESTION)
+        assert (done, text) == ("stop", ANSWER)
+        stats = browser.find_element(By.ID, "stats").text
+        assert "tok/s" in stats and "0 cached" in stats
+        done, text = ask(browser, "What is 17 + 25?")       # the second turn starts from the prompt cache
+        assert done == "stop" and text == "17 + 25 = 42."
+        cached = int(browser.find_element(By.ID, "stats").text.split(" cached")[0].rsplit(" ", 1)[1])
+        assert cached > 0
+
+
+def test_the_page_asks_for_the_key_when_the_server_has_one(browser):
+    key = "sk-page-test"
+    env_key = os.environ.pop("DS2_API_KEY", None)
+    try:
+        with serve_process("--api-key", key) as (proc, port):
+            browser.get(f"http://127.0.0.1:{port}/")
+            wait = WebDriverWait(browser, WAIT_S)
+            wait.until(lambda d: d.find_element(By.ID, "key-panel").is_displayed())
+            browser.find_element(By.ID, "api-key").send_keys("wrong")
+            browser.find_element(By.ID, "key-save").click()
+            wait.until(lambda d: "refused" in d.find_element(By.ID, "key-error").text)
+            browser.find_element(By.ID, "api-key").send_keys(key)
+            browser.find_element(By.ID, "key-save").click()
+            wait.until(lambda d: not d.find_element(By.ID, "key-panel").is_displayed())
+            assert ask(browser, QUESTION) == ("stop", ANSWER)
+    finally:
+        if env_key is not None:
+            os.environ["DS2_API_KEY"] = env_key
+
+
+def test_stop_ends_a_reply_mid_stream(browser, monkeypatch):
+    """ds2-tiny's answers are short: this server ignores eos and pauses between tokens, so that
+    the reply is still streaming when Stop is pressed; the server sees the client go."""
+    import ds2cli
+    from ds2cli import engine as engine_module
+    real = engine_module.stream_generate
+
+    def endless(*args, **kwargs):
+        for chunk in real(*args, **{**kwargs, "eos_ids": ()}):
+            time.sleep(0.02)
+            yield chunk
+    monkeypatch.setattr(engine_module, "stream_generate", endless)
+    with running(ds2cli.load(), api_key=None) as (port, _, lines):
+        browser.get(f"http://127.0.0.1:{port}/")
+        browser.find_element(By.ID, "input").send_keys(QUESTION)
+        browser.find_element(By.ID, "send").click()
+        wait = WebDriverWait(browser, WAIT_S)
+        wait.until(lambda d: len(d.find_element(By.CSS_SELECTOR, ".msg.assistant .text").text) > 40)
+        browser.find_element(By.ID, "stop").click()
+        reply = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]"))[-1]
+        assert reply.get_attribute("data-done") == "stopped"
+        assert browser.find_element(By.ID, "send").is_enabled() and not browser.find_element(By.ID, "stop").is_enabled()
+        assert logged(lines, "client gone")
