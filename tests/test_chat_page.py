@@ -99,13 +99,16 @@ def test_stop_ends_a_reply_mid_stream(browser, monkeypatch):
     the reply is still streaming when Stop is pressed; the server sees the client go."""
     import ds2cli
     from ds2cli import engine as engine_module
-    real = engine_module.stream_generate
 
-    def endless(*args, **kwargs):
-        for chunk in real(*args, **{**kwargs, "eos_ids": ()}):
+    class Endless(engine_module.Generation):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.eos = set()
+
+        def take(self, logits):
             time.sleep(0.02)
-            yield chunk
-    monkeypatch.setattr(engine_module, "stream_generate", endless)
+            return super().take(logits)
+    monkeypatch.setattr(engine_module, "Generation", Endless)
     with running(ds2cli.load(), api_key=None) as (port, _, lines):
         browser.get(f"http://127.0.0.1:{port}/")
         browser.find_element(By.ID, "input").send_keys(QUESTION)
