@@ -12,13 +12,16 @@ import time
 import uuid
 from typing import Any
 
+from ds2cli import grammar as grammars
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk
 from ds2cli.sampling import SamplingError, SamplingParams
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
+from ds2cli.tools import ToolError, ToolSet
+from ds2cli import tools as tooling
 
 ABORTED = "aborted"     # the engine's finish_reason for a generation the server ended (beside eos | stop | length)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 16
 
 
@@ -46,6 +49,13 @@ class Job:
     stream: bool
     include_usage: bool
     cached: int = 0             # set by the engine: prompt tokens found in the prompt cache
+    grammar: grammars.Grammar | None = None     # response_format / a forced tool call
+    vocab: Any = None           # the grammar's view of the tokenizer (grammar.vocabulary)
+    tools: Any = None           # tools.ToolSet when the request declared tools (chat)
+
+    def constraint(self) -> grammars.Constraint | None:
+        """A fresh grammar state for this job's sequence (None when the output is free)."""
+        return grammars.Constraint(self.grammar, self.vocab) if self.grammar is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +65,7 @@ class Defaults:
     max_tokens: int
     ctx: int
     system: str | None = None   # --system: for chat requests that bring no system message
+    eos_ids: tuple[int, ...] = ()   # the model's eos ids (a grammar allows them where it accepts)
 
 
 # ---- request fields ----
@@ -89,16 +100,53 @@ def _unsupported(body: dict) -> None:
     best_of = _number(body, "best_of", integer=True)
     if best_of is not None and best_of != 1:
         raise ApiError(400, "best_of must be 1", param="best_of")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "functions", "logit_bias"):
         if body.get(name) not in (None, False, [], {}, ""):
             raise ApiError(400, f"{name} is not supported by ds2", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name) not in (None, 0):
             raise ApiError(400, f"{name} is not supported: ds2 applies repetition_penalty (multiplicative,"
                                 f" as Hugging Face does; 1 = off) instead", param=name)
+
+
+def response_format(body: dict) -> grammars.Grammar | None:
+    """response_format: {"type": "text"} (free), {"type": "json_object"}, or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}} (OpenAI's shapes; /v1/completions takes the same
+    field as an extension). The schema is compiled here, so a bad one is a 400 before any wait."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    param = "response_format"
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       param=param)
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return _compile(grammars.json_object_grammar, param)
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema must be an object with name and schema", param=param)
+    name = spec.get("name")
+    if name is not None and not (isinstance(name, str) and name):
+        raise ApiError(400, "response_format.json_schema.name must be a non-empty string", param=param)
+    if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
+        raise ApiError(400, "response_format.json_schema.strict must be true or false", param=param)
+    schema = spec.get("schema", {})     # OpenAI: absent means any JSON (an empty schema)
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"response_format.json_schema.schema must be a JSON Schema object, "
+                            f"not {_show(schema)}", param=param)
+    return _compile(lambda: grammars.json_schema_grammar(schema), param, "response_format.json_schema.schema")
+
+
+def _compile(build, param: str, what: str | None = None) -> grammars.Grammar:
+    try:
+        return build()
+    except grammars.GrammarUnavailable as e:
+        raise ApiError(400, f"{param}: {e}", param=param, code="grammar_unavailable") from None
+    except grammars.GrammarError as e:
+        raise ApiError(400, f"{what or param} is not a usable JSON Schema: {e}", param=param) from None
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -184,10 +232,29 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
         if m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of system, developer, user, assistant, "
+            raise ApiError(400, f"messages[{i}].role must be one of system, developer, user, assistant, tool, "
                                 f"not {_show(m.get('role'))}", param=f"messages[{i}].role")
-        out.append({"role": ROLES[m["role"]], "content": _content(m, i)})
+        message = {"role": ROLES[m["role"]], "content": _content(m, i)}
+        if message["role"] == "assistant" and m.get("tool_calls") not in (None, []):
+            message["tool_calls"] = _api(tooling.assistant_calls, m, i)
+            # templates (DeepSeek's) tell a call from a reply by `content is none`
+            message["content"] = message["content"] or None
+        if message["role"] == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}]")
+            message["tool_call_id"] = call_id
+        out.append(message)
+    _api(tooling.check_tool_results, out)
     return out
+
+
+def _api(fn, *args):
+    """A tools.py check, its ToolError as a 400 naming the param."""
+    try:
+        return fn(*args)
+    except ToolError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
@@ -205,17 +272,46 @@ def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
                    param="prompt")
 
 
+def _chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults, toolset: ToolSet | None) -> list[int]:
+    messages = chat_messages(body)
+    if defaults.system and all(m["role"] != "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": defaults.system})
+    source = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
+    declared = None
+    if (toolset is not None and toolset.offered) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        _api(tooling.check_template, source)
+    if toolset is not None:
+        messages, declared = tooling.with_tools(messages, toolset, source)
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=declared)
+    except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
+        raise ApiError(400, str(e), param="messages") from None
+
+
+def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None) -> grammars.Grammar | None:
+    """The grammar the output must follow: response_format's, or a forced tool call's."""
+    fmt = response_format(body)
+    if toolset is not None and toolset.forced:
+        if fmt is not None:
+            raise ApiError(400, f"response_format cannot be combined with tool_choice {toolset.choice!r}: "
+                                f"the reply is a tool call", param="response_format")
+        fmt = _compile(lambda: tooling.call_grammar(toolset.forced, tokenizer, many=toolset.choice == "required"),
+                       "tool_choice")
+    if fmt is not None and body.get("stop") not in (None, [], ""):
+        raise ApiError(400, "stop cannot be combined with constrained output (response_format or a forced "
+                            "tool call): the grammar decides where the reply ends", param="stop")
+    return fmt
+
+
 def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> Job:
     _unsupported(body)
+    toolset = None
     if chat:
-        messages = chat_messages(body)
-        if defaults.system and all(m["role"] != "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": defaults.system})
-        try:
-            ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
-        except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
-            raise ApiError(400, str(e), param="messages") from None
+        toolset = _api(tooling.parse_tools, body)
+        ids = _chat_ids(body, tokenizer, defaults, toolset)
     else:
+        if body.get("tools") not in (None, []):
+            raise ApiError(400, "tools are for /v1/chat/completions", param="tools")
         ids = prompt_ids(body, tokenizer, vocab_size)
     if not ids:
         raise ApiError(400, "the prompt is empty and the tokenizer adds no bos token: nothing to condition on",
@@ -224,8 +320,13 @@ def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, def
         raise ApiError(400, f"the prompt is {len(ids)} tokens, more than the context of {defaults.ctx} tokens",
                        param="messages" if chat else "prompt", code="context_length_exceeded")
     stream, include_usage = _stream(body)
+    grammar = _grammar(body, tokenizer, toolset)
+    vocab = None
+    if grammar is not None:
+        vocab = grammars.vocabulary(tokenizer, vocab_size, defaults.eos_ids or tokenizer.eos_token_ids)
     return Job(chat, ids, _params(body, defaults), _max_tokens(body, defaults), _stop(body),
-               stream, include_usage)
+               stream, include_usage, grammar=grammar, vocab=vocab,
+               tools=toolset if toolset is not None and toolset.offered else None)
 
 
 # ---- responses ----
@@ -237,17 +338,21 @@ class Response:
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if job.chat else "text_completion"
+        self.calls = tooling.CallStream() if job.tools is not None else None    # streamed tool calls
 
     def _wrap(self, choices: list, obj: str, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id,
                 "choices": choices, **extra}
 
-    def _choice(self, text: str | None, finish: str | None, delta: bool, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish: str | None, delta: bool, role: bool = False,
+                calls: list | None = None) -> dict:
         if not self.job.chat:
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         body: dict = {"role": "assistant"} if role or not delta else {}
-        if text is not None:
+        if text is not None or (calls and not delta):
             body["content"] = text
+        if calls:
+            body["tool_calls"] = ([{"index": k, **c} for k, c in enumerate(calls)] if delta else calls)
         return {"index": 0, ("delta" if delta else "message"): body, "logprobs": None, "finish_reason": finish}
 
     def usage(self, last: Chunk) -> dict:
@@ -256,16 +361,36 @@ class Response:
                 "prompt_tokens_details": {"cached_tokens": self.job.cached}}
 
     def whole(self, text: str, last: Chunk) -> dict:
-        return self._wrap([self._choice(text, finish_reason(last), delta=False)], self.object,
+        finish, calls = finish_reason(last), None
+        if self.job.tools is not None:
+            text, calls = tooling.parse_calls(text)
+            if calls:
+                text, finish = text or None, "tool_calls"
+        return self._wrap([self._choice(text, finish, delta=False, calls=calls)], self.object,
                           usage=self.usage(last))
 
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict:
+    def content(self, text: str) -> str:
+        """What of a streamed piece can go out as content now (tool calls wait for the end)."""
+        return self.calls.feed(text) if self.calls is not None else text
+
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False,
+              calls: list | None = None) -> dict:
         extra = {"usage": None} if self.job.include_usage else {}
-        return self._wrap([self._choice(text, finish, delta=True, role=role)], self._chunk_object(), **extra)
+        return self._wrap([self._choice(text, finish, delta=True, role=role, calls=calls)],
+                          self._chunk_object(), **extra)
 
     def final_chunks(self, last: Chunk) -> list[dict]:
-        """The chunk that carries finish_reason, then (with include_usage) the one with usage."""
-        out = [self.chunk(None if self.job.chat else "", finish_reason(last))]
+        """The rest of the content and the tool calls (with tools), the chunk that carries
+        finish_reason, then (with include_usage) the one with usage."""
+        out, finish = [], finish_reason(last)
+        if self.calls is not None:
+            rest, calls = self.calls.finish()
+            if rest:
+                out.append(self.chunk(rest))
+            if calls:
+                out.append(self.chunk(None, calls=calls))
+                finish = "tool_calls"
+        out.append(self.chunk(None if self.job.chat else "", finish))
         if self.job.include_usage:
             out.append(self._wrap([], self._chunk_object(), usage=self.usage(last)))
         return out

@@ -130,7 +130,8 @@ class Engine:
         keep = job.cached
         sampled: list[int] = []             # every token sampled, however the generation ends
         first_sample_t = None               # when the prefill ended
-        sample = make_sampler(job.params)
+        constraint = job.constraint()      # grammar hook: None, or this sequence's grammar state
+        sample = make_sampler(job.params, constraint)
 
         def sampler(logits, history) -> int:
             nonlocal first_sample_t
@@ -142,7 +143,8 @@ class Engine:
 
         t0 = time.perf_counter()
         chunks = stream_generate(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
-                                 context=job.ids[:keep])
+                                 context=job.ids[:keep],
+                                 finished=(lambda: constraint.done) if constraint else None)
         try:
             with np.errstate(all="ignore"):  # non-finite logits are reported as GenerationError
                 try:

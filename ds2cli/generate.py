@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -23,7 +23,7 @@ class Chunk:
     report what ran; the last one has the finish reason and every generated id."""
     text: str
     token: int | None = None
-    finish_reason: str | None = None      # "eos" | "stop" | "length" on the last chunk
+    finish_reason: str | None = None      # "eos" | "stop" | "length" | "grammar" on the last chunk
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
@@ -89,7 +89,8 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
                     max_new_tokens: int, stop: Sequence[str] = (),
                     eos_ids: Sequence[int] | None = None,
                     context: Sequence[int] = (), draft: int = 0,
-                    drafts: DraftSource | None = None) -> Iterator[Chunk]:
+                    drafts: DraftSource | None = None,
+                    finished: Callable[[], bool] | None = None) -> Iterator[Chunk]:
     """Prefill `prompt_ids` after what `cache` holds, then sample up to max_new_tokens tokens.
 
     The cache ends holding the prompt and every generated token that was fed back; the last
@@ -100,7 +101,10 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
     (`drafts`, default prompt lookup; the length adapts, DraftLength) and verified in one pass of
     1 + N tokens; the longest agreeing prefix is kept (the sampler's `verify` keeps the output
     distribution exactly the sampler's), the cache is rolled back past the rest, and the pass's
-    next logits give one more token. Everything else (eos, stop strings, limits) is as without."""
+    next logits give one more token. Everything else (eos, stop strings, limits) is as without.
+
+    `finished()` (grammar hook: the sampler's Constraint.done) ends generation after a token that
+    completes a constrained reply, with reason "grammar", sparing the pass that would give eos."""
     eos = set(model.eos_token_ids if eos_ids is None else eos_ids)
     decoder, stops = model.tokenizer.stream_decoder(), StopMatcher(stop)
     history = [*context, *prompt_ids]
@@ -128,6 +132,9 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
             return False
         if text:
             yield Chunk(text, token, *so_far)
+        if finished is not None and finished():     # grammar hook
+            reason = "grammar"
+            return False
         return len(generated) < max_new_tokens
 
     source = drafts or (PromptLookup() if draft > 0 else None)

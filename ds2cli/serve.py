@@ -230,8 +230,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_event(response.chunk("", role=True))
         try:
             for chunk in chunks:
-                if chunk.text:
-                    self.send_event(response.chunk(chunk.text))
+                text = response.content(chunk.text)     # held back where it may be a tool call
+                if text:
+                    self.send_event(response.chunk(text))
                 self.tokens += 1
                 self.check_alive()
         except Ds2Error as e:  # the status is sent: the error travels as an event, then the stream ends
@@ -461,7 +462,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
         model, load_s = load_model(path, quantize, ctx or DEFAULT_CTX, not no_memory_check, chat_template)
         ctx = ctx or min(model.config.max_position_embeddings, DEFAULT_CTX)
         defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
-                            ctx, system)
+                            ctx, system, tuple(model.eos_token_ids))
         engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue)
         model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
         state = State(engine, model_id, defaults, api_key or None)
