@@ -65,6 +65,7 @@ class ToolSet:
     tools: tuple[Tool, ...]
     choice: str                 # "auto" | "none" | "required" | "function" (one named tool)
     name: str | None = None     # the function tool_choice names
+    parallel: bool = True       # parallel_tool_calls: a forced reply may make more than one call
 
     @property
     def offered(self) -> bool:
@@ -94,7 +95,10 @@ def parse_tools(body: dict) -> ToolSet | None:
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         raise ToolError(f"tools: two functions share a name ({_duplicate(names)})", "tools")
-    return _choice(choice, parsed)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    return dataclasses.replace(_choice(choice, parsed), parallel=parallel)
 
 
 def _tool(tool: Any, i: int) -> Tool:
