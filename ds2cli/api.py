@@ -295,8 +295,8 @@ def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None) -> gramm
         if fmt is not None:
             raise ApiError(400, f"response_format cannot be combined with tool_choice {toolset.choice!r}: "
                                 f"the reply is a tool call", param="response_format")
-        fmt = _compile(lambda: tooling.call_grammar(toolset.forced, tokenizer, many=toolset.choice == "required" and toolset.parallel),
-                       "tool_choice")
+        many = toolset.choice == "required" and toolset.parallel
+        fmt = _compile(lambda: tooling.call_grammar(toolset.forced, tokenizer, many), "tool_choice")
     if fmt is not None and body.get("stop") not in (None, [], ""):
         raise ApiError(400, "stop cannot be combined with constrained output (response_format or a forced "
                             "tool call): the grammar decides where the reply ends", param="stop")
