@@ -236,7 +236,7 @@ def chat_messages(body: dict) -> list[dict]:
                                 f"not {_show(m.get('role'))}", param=f"messages[{i}].role")
         message = {"role": ROLES[m["role"]], "content": _content(m, i)}
         if message["role"] == "assistant" and m.get("tool_calls") not in (None, []):
-            message["tool_calls"] = _api(tooling.assistant_calls, m, i)
+            message["tool_calls"] = _tool_check(tooling.assistant_calls, m, i)
             # templates (DeepSeek's) tell a call from a reply by `content is none`
             message["content"] = message["content"] or None
         if message["role"] == "tool":
@@ -245,11 +245,11 @@ def chat_messages(body: dict) -> list[dict]:
                 raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}]")
             message["tool_call_id"] = call_id
         out.append(message)
-    _api(tooling.check_tool_results, out)
+    _tool_check(tooling.check_tool_results, out)
     return out
 
 
-def _api(fn, *args):
+def _tool_check(fn, *args):
     """A tools.py check, its ToolError as a 400 naming the param."""
     try:
         return fn(*args)
@@ -279,7 +279,7 @@ def _chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults, toolset: Too
     source = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
     declared = None
     if (toolset is not None and toolset.offered) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-        _api(tooling.check_template, source)
+        _tool_check(tooling.check_template, source)
     if toolset is not None:
         messages, declared = tooling.with_tools(messages, toolset, source)
     try:
@@ -307,7 +307,7 @@ def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, def
     _unsupported(body)
     toolset = None
     if chat:
-        toolset = _api(tooling.parse_tools, body)
+        toolset = _tool_check(tooling.parse_tools, body)
         ids = _chat_ids(body, tokenizer, defaults, toolset)
     else:
         if body.get("tools") not in (None, []):
