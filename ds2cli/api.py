@@ -13,12 +13,12 @@ import uuid
 from typing import Any
 
 from ds2cli import grammar as grammars
+from ds2cli import tools as tooling
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk
 from ds2cli.sampling import SamplingError, SamplingParams
 from ds2cli.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
 from ds2cli.tools import ToolError, ToolSet
-from ds2cli import tools as tooling
 
 ABORTED = "aborted"     # the engine's finish_reason for a generation the server ended (beside eos | stop | length)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -278,7 +278,8 @@ def _chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults, toolset: Too
         messages.insert(0, {"role": "system", "content": defaults.system})
     source = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
     declared = None
-    if (toolset is not None and toolset.offered) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+    offered = toolset is not None and toolset.offered
+    if offered or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
         _tool_check(tooling.check_template, source)
     if toolset is not None:
         messages, declared = tooling.with_tools(messages, toolset, source)
