@@ -6,6 +6,7 @@ token mask it allows next.
     constraint.allowed_mask()  -> (V,) bool         # what may come next (eos only where it accepts)
     constraint.apply(logits)   -> logits, disallowed -> -inf
     constraint.advance(token); constraint.rollback(n); constraint.is_accepting(); constraint.done
+    constraint.valid_prefix(draft)  -> how many drafted tokens the grammar would take
 
 The library is llguidance (an optional extra: `pip install 'ds2cli[grammar]'`), chosen by
 measurement against outlines-core (xgrammar is out: it needs torch). Measured on 2 shared cores
@@ -196,6 +197,11 @@ class Constraint:
         if not self._matcher.consume_token(int(token)):
             raise GrammarError(f"token {token} is not allowed here by the {self.grammar.kind} grammar: "
                                f"{_first_line(self._matcher.get_error())}")
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the grammar would take from here, without taking them: a draft
+        can be cut there before its verification pass (the rest would be rejected anyway)."""
+        return self._matcher.validate_tokens([int(t) for t in tokens])
 
     def rollback(self, n_tokens: int) -> None:
         if n_tokens > 0 and not self._matcher.rollback(n_tokens):

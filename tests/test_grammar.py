@@ -115,6 +115,9 @@ def test_rollback_restores_the_state_exactly():
         constraint.advance(token)
     constraint.rollback(3)
     assert np.array_equal(constraint.allowed_mask(), masks[0])
+    bad = tokenizer.encode("x", add_special_tokens=False)
+    assert constraint.valid_prefix(text_ids + bad) == len(text_ids)        # checked, not taken
+    assert np.array_equal(constraint.allowed_mask(), masks[0])
     with pytest.raises(grammars.GrammarError, match="not allowed"):
         constraint.advance(tokenizer.encode("x", add_special_tokens=False)[0])
 
