@@ -143,13 +143,25 @@ def _vocabulary(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
     # ds2's Tokenizer wraps a tokenizers.Tokenizer: llguidance reads its JSON (byte-level BPE,
     # added tokens), which is what its Hugging Face adapter does too. `vocab_size` is the model's
     # (DeepSeek pads 100002 tokens to 102400): ids past the tokenizer are never allowed.
-    return llg.LLTokenizer(tokenizer._backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
+    try:
+        return llg.LLTokenizer(tokenizer._backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
+    except Exception as e:  # a tokenizer llguidance cannot read: a server-side failure, said in one line
+        raise GrammarError(f"llguidance cannot read this tokenizer: {_first_line(str(e))}") from None
 
 
 def vocabulary(tokenizer, vocab_size: int, eos_ids: Sequence[int]):
     """The llguidance tokenizer for `tokenizer` (built once: 1.5 s for DeepSeek's 100k tokens)."""
     with _vocab_lock:
         return _vocabulary(tokenizer, vocab_size, tuple(sorted(set(eos_ids))))
+
+
+def warm(tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    """Build the vocabulary ahead of the first request that needs it (serve runs this in a
+    thread); a failure is left for that request to report."""
+    try:
+        vocabulary(tokenizer, vocab_size, eos_ids)
+    except Ds2Error:
+        pass
 
 
 def special_token_id(tokenizer, text: str) -> int | None:

@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlsplit
 import click
 
 from ds2cli import __version__, console
+from ds2cli import grammar as grammars
 from ds2cli.api import ApiError, Defaults, Response, parse_job
 from ds2cli.config import JSON_ERRORS, json_error
 from ds2cli.engine import ClientGone, Engine, Refused
@@ -464,6 +465,10 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
         defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                             ctx, system, tuple(model.eos_token_ids))
         engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue)
+        if grammars.available():    # llguidance's view of the vocabulary (1.5 s, 80 MB for DeepSeek's 100k
+            # tokens), built off the first constrained request's path; that request waits for it if need be
+            threading.Thread(target=grammars.warm, daemon=True,
+                             args=(model.tokenizer, model.config.vocab_size, defaults.eos_ids)).start()
         model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
         state = State(engine, model_id, defaults, api_key or None)
         server = listen(host, port, state)
