@@ -14,15 +14,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ds2cli import grammar as grammars
+from ds2cli import tools as tooling
 from ds2cli.draft import MAX_DRAFT
 from ds2cli.errors import Ds2Error
 from ds2cli.generate import Chunk
 from ds2cli.logprobs import MAX_TOP, TextOffsets, chat_content, completion_logprobs
 from ds2cli.sampling import SamplingError, SamplingParams
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
+from ds2cli.tools import ToolError, ToolSet
 
 ABORTED = "aborted"     # the engine's finish_reason for a generation the server ended (beside eos | stop | length)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 16
 MAX_CHOICES = 64        # prompts x n in one request: each choice is a sequence of the batch
 
@@ -58,6 +61,13 @@ class Job:
     draft: int | None = None    # speculative decoding's draft length (None: the server's default)
     index: int = 0              # the choice this job answers: prompt * n + sample
     sample: int = 0             # which of the n samples of its prompt (0 pays the prompt's tokens)
+    grammar: grammars.Grammar | None = None     # response_format / a forced tool call
+    vocab: Any = None           # the grammar's view of the tokenizer (grammar.vocabulary)
+    tools: Any = None           # tools.ToolSet when the request declared tools (chat)
+
+    def constraint(self) -> grammars.Constraint | None:
+        """A fresh grammar state for this job's sequence (None when the output is free)."""
+        return grammars.Constraint(self.grammar, self.vocab) if self.grammar is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +77,7 @@ class Defaults:
     max_tokens: int
     ctx: int
     system: str | None = None   # --system: for chat requests that bring no system message
+    eos_ids: tuple[int, ...] = ()   # the model's eos ids (a grammar allows them where it accepts)
 
 
 # ---- request fields ----
@@ -98,16 +109,53 @@ def _unsupported(body: dict) -> None:
     best_of = _number(body, "best_of", integer=True)
     if best_of is not None and best_of != 1:
         raise ApiError(400, "best_of must be 1", param="best_of")
-    for name in ("suffix", "tools", "functions"):
+    for name in ("suffix", "functions"):
         if body.get(name) not in (None, False, [], {}, ""):
             raise ApiError(400, f"{name} is not supported by ds2", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name) not in (None, 0):
             raise ApiError(400, f"{name} is not supported: ds2 applies repetition_penalty (multiplicative,"
                                 f" as Hugging Face does; 1 = off) instead", param=name)
+
+
+def response_format(body: dict) -> grammars.Grammar | None:
+    """response_format: {"type": "text"} (free), {"type": "json_object"}, or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}} (OpenAI's shapes; /v1/completions takes the same
+    field as an extension). The schema is compiled here, so a bad one is a 400 before any wait."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    param = "response_format"
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       param=param)
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return _compile(grammars.json_object_grammar, param)
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema must be an object with name and schema", param=param)
+    name = spec.get("name")
+    if name is not None and not (isinstance(name, str) and name):
+        raise ApiError(400, "response_format.json_schema.name must be a non-empty string", param=param)
+    if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
+        raise ApiError(400, "response_format.json_schema.strict must be true or false", param=param)
+    schema = spec.get("schema", {})     # OpenAI: absent means any JSON (an empty schema)
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"response_format.json_schema.schema must be a JSON Schema object, "
+                            f"not {_show(schema)}", param=param)
+    return _compile(lambda: grammars.json_schema_grammar(schema), param, "response_format.json_schema.schema")
+
+
+def _compile(build, param: str, what: str | None = None) -> grammars.Grammar:
+    try:
+        return build()
+    except grammars.GrammarUnavailable as e:
+        raise ApiError(400, f"{param}: {e}", param=param, code="grammar_unavailable") from None
+    except grammars.GrammarError as e:
+        raise ApiError(400, f"{what or param} is not a usable JSON Schema: {e}", param=param) from None
 
 
 def _n(body: dict) -> int:
@@ -254,10 +302,29 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
         if m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of system, developer, user, assistant, "
+            raise ApiError(400, f"messages[{i}].role must be one of system, developer, user, assistant, tool, "
                                 f"not {_show(m.get('role'))}", param=f"messages[{i}].role")
-        out.append({"role": ROLES[m["role"]], "content": _content(m, i)})
+        message = {"role": ROLES[m["role"]], "content": _content(m, i)}
+        if message["role"] == "assistant" and m.get("tool_calls") not in (None, []):
+            message["tool_calls"] = _tool_check(tooling.assistant_calls, m, i)
+            # templates (DeepSeek's) tell a call from a reply by `content is none`
+            message["content"] = message["content"] or None
+        if message["role"] == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}]")
+            message["tool_call_id"] = call_id
+        out.append(message)
+    _tool_check(tooling.check_tool_results, out)
     return out
+
+
+def _tool_check(fn, *args):
+    """A tools.py check, its ToolError as a 400 naming the param."""
+    try:
+        return fn(*args)
+    except ToolError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def _is_ids(value: Any) -> bool:
@@ -319,18 +386,41 @@ def render_continuation(tokenizer: Tokenizer, messages: list[dict]) -> str:
     return text[:cut]
 
 
-def chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults) -> tuple[list[int], bool]:
-    """The chat prompt's ids, and whether it continues the last message."""
+def chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults,
+             toolset: ToolSet | None = None) -> tuple[list[int], bool]:
+    """The chat prompt's ids (with the request's tools), and whether it continues the last message."""
     messages = chat_messages(body)
     if defaults.system and all(m["role"] != "system" for m in messages):
         messages.insert(0, {"role": "system", "content": defaults.system})
+    source = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
+    declared = None
+    offered = toolset is not None and toolset.offered
+    if offered or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        _tool_check(tooling.check_template, source)
+    if toolset is not None:
+        messages, declared = tooling.with_tools(messages, toolset, source)
     cont, gen = continuation(body, messages), body.get("add_generation_prompt") is not False
     try:
         if cont:
             return tokenizer.encode(render_continuation(tokenizer, messages), add_special_tokens=False), True
-        return tokenizer.encode_chat(messages, add_generation_prompt=gen), False
+        return tokenizer.encode_chat(messages, add_generation_prompt=gen, tools=declared), False
     except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
         raise ApiError(400, str(e), param="messages") from None
+
+
+def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None) -> grammars.Grammar | None:
+    """The grammar the output must follow: response_format's, or a forced tool call's."""
+    fmt = response_format(body)
+    if toolset is not None and toolset.forced:
+        if fmt is not None:
+            raise ApiError(400, f"response_format cannot be combined with tool_choice {toolset.choice!r}: "
+                                f"the reply is a tool call", param="response_format")
+        many = toolset.choice == "required" and toolset.parallel
+        fmt = _compile(lambda: tooling.call_grammar(toolset.forced, tokenizer, many), "tool_choice")
+    if fmt is not None and body.get("stop") not in (None, [], ""):
+        raise ApiError(400, "stop cannot be combined with constrained output (response_format or a forced "
+                            "tool call): the grammar decides where the reply ends", param="stop")
+    return fmt
 
 
 def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> list[Job]:
@@ -340,10 +430,14 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     echo = _bool(body, "echo")
     if chat and echo:
         raise ApiError(400, "echo is only for /v1/completions", param="echo")
+    toolset = None
     if chat:
-        ids, cont = chat_ids(body, tokenizer, defaults)
+        toolset = _tool_check(tooling.parse_tools, body)
+        ids, cont = chat_ids(body, tokenizer, defaults, toolset)
         prompts = [ids]
     else:
+        if body.get("tools") not in (None, []):
+            raise ApiError(400, "tools are for /v1/chat/completions", param="tools")
         prompts = prompt_ids(body, tokenizer, vocab_size)
     n = _n(body)
     if len(prompts) * n > MAX_CHOICES:
@@ -360,6 +454,11 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     stream, include_usage = _stream(body)
     params, max_tokens = _params(body, defaults, vocab_size), _max_tokens(body, defaults, echo)
     stop, draft, logprobs = _stop(body), _draft(body), _logprobs(body, chat)
+    grammar = _grammar(body, tokenizer, toolset)
+    vocab = None
+    if grammar is not None:
+        vocab = grammars.vocabulary(tokenizer, vocab_size, defaults.eos_ids or tokenizer.eos_token_ids)
+    offered = toolset if toolset is not None and toolset.offered else None
     jobs = []
     for p, ids in enumerate(prompts):
         for k in range(n):
@@ -367,7 +466,7 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
             seeded = params if k == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + k)
             jobs.append(Job(chat, list(ids), seeded, max_tokens, stop, stream, include_usage,
                             logprobs=logprobs, echo=echo, continue_final=cont, draft=draft,
-                            index=p * n + k, sample=k))
+                            index=p * n + k, sample=k, grammar=grammar, vocab=vocab, tools=offered))
     return jobs
 
 
@@ -444,6 +543,8 @@ class Response:
         self.object = "chat.completion" if self.job.chat else "text_completion"
         # completions' text_offset counts in each choice's own text
         self.offsets = {i: TextOffsets(tokenizer) for i in self.jobs} if tokenizer is not None else {}
+        # streamed tool calls, each choice's held back until it ends
+        self.calls = {i: tooling.CallStream() for i in self.jobs} if self.job.tools is not None else None
 
     def _wrap(self, choices: list, obj: str, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id,
@@ -459,12 +560,14 @@ class Response:
         return completion_logprobs(self.tokenizer, entries, self.offsets[index], job.ids if echoed else None)
 
     def _choice(self, index: int, text: str | None, finish: str | None, delta: bool, role: bool = False,
-                logprobs: dict | None = None) -> dict:
+                logprobs: dict | None = None, calls: list | None = None) -> dict:
         if not self.job.chat:
             return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         body: dict = {"role": "assistant"} if role or not delta else {}
-        if text is not None:
+        if text is not None or (calls and not delta):
             body["content"] = text
+        if calls:
+            body["tool_calls"] = ([{"index": k, **c} for k, c in enumerate(calls)] if delta else calls)
         return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
                 "finish_reason": finish}
 
@@ -489,14 +592,24 @@ class Response:
             if job.echo:
                 text = self.echoed_prompt(index) + text
                 ents = None if ents is None or job.logprobs is None else [*job.prompt_logprobs, *ents]
-            choices.append(self._choice(index, text, finish_reason(lasts[index]), delta=False,
+            finish, calls = finish_reason(lasts[index]), None
+            if job.tools is not None:
+                text, calls = tooling.parse_calls(text)
+                if calls:
+                    text, finish = text or None, "tool_calls"
+            choices.append(self._choice(index, text, finish, delta=False, calls=calls,
                                         logprobs=self._logprobs(index, ents, echoed=job.echo)))
         return self._wrap(choices, self.object, usage=self.usage(lasts))
 
+    def content(self, text: str, index: int = 0) -> str:
+        """What of a streamed piece can go out as content now (tool calls wait for the end)."""
+        return self.calls[index].feed(text) if self.calls is not None else text
+
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False, index: int = 0,
-              entries: list | None = None) -> dict:
+              entries: list | None = None, calls: list | None = None) -> dict:
         extra = {"usage": None} if self.job.include_usage else {}
-        choice = self._choice(index, text, finish, delta=True, role=role, logprobs=self._logprobs(index, entries))
+        choice = self._choice(index, text, finish, delta=True, role=role, logprobs=self._logprobs(index, entries),
+                              calls=calls)
         return self._wrap([choice], self._chunk_object(), **extra)
 
     def echo_chunk(self, index: int = 0) -> dict:
@@ -507,9 +620,19 @@ class Response:
                               logprobs=self._logprobs(index, job.prompt_logprobs, echoed=True))
         return self._wrap([choice], self._chunk_object(), **extra)
 
-    def finish_chunk(self, last: Chunk, index: int = 0) -> dict:
-        """The chunk that carries a choice's finish_reason."""
-        return self.chunk(None if self.job.chat else "", finish_reason(last), index=index)
+    def finish_chunks(self, last: Chunk, index: int = 0) -> list[dict]:
+        """A choice's end: the rest of its content and its tool calls (with tools), then the
+        chunk that carries its finish_reason."""
+        out, finish = [], finish_reason(last)
+        if self.calls is not None:
+            rest, calls = self.calls[index].finish()
+            if rest:
+                out.append(self.chunk(rest, index=index))
+            if calls:
+                out.append(self.chunk(None, index=index, calls=calls))
+                finish = "tool_calls"
+        out.append(self.chunk(None if self.job.chat else "", finish, index=index))
+        return out
 
     def usage_chunk(self, lasts: dict[int, Chunk]) -> list[dict]:
         """After every choice has finished: (with include_usage) the chunk with usage."""

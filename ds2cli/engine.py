@@ -247,7 +247,8 @@ class Engine:
                     cache.reset()
                     job.cached, job.prompt_logprobs = 0, [None]
                 keep = job.cached
-                sampler = make_sampler(job.params)
+                constraint = job.constraint()      # grammar hook: None, or this sequence's grammar state
+                sampler = make_sampler(job.params, constraint)
                 if job.logprobs is not None:
                     request.logprobs = TokenLogprobs(job.logprobs)
                     sampler = ObservedSampler(sampler, request.logprobs)
@@ -255,7 +256,8 @@ class Engine:
                                          context=job.ids[:keep],
                                          draft=job.draft if job.draft is not None else self.draft,
                                          prompt_rows=self.prompt_rows(job) if scored else None,
-                                         prompt_rows_chunk=PROMPT_CHUNK)
+                                         prompt_rows_chunk=PROMPT_CHUNK,
+                                         finished=(lambda c=constraint: c.done) if constraint else None)
             except Exception as e:
                 request.out.put((job.index, e))
                 if cache is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -23,7 +23,7 @@ class Chunk:
     report what ran; the last one has the finish reason and every generated id."""
     text: str
     token: int | None = None
-    finish_reason: str | None = None      # "eos" | "stop" | "length" on the last chunk
+    finish_reason: str | None = None      # "eos" | "stop" | "length" | "grammar" on the last chunk
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
@@ -106,12 +106,16 @@ class Generation:
 
     With `prompt_rows(rows, tokens)`, every prompt position's logits come back (serve's echo):
     the prompt runs at most `prompt_rows_chunk` tokens a pass, and each pass hands its rows with
-    the prompt tokens they predict."""
+    the prompt tokens they predict.
+
+    `finished()` (grammar hook: the sampler's Constraint.done) ends generation after a token that
+    completes a constrained reply, with reason "grammar", sparing the pass that would give eos."""
 
     def __init__(self, model: Model, prompt_ids: Sequence[int], cache: LatentCache, sampler: Sampler,
                  max_new_tokens: int, stop: Sequence[str] = (), eos_ids: Sequence[int] | None = None,
                  context: Sequence[int] = (), draft: int = 0, drafts: DraftSource | None = None,
-                 prompt_rows=None, prompt_rows_chunk: int = 256):
+                 prompt_rows=None, prompt_rows_chunk: int = 256,
+                 finished: Callable[[], bool] | None = None):
         if len(prompt_ids) == 0:
             raise GenerationError("a generation needs at least one prompt token")
         self.cache, self.sampler, self.max_new_tokens = cache, sampler, max_new_tokens
@@ -121,6 +125,7 @@ class Generation:
         self.pending = list(prompt_ids)             # prompt tokens not yet run
         self.fed = 0                                # how many of them the last step ran
         self.prompt_rows, self.prompt_rows_chunk = prompt_rows, prompt_rows_chunk
+        self.finished = finished
         self.history = [*context, *prompt_ids]
         self.base = cache.length + len(prompt_ids)  # the cache length before the first generated token
         self.generated: list[int] = []
@@ -215,6 +220,9 @@ class Generation:
             self.reason = "stop"
         if text or hit:
             out.append(Chunk(text, token, None, *self.so_far()))
+        if not hit and self.finished is not None and self.finished():     # grammar hook
+            self.reason = "grammar"
+            return False
         return not hit and len(self.generated) < self.max_new_tokens
 
     def verify(self, rows: np.ndarray, took: float, out: list[Chunk]) -> int | None:
@@ -248,9 +256,10 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
                     max_new_tokens: int, stop: Sequence[str] = (),
                     eos_ids: Sequence[int] | None = None,
                     context: Sequence[int] = (), draft: int = 0,
-                    drafts: DraftSource | None = None) -> Iterator[Chunk]:
+                    drafts: DraftSource | None = None,
+                    finished: Callable[[], bool] | None = None) -> Iterator[Chunk]:
     """One Generation (see there) run alone, as a generator of its chunks."""
     gen = Generation(model, prompt_ids, cache, sampler, max_new_tokens, stop, eos_ids, context,
-                     draft, drafts)
+                     draft, drafts, finished=finished)
     while not gen.done:
         yield from gen.take(model.forward_batch([gen.step()])[0])

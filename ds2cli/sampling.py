@@ -103,24 +103,32 @@ def filter_min_p(probs: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(probs >= min_p * probs.max(), probs, 0.0)
 
 
-def make_sampler(params: SamplingParams) -> "TokenSampler":
-    return TokenSampler(params)
+def make_sampler(params: SamplingParams, constraint=None) -> "TokenSampler":
+    return TokenSampler(params, constraint)
 
 
 class TokenSampler:
     """`sample(logits, history) -> token` under `params`, and `verify` for a drafted token.
 
-    The distribution is the one the filters leave: repetition penalty on the logits, then
-    temperature, top-k, softmax, top-p and min-p (greedy: the arg max)."""
+    The distribution is the one the filters leave: the grammar's mask (a `grammar.Constraint`,
+    when the output is constrained: disallowed tokens -> -inf), repetition penalty on the logits,
+    then temperature, top-k, softmax, top-p and min-p (greedy: the arg max).
 
-    def __init__(self, params: SamplingParams):
-        self.params = params
+    With a constraint, every token this sampler gives is advanced into it: the generation loop
+    feeds back exactly the tokens it samples, in order (a verified draft is the token sampled for
+    its position), so the grammar's state follows the sequence without being told. A loop that
+    advances drafts before verifying them rolls the rejected ones back (Constraint.rollback)."""
+
+    def __init__(self, params: SamplingParams, constraint=None):
+        self.params, self.constraint = params, constraint
         self.rng = np.random.default_rng(params.seed)
 
     def distribution(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray | int:
         """The token probabilities (V,) float64, or the one token greedy decoding picks."""
         params = self.params
         logits = apply_logit_bias(logits, params.logit_bias)
+        if self.constraint is not None:     # before every filter: they see only what the grammar allows
+            logits = self.constraint.apply(logits)
         logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
         if params.temperature == 0:
             return int(np.argmax(logits))
@@ -130,6 +138,12 @@ class TokenSampler:
         return probs / probs.sum()
 
     def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        token = self._draw(logits, history)
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return token
+
+    def _draw(self, logits: np.ndarray, history: Sequence[int]) -> int:
         p = self.distribution(logits, history)
         if isinstance(p, int):
             return p

@@ -27,6 +27,7 @@ from urllib.parse import unquote, urlsplit
 import click
 
 from ds2cli import __version__, console
+from ds2cli import grammar as grammars
 from ds2cli.api import ApiError, Defaults, Response, detokenize_request, parse_jobs, tokenize_request, tokenizer_info
 from ds2cli.config import JSON_ERRORS, json_error
 from ds2cli.engine import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, ClientGone, Engine, Refused
@@ -314,11 +315,13 @@ class Handler(BaseHTTPRequestHandler):
                 if response.jobs[index].echo and index not in started:   # scored once its prompt ran
                     self.send_event(response.echo_chunk(index))
                 started.add(index)
-                if chunk.text or chunk.logprobs:
-                    self.send_event(response.chunk(chunk.text, index=index, entries=chunk.logprobs))
+                text = response.content(chunk.text, index)     # held back where it may be a tool call
+                if text or chunk.logprobs:
+                    self.send_event(response.chunk(text, index=index, entries=chunk.logprobs))
                 if chunk.finish_reason is not None:
                     lasts[index] = chunk
-                    self.send_event(response.finish_chunk(chunk, index))
+                    for obj in response.finish_chunks(chunk, index):
+                        self.send_event(obj)
                 self.tokens += 1
                 self.check_alive()
         except Ds2Error as e:  # the status is sent: the error travels as an event, then the stream ends
@@ -564,8 +567,12 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
         # the memory check counts the --parallel caches the running requests use at once
         model, load_s = load_model(path, quantize, ctx * parallel, not no_memory_check, chat_template)
         defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
-                            ctx, system)
+                            ctx, system, tuple(model.eos_token_ids))
         engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue, parallel, prefill_chunk, draft)
+        if grammars.available():    # llguidance's view of the vocabulary (1.5 s, 80 MB for DeepSeek's 100k
+            # tokens), built off the first constrained request's path; that request waits for it if need be
+            threading.Thread(target=grammars.warm, daemon=True,
+                             args=(model.tokenizer, model.config.vocab_size, defaults.eos_ids)).start()
         model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
         state = State(engine, model_id, defaults, api_key or None, cors_origins=cors_origins)
         server = listen(host, port, state)

@@ -140,11 +140,15 @@ class Tokenizer:
         return self._backend.encode("", add_special_tokens=True).ids[:1] == [self._bos_id]
 
     # ---- chat ----
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Messages -> the prompt string, exactly as Hugging Face's apply_chat_template renders it."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """Messages -> the prompt string, exactly as Hugging Face's apply_chat_template renders it
+        (`tools`, OpenAI's tool list, is the template's `tools` variable, as in HF)."""
         _check_messages(messages)
         variables: dict[str, Any] = {"messages": messages,
                                      "add_generation_prompt": add_generation_prompt}
+        if tools is not None:
+            variables["tools"] = tools
         # Like HF's special_tokens_map: an unset token is simply undefined (renders as "").
         if self.bos_token is not None:
             variables["bos_token"] = self.bos_token
@@ -152,9 +156,10 @@ class Tokenizer:
             variables["eos_token"] = self.eos_token
         return _render(self._template, variables)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Render, then encode without special tokens: the template writes bos itself."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def set_chat_template(self, source: str) -> None:
         """Replace the checkpoint's chat template (compiled now, so a syntax error shows at once)."""

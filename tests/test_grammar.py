@@ -1,0 +1,216 @@
+"""Constrained output: grammar.py's token masks (llguidance) on ds2's tokenizers, the sampler that
+applies them (drafts included), and response_format through ds2 serve with the openai client.
+ds2-tiny at temperature 1 writes near-random text, so a reply that parses and validates shows the
+mask did the work."""
+
+import json
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ds2cli
+from ds2cli import grammar as grammars
+from ds2cli.api import Defaults, finish_reason
+from ds2cli.engine import Engine
+from ds2cli.generate import stream_generate
+from ds2cli.sampling import SamplingParams, make_sampler
+from ds2cli.serve import Server, State
+from ds2cli.tokenizer import Tokenizer
+
+pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+
+TOKENIZERS = Path(__file__).parent / "data" / "tokenizers"
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "color": {"enum": ["red", "green", "blue"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2}},
+          "required": ["name", "age", "color", "tags"]}
+NESTED = {"type": "object", "additionalProperties": False, "required": ["id", "owner"],
+          "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
+                         "owner": {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
+                                   "properties": {"name": {"type": "string", "maxLength": 6},
+                                                  "ok": {"type": "boolean"}}}}}
+LIST = {"type": "object", "additionalProperties": False, "required": ["items"],
+        "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3,
+                                 "items": {"enum": [1, 2, "three", None]}}}}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ds2cli.load()
+
+
+@contextmanager
+def running(model, temperature=1.0, max_tokens=200):
+    lines = []
+    defaults = Defaults(SamplingParams(temperature=temperature), max_tokens, 1024, None,
+                        tuple(model.eos_token_ids))
+    state = State(Engine(model, 1024, 64 << 20, 4), "ds2-tiny", defaults, None, sink=lines.append)
+    server = Server(("127.0.0.1", 0), state)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="-",
+                            max_retries=0, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not any("Traceback" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    with running(model) as c:
+        yield c
+
+
+def schema_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+# ---- the masks, without a model ----
+@pytest.mark.parametrize("tokenizer_dir, vocab_size", [("ds2-tiny", 4096), ("deepseek-v2", 102400)])
+def test_random_walks_under_the_mask_are_valid_json(tokenizer_dir, vocab_size):
+    """Any path through the allowed tokens ends in a document that validates (uniform choices:
+    the worst case for a grammar, since nothing steers towards closing)."""
+    tokenizer = Tokenizer.load(TOKENIZERS / tokenizer_dir)
+    vocab = grammars.vocabulary(tokenizer, vocab_size, tokenizer.eos_token_ids)
+    eos = tokenizer.eos_token_ids[0]
+    for seed in range(3):
+        constraint, rng, ids = grammars.Constraint(grammars.json_schema_grammar(NESTED), vocab), \
+            np.random.default_rng(seed), []
+        while not constraint.done and len(ids) < 400:
+            allowed = constraint.allowed_mask()
+            assert allowed.shape == (vocab_size,)
+            assert allowed[eos] == constraint.is_accepting()          # eos only where the grammar accepts
+            choices = np.flatnonzero(allowed)
+            short = [t for t in choices if len(tokenizer.token_bytes(int(t))) <= 2 and t != eos]
+            token = int(rng.choice(short if short and rng.random() < 0.7 else choices))
+            constraint.advance(token)
+            ids.append(token)
+        assert constraint.done, "the walk did not complete"
+        jsonschema.validate(json.loads(tokenizer.decode(ids)), NESTED)
+
+
+def test_rollback_restores_the_state_exactly():
+    tokenizer = Tokenizer.load(TOKENIZERS / "ds2-tiny")
+    vocab = grammars.vocabulary(tokenizer, 4096, tokenizer.eos_token_ids)
+    constraint = grammars.Constraint(grammars.json_schema_grammar(PERSON), vocab)
+    text_ids = tokenizer.encode('{"name":"ab","age":7', add_special_tokens=False)
+    masks = []
+    for token in text_ids:
+        masks.append(constraint.allowed_mask())
+        constraint.advance(token)
+    for k in range(len(text_ids), 0, -1):         # back one token at a time, then forward again
+        constraint.rollback(1)
+        assert np.array_equal(constraint.allowed_mask(), masks[k - 1])
+    for token in text_ids[:3]:
+        constraint.advance(token)
+    constraint.rollback(3)
+    assert np.array_equal(constraint.allowed_mask(), masks[0])
+    bad = tokenizer.encode("x", add_special_tokens=False)
+    assert constraint.valid_prefix(text_ids + bad) == len(text_ids)        # checked, not taken
+    assert np.array_equal(constraint.allowed_mask(), masks[0])
+    with pytest.raises(grammars.GrammarError, match="not allowed"):
+        constraint.advance(tokenizer.encode("x", add_special_tokens=False)[0])
+
+
+@pytest.mark.parametrize("schema", [{"type": "foo"}, {"type": "object", "properties": 3},
+                                    {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}},
+                                    {"type": "string", "pattern": "(["}, ["not", "an", "object"]])
+def test_a_bad_schema_names_its_fault(schema):
+    with pytest.raises(grammars.GrammarError) as e:
+        grammars.json_schema_grammar(schema)
+    assert str(e.value)
+
+
+# ---- the sampler and the generation loop ----
+def test_drafts_keep_the_grammar_in_step(model):
+    """Speculative decoding verifies prompt-lookup drafts against masked logits: the output is
+    the one plain constrained sampling gives with the same seed, and it validates."""
+    grammar = grammars.json_schema_grammar(NESTED)
+    prompt = model.tokenizer.encode('{"id": 12, "owner": {"name": "ab", "ok": true}} {"id": 12, "owner": ')
+    outputs = []
+    for draft in (0, 4):
+        constraint = grammars.Constraint.for_model(grammar, model)
+        sampler = make_sampler(SamplingParams(temperature=1.0, seed=3), constraint)
+        chunks = list(stream_generate(model, prompt, model.new_cache(256), sampler, 120, draft=draft,
+                                      finished=lambda c=constraint: c.done))
+        outputs.append(("".join(c.text for c in chunks), chunks[-1]))
+    (text, last), (drafted_text, drafted_last) = outputs
+    assert drafted_text == text and drafted_last.tokens == last.tokens
+    assert drafted_last.drafted > 0
+    assert last.finish_reason == "grammar" and finish_reason(last) == "stop"
+    jsonschema.validate(json.loads(text), NESTED)
+
+
+# ---- ds2 serve ----
+@pytest.mark.parametrize("schema", [PERSON, NESTED, LIST], ids=["person", "nested", "list"])
+def test_json_schema_replies_validate(client, schema):
+    for seed in (1, 2):
+        r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "Describe."}],
+                                           seed=seed, response_format=schema_format(schema))
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_json_object_streamed_and_completions(client):
+    stream = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "JSON?"}],
+                                            seed=5, stream=True, response_format={"type": "json_object"})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(text), dict)
+    r = client.completions.create(model="ds2-tiny", prompt="ROMEO:", seed=5,
+                                  extra_body={"response_format": schema_format(NESTED)})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), NESTED)
+
+
+def test_cut_by_max_tokens_is_length_not_stop(client):
+    r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}], seed=1,
+                                       max_tokens=3, response_format=schema_format(PERSON))
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(r.choices[0].message.content)
+
+
+@pytest.mark.parametrize("fmt, fault", [
+    ({"type": "xml"}, "response_format must be"),
+    ({"type": "json_schema"}, "json_schema must be an object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "Invalid type: foo"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "must be a JSON Schema object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}, "strict")])
+def test_bad_response_format_is_400_naming_it(client, fmt, fault):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
+                                       response_format=fmt)
+    assert e.value.body["param"] == "response_format" and fault in e.value.body["message"]
+
+
+def test_stop_with_a_grammar_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
+                                       stop=["}"], response_format={"type": "json_object"})
+    assert e.value.body["param"] == "stop"
+
+
+def test_without_llguidance_the_400_says_how_to_install(client, monkeypatch):
+    def missing():
+        raise grammars.GrammarUnavailable(grammars.INSTALL_HINT)
+    monkeypatch.setattr(grammars, "_llg", missing)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"})
+    assert "pip install" in e.value.body["message"] and e.value.body["param"] == "response_format"
+    r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, response_format={"type": "text"})
+    assert r.choices[0].finish_reason == "length"

@@ -1,0 +1,183 @@
+"""Tool calls through ds2 serve on ds2-tiny: no bundled checkpoint has a tool-capable template, so
+the server gets one the way --chat-template gives it (DeepSeek-V2.5's own, from
+tests/data/tokenizers, and a small one in DeepSeek's syntax that reads `tools`)."""
+
+import json
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import ds2cli
+from ds2cli import tools as tooling
+from ds2cli.api import Defaults
+from ds2cli.engine import Engine
+from ds2cli.sampling import SamplingParams
+from ds2cli.serve import Server, State
+
+pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+
+DATA = Path(__file__).parent / "data"
+V25_TEMPLATE = json.loads((DATA / "tokenizers" / "deepseek-v2.5" / "tokenizer_config.json").read_text())["chat_template"]
+OWN_TEMPLATE = (DATA / "tool_chat_template.jinja").read_text()
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 10},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ds2cli.load()
+
+
+@contextmanager
+def running(model, template):
+    lines = []
+    if template:
+        model.tokenizer.set_chat_template(template)
+    defaults = Defaults(SamplingParams(temperature=1.0), 120, 1024, None, tuple(model.eos_token_ids))
+    state = State(Engine(model, 1024, 64 << 20, 4), "ds2-tiny", defaults, None, sink=lines.append)
+    server = Server(("127.0.0.1", 0), state)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="-",
+                            max_retries=0, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not any("Traceback" in line for line in lines)
+
+
+@pytest.fixture(scope="module", params=["v2.5", "own"])
+def client(request):
+    m = ds2cli.load()       # its own model: the template is set on the tokenizer
+    with running(m, V25_TEMPLATE if request.param == "v2.5" else OWN_TEMPLATE) as c:
+        yield c
+
+
+def check_calls(calls, names):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+# ---- forced calls ----
+def test_required_gives_valid_calls(client):
+    r = client.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                       seed=1, parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_calls(choice.message.tool_calls, SCHEMAS)
+    assert len(choice.message.tool_calls) == 1
+
+
+def test_named_call_streamed(client):
+    stream = client.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS, seed=4, stream=True,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}})
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks]
+    assert not "".join(d.content or "" for d in deltas)          # the markers never leak as content
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [tc.index for tc in calls] == [0]
+    check_calls(calls, {"get_time"})
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_call_and_its_result_go_back_into_the_template(client):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    asked = client.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS, max_tokens=1)
+    messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    r = client.chat.completions.create(model="ds2-tiny", messages=messages, tools=TOOLS, max_tokens=1)
+    # the call and the result are in the prompt: DeepSeek's markers and the texts, at least
+    added = len(tooling.CALL_BEGIN + '"Paris", "unit": "celsius"' + '{"temperature": 21}') // 8
+    assert r.usage.prompt_tokens > asked.usage.prompt_tokens + added
+    assert r.usage.prompt_tokens_details.cached_tokens >= asked.usage.prompt_tokens - 1   # the same prefix
+
+
+# ---- rendering ----
+def test_rendering_puts_declarations_where_the_template_reads_them():
+    toolset = tooling.parse_tools({"tools": TOOLS})
+    messages = [{"role": "system", "content": "Be brief."}, *ASK]
+    listed, declared = tooling.with_tools(messages, toolset, V25_TEMPLATE)   # V2.5 never reads `tools`
+    assert declared is None and "You have the following functions available" in listed[0]["content"]
+    assert listed[0]["content"].startswith("Be brief.") and '"get_time"' in listed[0]["content"]
+    same, declared = tooling.with_tools(messages, toolset, OWN_TEMPLATE)
+    assert same == messages and [d["function"]["name"] for d in declared] == ["get_weather", "get_time"]
+    none = tooling.parse_tools({"tools": TOOLS, "tool_choice": "none"})
+    assert tooling.with_tools(messages, none, OWN_TEMPLATE) == (messages, None)
+
+
+def test_parse_calls_and_the_stream_hold_back():
+    call = (f"{tooling.CALL_BEGIN}function{tooling.SEP}get_time\n```json\n{{\"zone\": 2}}\n```{tooling.CALL_END}")
+    text = f"Let me look.{tooling.CALLS_BEGIN}{call}\n{call}{tooling.CALLS_END}"
+    content, calls = tooling.parse_calls(text)
+    assert content == "Let me look." and [c["function"]["arguments"] for c in calls] == ['{"zone": 2}'] * 2
+    assert tooling.parse_calls(text[:-30]) == (text[:-30], None)        # cut short: the text as it is
+    stream, sent = tooling.CallStream(), []
+    for i in range(0, len(text), 3):
+        sent.append(stream.feed(text[i:i + 3]))
+    assert "".join(sent) == "Let me look."
+    assert stream.finish()[0] == "" and len(stream.finish()[1]) == 2
+    plain = tooling.CallStream()
+    assert plain.feed("a <｜tool") == "a " and plain.feed("ing") == "<｜tooling" and plain.finish() == ("", None)
+
+
+def test_without_llguidance_auto_works_and_forcing_says_how_to_install(client, monkeypatch):
+    from ds2cli import grammar as grammars
+
+    def missing():
+        raise grammars.GrammarUnavailable(grammars.INSTALL_HINT)
+    monkeypatch.setattr(grammars, "_llg", missing)
+    r = client.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS, max_tokens=2, seed=1)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice" and "pip install" in e.value.body["message"]
+
+
+# ---- bad input ----
+@pytest.mark.parametrize("fields, param, fault", [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "needs a name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the declared tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, "tools",
+     "not a usable JSON Schema"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_1", "content": "21"}]}, "messages[1]",
+     "no assistant message before it"),
+])
+def test_bad_tool_fields_are_400_naming_the_param(client, fields, param, fault):
+    body = {"model": "ds2-tiny", "messages": ASK, **fields}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**body)
+    assert e.value.body["param"] == param and fault in e.value.body["message"]
+
+
+def test_a_template_without_tools_is_400_saying_so(model):
+    with running(model, None) as c:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS)
+        assert e.value.body["param"] == "tools" and "--chat-template" in e.value.body["message"]
+        r = c.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=2)
+        assert r.choices[0].message.tool_calls is None
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="ds2-tiny", prompt="x", extra_body={"tools": TOOLS})
+        assert e.value.body["param"] == "tools"
