@@ -7,19 +7,14 @@ a client sent and says, in OpenAI's error format, what is wrong with it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import time
-import uuid
-from pathlib import Path
 from typing import Any
 
 from ds2cli import grammar as grammars
 from ds2cli import tools as tooling
 from ds2cli.draft import MAX_DRAFT
 from ds2cli.errors import Ds2Error
-from ds2cli.generate import Chunk
-from ds2cli.logprobs import MAX_TOP, TextOffsets, chat_content, completion_logprobs
+from ds2cli.logprobs import MAX_TOP
 from ds2cli.sampling import SamplingError, SamplingParams
 from ds2cli.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
 from ds2cli.tools import ToolError, ToolSet
@@ -92,7 +87,7 @@ def _number(body: dict, name: str, integer: bool = False) -> float | int | None:
     return value
 
 
-def _bool(body: dict, name: str) -> bool:
+def boolean(body: dict, name: str) -> bool:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
         raise ApiError(400, f"{name} must be true or false, not {_show(value)}", param=name)
@@ -257,7 +252,7 @@ def _max_tokens(body: dict, defaults: Defaults, echo: bool = False) -> int:
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
-    stream = _bool(body, "stream")
+    stream = boolean(body, "stream")
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -265,11 +260,11 @@ def _stream(body: dict) -> tuple[bool, bool]:
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     if not stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    return stream, _bool(options, "include_usage")
+    return stream, boolean(options, "include_usage")
 
 
 # ---- prompts ----
-def _text(text: str, param: str) -> str:
+def unicode_text(text: str, param: str) -> str:
     """JSON can carry lone surrogates ("\\ud800"), which no tokenizer can encode."""
     try:
         text.encode("utf-8")
@@ -284,10 +279,10 @@ def _content(message: dict, i: int) -> str:
     if content is None and message.get("role") == "assistant":
         return ""
     if isinstance(content, str):
-        return _text(content, f"messages[{i}].content")
+        return unicode_text(content, f"messages[{i}].content")
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            return _text("".join(p["text"] for p in content), f"messages[{i}].content")
+            return unicode_text("".join(p["text"] for p in content), f"messages[{i}].content")
         raise ApiError(400, f"messages[{i}].content: ds2 reads only text parts", param=f"messages[{i}].content")
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                    param=f"messages[{i}].content")
@@ -345,7 +340,7 @@ def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[i
     for i, p in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            out.append(tokenizer.encode(_text(p, where)))
+            out.append(tokenizer.encode(unicode_text(p, where)))
         elif not all(0 <= t < vocab_size for t in p):
             raise ApiError(400, f"{where} token ids must be in [0, {vocab_size})", param="prompt")
         else:
@@ -359,7 +354,7 @@ CONTINUE_MARK = "\x00ds2-continue\x00"    # where the last message's content end
 def continuation(body: dict, messages: list[dict]) -> bool:
     """Whether the reply continues the last (assistant) message: continue_final_message, or a
     trailing assistant message with add_generation_prompt false (as vLLM and HF read them)."""
-    cont, gen = _bool(body, "continue_final_message"), body.get("add_generation_prompt")
+    cont, gen = boolean(body, "continue_final_message"), body.get("add_generation_prompt")
     if gen is not None and not isinstance(gen, bool):
         raise ApiError(400, f"add_generation_prompt must be true or false, not {_show(gen)}",
                        param="add_generation_prompt")
@@ -427,7 +422,7 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     """The request's choices as jobs, in OpenAI's order: index = prompt * n + sample."""
     _unsupported(body)
     cont = False
-    echo = _bool(body, "echo")
+    echo = boolean(body, "echo")
     if chat and echo:
         raise ApiError(400, "echo is only for /v1/completions", param="echo")
     toolset = None
@@ -476,173 +471,3 @@ def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, def
     if len(jobs) > 1:
         raise ApiError(400, "this request must have one prompt and n = 1", param="n")
     return jobs[0]
-
-
-# ---- the tokenizer endpoints ----
-def tokenize_request(body: dict, tokenizer: Tokenizer, defaults: Defaults) -> dict:
-    """POST /tokenize: llama-server's {"content", "add_special", "with_pieces"}, or vLLM's
-    {"prompt", "add_special_tokens"} or {"messages", "add_generation_prompt"} -> {"tokens", ...}."""
-    if "messages" in body:
-        ids, _ = chat_ids(body, tokenizer, defaults)
-    else:
-        name = "content" if "content" in body else "prompt"
-        text = body.get(name)
-        if not isinstance(text, str):
-            raise ApiError(400, "give the text to tokenize as content (or prompt), a string", param=name)
-        # llama-server's add_special (default false), vLLM's add_special_tokens (default true)
-        given = [_bool(body, k) for k in ("add_special", "add_special_tokens") if body.get(k) is not None]
-        special = given[0] if given else name == "prompt"
-        ids = tokenizer.encode(_text(text, name), add_special_tokens=special)
-    tokens: list = ids
-    if _bool(body, "with_pieces"):
-        tokens = [{"id": t, "piece": tokenizer.token_bytes(t).decode("utf-8", errors="replace")} for t in ids]
-    out = {"tokens": tokens, "count": len(ids), "max_model_len": defaults.ctx}
-    if _bool(body, "return_token_strs"):
-        out["token_strs"] = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
-    return out
-
-
-def detokenize_request(body: dict, tokenizer: Tokenizer, vocab_size: int) -> dict:
-    """POST /detokenize: {"tokens": [ids]} -> {"content": text} (llama-server), also as "prompt" (vLLM)."""
-    ids = body.get("tokens")
-    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-        raise ApiError(400, "tokens must be a list of token ids", param="tokens")
-    if not all(0 <= t < vocab_size for t in ids):
-        raise ApiError(400, f"token ids must be in [0, {vocab_size})", param="tokens")
-    text = tokenizer.decode(ids)
-    return {"content": text, "prompt": text}
-
-
-def tokenizer_info(tokenizer: Tokenizer, model_dir, ctx: int) -> dict:
-    """GET /tokenizer_info, as vLLM answers it: the checkpoint's tokenizer_config.json (its
-    added_tokens_decoder left out), with tokenizer_class, the special tokens and the chat template."""
-    config: dict = {}
-    path = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
-    if path is not None and path.is_file():
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            config = {}
-    config = {k: v for k, v in config.items() if k != "added_tokens_decoder"} if isinstance(config, dict) else {}
-    return {**config, "tokenizer_class": config.get("tokenizer_class") or "PreTrainedTokenizerFast",
-            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-            "chat_template": tokenizer.chat_template, "model_max_length": ctx,
-            "vocab_size": tokenizer.vocab_size}
-
-
-# ---- responses ----
-class Response:
-    """Builds the objects of one completion (its choices, one per job), streamed or whole, in
-    OpenAI's shapes."""
-
-    def __init__(self, jobs: list[Job], model_id: str, tokenizer: Tokenizer | None = None):
-        self.jobs = {j.index: j for j in jobs}
-        self.job, self.model_id, self.tokenizer = jobs[0], model_id, tokenizer
-        self.id = ("chatcmpl-" if self.job.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.object = "chat.completion" if self.job.chat else "text_completion"
-        # completions' text_offset counts in each choice's own text
-        self.offsets = {i: TextOffsets(tokenizer) for i in self.jobs} if tokenizer is not None else {}
-        # streamed tool calls, each choice's held back until it ends
-        self.calls = {i: tooling.CallStream() for i in self.jobs} if self.job.tools is not None else None
-
-    def _wrap(self, choices: list, obj: str, **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id,
-                "choices": choices, **extra}
-
-    def _logprobs(self, index: int, entries: list | None, echoed: bool = False) -> dict | None:
-        """The choice's logprobs for `entries` (None when the request did not ask for them)."""
-        job = self.jobs[index]
-        if job.logprobs is None or entries is None:
-            return None
-        if job.chat:
-            return {"content": chat_content(self.tokenizer, entries)}
-        return completion_logprobs(self.tokenizer, entries, self.offsets[index], job.ids if echoed else None)
-
-    def _choice(self, index: int, text: str | None, finish: str | None, delta: bool, role: bool = False,
-                logprobs: dict | None = None, calls: list | None = None) -> dict:
-        if not self.job.chat:
-            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        body: dict = {"role": "assistant"} if role or not delta else {}
-        if text is not None or (calls and not delta):
-            body["content"] = text
-        if calls:
-            body["tool_calls"] = ([{"index": k, **c} for k, c in enumerate(calls)] if delta else calls)
-        return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
-                "finish_reason": finish}
-
-    def usage(self, lasts: dict[int, Chunk]) -> dict:
-        """A prompt's tokens count once however many samples it has; every sample's reply counts."""
-        jobs = self.jobs.values()
-        prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
-        completion = sum(last.generated_tokens for last in lasts.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(j.cached for j in jobs if j.sample == 0)}}
-
-    def echoed_prompt(self, index: int = 0) -> str:
-        """Under echo, the text the answer starts with: the prompt's tokens decoded, so that
-        text_offset counts in the very text returned."""
-        job = self.jobs[index]
-        return self.tokenizer.decode(job.ids) if job.echo else ""
-
-    def whole(self, texts: dict[int, str], lasts: dict[int, Chunk], entries: dict[int, list] | None = None) -> dict:
-        choices = []
-        for index, job in self.jobs.items():
-            text, ents = texts[index], (entries or {}).get(index)
-            if job.echo:
-                text = self.echoed_prompt(index) + text
-                ents = None if ents is None or job.logprobs is None else [*job.prompt_logprobs, *ents]
-            finish, calls = finish_reason(lasts[index]), None
-            if job.tools is not None:
-                text, calls = tooling.parse_calls(text)
-                if calls:
-                    text, finish = text or None, "tool_calls"
-            choices.append(self._choice(index, text, finish, delta=False, calls=calls,
-                                        logprobs=self._logprobs(index, ents, echoed=job.echo)))
-        return self._wrap(choices, self.object, usage=self.usage(lasts))
-
-    def content(self, text: str, index: int = 0) -> str:
-        """What of a streamed piece can go out as content now (tool calls wait for the end)."""
-        return self.calls[index].feed(text) if self.calls is not None else text
-
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, index: int = 0,
-              entries: list | None = None, calls: list | None = None) -> dict:
-        extra = {"usage": None} if self.job.include_usage else {}
-        choice = self._choice(index, text, finish, delta=True, role=role, logprobs=self._logprobs(index, entries),
-                              calls=calls)
-        return self._wrap([choice], self._chunk_object(), **extra)
-
-    def echo_chunk(self, index: int = 0) -> dict:
-        """A choice's first chunk under echo: the prompt's text (and its logprobs)."""
-        extra = {"usage": None} if self.job.include_usage else {}
-        job = self.jobs[index]
-        choice = self._choice(index, self.echoed_prompt(index), None, delta=True,
-                              logprobs=self._logprobs(index, job.prompt_logprobs, echoed=True))
-        return self._wrap([choice], self._chunk_object(), **extra)
-
-    def finish_chunks(self, last: Chunk, index: int = 0) -> list[dict]:
-        """A choice's end: the rest of its content and its tool calls (with tools), then the
-        chunk that carries its finish_reason."""
-        out, finish = [], finish_reason(last)
-        if self.calls is not None:
-            rest, calls = self.calls[index].finish()
-            if rest:
-                out.append(self.chunk(rest, index=index))
-            if calls:
-                out.append(self.chunk(None, index=index, calls=calls))
-                finish = "tool_calls"
-        out.append(self.chunk(None if self.job.chat else "", finish, index=index))
-        return out
-
-    def usage_chunk(self, lasts: dict[int, Chunk]) -> list[dict]:
-        """After every choice has finished: (with include_usage) the chunk with usage."""
-        return [self._wrap([], self._chunk_object(), usage=self.usage(lasts))] if self.job.include_usage else []
-
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.job.chat else "text_completion"
-
-
-def finish_reason(last: Chunk) -> str:
-    """ds2's eos | stop | length | aborted -> OpenAI's stop | length. A reply the server cut
-    short (a second Ctrl-C) is "length", which clients already read as "the text is incomplete"."""
-    return "length" if last.finish_reason in ("length", ABORTED) else "stop"

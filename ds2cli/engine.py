@@ -28,7 +28,6 @@ import collections
 import contextlib
 import queue
 import threading
-import time
 from typing import Callable, Iterator
 
 import numpy as np

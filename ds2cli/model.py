@@ -75,7 +75,6 @@ class Model:
         """One pass for several sequences (B = len(steps)), each advancing its own cache by its
         own tokens: the projections, norms, router and experts run once on all their rows
         stacked, attention per sequence against its cache. Returns each step's logits."""
-        cfg = self.config
         ids = [self._check_ids(s.ids) for s in steps]
         if len({id(s.cache) for s in steps}) < len(steps):
             raise Ds2Error("a forward pass got the same cache twice")

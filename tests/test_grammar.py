@@ -13,11 +13,12 @@ import pytest
 
 import ds2cli
 from ds2cli import grammar as grammars
-from ds2cli.api import Defaults, finish_reason
+from ds2cli.api import Defaults
+from ds2cli.responses import finish_reason
 from ds2cli.engine import Engine
 from ds2cli.generate import stream_generate
 from ds2cli.sampling import SamplingParams, make_sampler
-from ds2cli.serve import Server, State
+from ds2cli.http_server import Server, State
 from ds2cli.tokenizer import Tokenizer
 
 pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")

@@ -28,7 +28,7 @@ from ds2cli.generate import lstrip_reply, stream_generate
 from ds2cli.prompt_cache import PromptCache, common_prefix
 from ds2cli.sampling import SamplingParams, make_sampler
 from ds2cli.engine import Engine
-from ds2cli.serve import MAX_BODY_BYTES, Server, State
+from ds2cli.http_server import MAX_BODY_BYTES, Server, State
 
 openai = pytest.importorskip("openai")   # the test extra: pip install ".[test]"
 

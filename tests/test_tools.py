@@ -14,7 +14,7 @@ from ds2cli import tools as tooling
 from ds2cli.api import Defaults
 from ds2cli.engine import Engine
 from ds2cli.sampling import SamplingParams
-from ds2cli.serve import Server, State
+from ds2cli.http_server import Server, State
 
 pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
 jsonschema = pytest.importorskip("jsonschema")
