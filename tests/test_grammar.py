@@ -4,8 +4,6 @@ ds2-tiny at temperature 1 writes near-random text, so a reply that parses and va
 mask did the work."""
 
 import json
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -13,13 +11,11 @@ import pytest
 
 import ds2cli
 from ds2cli import grammar as grammars
-from ds2cli.api import Defaults
 from ds2cli.responses import finish_reason
-from ds2cli.engine import Engine
 from ds2cli.generate import stream_generate
 from ds2cli.sampling import SamplingParams, make_sampler
-from ds2cli.http_server import Server, State
 from ds2cli.tokenizer import Tokenizer
+from test_serve import openai_client
 
 pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
 jsonschema = pytest.importorskip("jsonschema")
@@ -48,22 +44,8 @@ def model():
     return ds2cli.load()
 
 
-@contextmanager
 def running(model, temperature=1.0, max_tokens=200):
-    lines = []
-    defaults = Defaults(SamplingParams(temperature=temperature), max_tokens, 1024, None,
-                        tuple(model.eos_token_ids))
-    state = State(Engine(model, 1024, 64 << 20, 4), "ds2-tiny", defaults, None, sink=lines.append)
-    server = Server(("127.0.0.1", 0), state)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="-",
-                            max_retries=0, timeout=60)
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert not any("Traceback" in line for line in lines)
+    return openai_client(model, params=SamplingParams(temperature=temperature), max_tokens=max_tokens, max_queue=4)
 
 
 @pytest.fixture(scope="module")

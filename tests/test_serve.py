@@ -42,11 +42,11 @@ def model():
 
 
 def make_server(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024, params=None, system=None,
-                parallel=1, cors_origins=(), **engine):
+                parallel=1, cors_origins=(), max_tokens=256, **engine):
     """A server not yet serving; returns (server, state, log lines)."""
     lines = []
     params = params or SamplingParams.from_generation_config(model.generation_config)
-    defaults = Defaults(params, 256, ctx, system)
+    defaults = Defaults(params, max_tokens, ctx, system, tuple(model.eos_token_ids))
     state = State(Engine(model, ctx, budget, max_queue, parallel=parallel, **engine), "ds2-tiny", defaults,
                   api_key, sink=lines.append, cors_origins=cors_origins)
     return Server(("127.0.0.1", 0), state), state, lines
@@ -73,6 +73,13 @@ def running(model, **settings):
         server.shutdown()
         server.server_close()
     assert not any("Traceback" in line for line in lines)
+
+
+@contextmanager
+def openai_client(model, **settings):
+    """A server in a thread (no key); yields the official client pointed at it."""
+    with running(model, api_key=None, **settings) as (port, _, _):
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

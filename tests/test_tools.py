@@ -3,18 +3,14 @@ the server gets one the way --chat-template gives it (DeepSeek-V2.5's own, from
 tests/data/tokenizers, and a small one in DeepSeek's syntax that reads `tools`)."""
 
 import json
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 import ds2cli
 from ds2cli import tools as tooling
-from ds2cli.api import Defaults
-from ds2cli.engine import Engine
 from ds2cli.sampling import SamplingParams
-from ds2cli.http_server import Server, State
+from test_serve import openai_client
 
 pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
 jsonschema = pytest.importorskip("jsonschema")
@@ -42,23 +38,10 @@ def model():
     return ds2cli.load()
 
 
-@contextmanager
 def running(model, template):
-    lines = []
     if template:
         model.tokenizer.set_chat_template(template)
-    defaults = Defaults(SamplingParams(temperature=1.0), 120, 1024, None, tuple(model.eos_token_ids))
-    state = State(Engine(model, 1024, 64 << 20, 4), "ds2-tiny", defaults, None, sink=lines.append)
-    server = Server(("127.0.0.1", 0), state)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="-",
-                            max_retries=0, timeout=60)
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert not any("Traceback" in line for line in lines)
+    return openai_client(model, params=SamplingParams(temperature=1.0), max_tokens=120, max_queue=4)
 
 
 @pytest.fixture(scope="module", params=["v2.5", "own"])
