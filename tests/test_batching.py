@@ -247,3 +247,26 @@ def test_stopping_lets_every_running_request_finish(tiny):
     stopping.join(30)
     assert all(a["finish_reason"] == "stop" for a in answers)
     assert answers[0]["message"]["content"] == "451 - 123 = 328."
+
+
+def test_constrained_requests_with_drafts_share_passes_and_keep_their_own_grammar(tiny):
+    """Two JSON-constrained samples and a free one, with prompt-lookup drafts, in one batch:
+    each is the very text it is alone and without drafts (one draw per position), and the
+    constrained ones parse: each grammar state followed its own sequence."""
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    bodies = [{"prompt": "ROMEO:\n", "max_tokens": 60, "temperature": 1.0, "seed": s, "response_format": fmt}
+              for s in (1, 2)]
+    bodies.append({"prompt": "1, 2, 3, 1, 2, 3, 1, 2,", "max_tokens": 24, "temperature": 0})
+    with running(tiny, api_key=None, parallel=1) as (port, _, _):
+        alone = [request(port, "POST", "/v1/completions", b)[1]["choices"][0] for b in bodies]
+    with running(tiny, api_key=None, parallel=3) as (port, _, _):
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(lambda b: request(port, "POST", "/v1/completions", {**b, "draft": 6})[1],
+                                     bodies))
+    together = [t["choices"][0] for t in together]
+    assert [t["text"] for t in together] == [a["text"] for a in alone]
+    for t in together[:2]:
+        assert t["finish_reason"] == "stop" and set(json.loads(t["text"])) == {"n", "ok"}
