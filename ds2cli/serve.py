@@ -64,7 +64,7 @@ def serve_until(server: Server, state: State, stop: threading.Event) -> None:
     thread.start()
     while not stop.wait(0.2):   # a timeout, so that the main thread runs its signal handlers
         pass
-    state.log("ds2 serve: stopping (a second Ctrl-C ends the running request at its next token)")
+    state.log("ds2 serve: stopping (a second Ctrl-C ends the running requests at their next token)")
     state.engine.close()
     state.engine.wait_idle()
     server.shutdown()
