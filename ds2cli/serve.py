@@ -35,7 +35,7 @@ def is_loopback(host: str) -> bool:
 
 
 def serve_forever(server: Server, state: State) -> None:
-    """serve_until() a first SIGINT/SIGTERM; a second one aborts the running request. Signals
+    """serve_until() a first SIGINT/SIGTERM; a second one aborts the running requests. Signals
     that come after are ignored: the work is done, and a late Ctrl-C arriving while Python shuts
     down (where it would kill the process with the signal) must not turn a clean stop into a failure."""
     stop = threading.Event()
@@ -58,7 +58,7 @@ def serve_forever(server: Server, state: State) -> None:
 
 def serve_until(server: Server, state: State, stop: threading.Event) -> None:
     """Serve until `stop` is set; then refuse new requests (503, /health too) and send waiting
-    ones away while the running one finishes, still accepting connections to say so; then close
+    ones away while the running ones finish, still accepting connections to say so; then close
     the listening socket, let the handlers write their last answers, and return."""
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     thread.start()
