@@ -36,9 +36,12 @@ class GGUFModel:
 
     @property
     def bulk_type(self) -> str:
-        """The type holding most of the file's weight bytes (the experts', in a MoE model)."""
+        """The type holding most of the decoder layers' matrix bytes (the experts', in a MoE
+        model; the embedding of a small model would outweigh them otherwise)."""
         by_type: dict[str, int] = {}
-        for t in self.file.tensors.values():
+        for name, t in self.file.tensors.items():
+            if not name.startswith("blk.") or len(t.shape) < 2:
+                continue
             by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
         return max(by_type, key=by_type.get)
 
