@@ -12,6 +12,7 @@ files, like a safetensors checkpoint), 4-bit for Q4_0 / Q4_1 / Q4_K; `--quantize
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from ds2cli.config import DeepseekV2Config
@@ -59,6 +60,26 @@ class GGUFModel:
     def tokenizer(self):
         from ds2cli.gguf_tokenizer import tokenizer_from_gguf
         return tokenizer_from_gguf(self.file, self.config.vocab_size)
+
+    def write_tokenizer_files(self, out: Path) -> None:
+        """tokenizer.json, tokenizer_config.json and generation_config.json for `ds2 quantize`'s
+        output directory, so that it loads like any Hugging Face checkpoint."""
+        from ds2cli.gguf_tokenizer import backend_from_gguf
+        tok = self.tokenizer()
+        backend_from_gguf(self.file).save(str(out / "tokenizer.json"))
+        config = {"bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                  "add_bos_token": self.file.fields.get("tokenizer.ggml.add_bos_token") is True,
+                  "chat_template": tok.chat_template}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n",
+                                                   encoding="utf-8")
+        if self.generation_config:
+            (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2) + "\n")
+
+
+def config_json(cfg: DeepseekV2Config) -> dict:
+    """The config.json a GGUF's metadata stands for (DeepseekV2Config.from_dict reads it back)."""
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if v is not None or k in ("q_lora_rank", "rope_scaling")}
+    return {"architectures": ["DeepseekV3ForCausalLM" if cfg.is_v3 else "DeepseekV2ForCausalLM"], **d}
 
 
 def open_model(path: str | Path, validate: bool = True) -> GGUFModel | None:
