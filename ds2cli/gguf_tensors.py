@@ -115,7 +115,9 @@ class GGUFTensors(dict):
         out = []
         for name, shape in want.items():
             if name not in self:
-                out.append(f"missing tensor {gguf_name_of(name)} (the metadata implies {list(reversed(shape))})")
+                stacked = f" x {cfg.n_routed_experts} experts" if ".mlp.experts." in name else ""
+                out.append(f"missing tensor {gguf_name_of(name)} (the metadata implies "
+                           f"{list(reversed(shape))}{stacked})")
             elif self[name].shape != shape:
                 out.append(f"tensor {self.gguf_name(name)} has shape "
                            f"{list(reversed(self[name].shape))}, the metadata implies {list(reversed(shape))}"
