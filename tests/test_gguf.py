@@ -82,8 +82,8 @@ def test_llama_cpp_converted_f16_reproduces_the_reference_every_row(llama_cpp_f1
     assert llama_cpp_f16.quantization is None          # F16 loads as float32, like safetensors
 
 
-@pytest.mark.parametrize("layout", ["split", "combined"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case, layout", [(case, "split") for case in CASES]
+                         + [("v2_like_loraq_grouplimited", "combined"), ("lite_like_plainq_yarn", "combined")])
 def test_float32_gguf_of_each_reference_case_in_both_layouts(tmp_path, case, layout):
     """attn_k_b (transposed) + attn_v_b, and the older attn_kv_b, put back into kv_b_proj."""
     path = write_gguf(REFERENCE / case, tmp_path / "m.gguf", "F32", layout)
