@@ -10,6 +10,7 @@ cannot read are errors that name the file and the tensor.
 
 from __future__ import annotations
 
+import mmap
 import re
 import sys
 from pathlib import Path
@@ -123,6 +124,7 @@ class GGUFFile:
         self.paths = paths
         self.fields: dict[str, Any] = {}
         self.tensors: dict = {}
+        self.maps: dict = {}
         Reader = _reader_class()
         for k, path in enumerate(paths):
             try:
@@ -137,6 +139,7 @@ class GGUFFile:
                 self.fields = {name: field_value(f) for name, f in reader.fields.items()}
             for t in reader.tensors:
                 self.tensors[t.name] = t
+                self.maps[t.name] = reader.data._mmap     # np.memmap's mmap: see release()
         count = self.fields.get("split.count")
         if count is not None and count != len(paths):
             raise GGUFError(f"{paths[0].name} says it is split in {count} parts, but {len(paths)} were found")
@@ -148,6 +151,21 @@ class GGUFFile:
 
     def type_name(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
+
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from this process once it has been converted. The file stays
+        mapped, and every page read would count in the process's RSS until the end: a 16.7 GB
+        Q8_0 file would show as 16.7 GB beside the 15.9 GB of weights converted from it (the
+        pages stay in the page cache; MADV_DONTNEED only unmaps them from this process)."""
+        m, t = self.maps.get(name), self.tensors.get(name)
+        if m is None or not hasattr(m, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = t.data_offset - t.data_offset % mmap.PAGESIZE
+        length = t.data_offset + int(t.n_bytes) - start
+        try:
+            m.madvise(mmap.MADV_DONTNEED, start, length)
+        except (OSError, ValueError):
+            pass                                          # only memory accounting is at stake
 
     def unsupported(self) -> list[str]:
         """Every tensor whose type ds2 cannot read, one message each."""

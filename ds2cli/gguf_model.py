@@ -12,6 +12,7 @@ files, like a safetensors checkpoint), 4-bit for Q4_0 / Q4_1 / Q4_K; `--quantize
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -82,13 +83,21 @@ def config_json(cfg: DeepseekV2Config) -> dict:
     return {"architectures": ["DeepseekV3ForCausalLM" if cfg.is_v3 else "DeepseekV2ForCausalLM"], **d}
 
 
+@functools.lru_cache(maxsize=1)
+def read_file(parts: tuple[Path, ...], mtimes: tuple[int, ...]) -> GGUFFile:
+    """The parsed file, kept for the next caller: a command reads the config before it loads
+    (options.model_config), and parsing a 100k-token vocabulary takes seconds. `mtimes` keys
+    the cache, so a file rewritten in between is read again."""
+    return GGUFFile(list(parts))
+
+
 def open_model(path: str | Path, validate: bool = True) -> GGUFModel | None:
     """The GGUF at `path` (a file, a directory holding one, any part of a split file), read and
     checked; None when `path` is not a GGUF."""
     parts = find(path)
     if parts is None:
         return None
-    gf = GGUFFile(parts)
+    gf = read_file(tuple(parts), tuple(p.stat().st_mtime_ns for p in parts))
     cfg = config_from_gguf(gf)
     tensors = GGUFTensors(gf, cfg)
     if validate:

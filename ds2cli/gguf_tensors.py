@@ -132,6 +132,10 @@ class GGUFTensors(dict):
         """(Hugging Face name, float32 array) for `names`, one at a time."""
         for name in names:
             yield name, self.array(name)
+            src = self[name]
+            if src.index is None or src.index == self.gf.tensors[src.names[0]].data.shape[0] - 1:
+                for n in src.names:               # a stacked tensor once its last expert is read
+                    self.gf.release(n)
 
     def array(self, name: str) -> np.ndarray:
         src, tensors = self[name], self.gf.tensors
