@@ -86,7 +86,7 @@ def config_from_gguf(gf: GGUFFile) -> DeepseekV2Config:
     else:   # the older layout: key/value lengths are the per-head sizes
         k_len, v_len = m.get("attention.key_length", D // H), m.get("attention.value_length", D // H)
     experts = m.get("expert_count", 0)
-    gating = GATING.get(m.get("expert_gating_func", 0), None)
+    gating = GATING.get(m.get("expert_gating_func", 0) or 1)   # 0 / absent: softmax, as llama.cpp
     if gating is None:
         raise ConfigError(f"{gf.name}: expert_gating_func {m.get('expert_gating_func')} is not softmax (1) "
                           f"or sigmoid (2)")

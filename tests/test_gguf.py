@@ -262,6 +262,17 @@ def test_metadata_that_disagrees_with_the_tensors(small_gguf, key, value, words)
     assert r.exit_code == 1 and json.loads(r.stdout)["problems"]
 
 
+def test_an_older_file_without_the_keys_llama_cpp_defaults_loads(tmp_path):
+    """V2 / V2.5 GGUFs from before expert_gating_func and the *_mla keys: combined attn_kv_b,
+    no gating function (llama.cpp defaults it to softmax), no vocab_size key."""
+    path = write_gguf(REFERENCE / "lite_like_plainq_yarn", tmp_path / "m.gguf", "F32", "combined")
+    rename_field(path, "deepseek2.expert_gating_func", "deepseek2.expert_gating_fun_")
+    rename_field(path, "deepseek2.vocab_size", "deepseek2.vocab_siz_")   # then the token list's length
+    ids, ref = reference("lite_like_plainq_yarn")
+    got, model = logits_of(path, None, ids)
+    assert model.config.scoring_func == "softmax" and np.abs(got - ref).max() <= TOL
+
+
 def test_a_required_key_missing_is_named(small_gguf):
     rename_field(small_gguf, "deepseek2.attention.kv_lora_rank", "deepseek2.attention.kv_lora_ranX")
     assert_one_error_line(run("generate", "-m", small_gguf, "hi"), "deepseek2.attention.kv_lora_rank is missing")
