@@ -93,6 +93,15 @@ def test_float32_gguf_of_each_reference_case_in_both_layouts(tmp_path, case, lay
         assert np.abs(run_split(model, ids, splits(len(ids))[split]) - ref).max() <= TOL
 
 
+@pytest.mark.parametrize("case", ["moonlight_like", "grouped_no_norm"])
+def test_v3_family_gguf_with_sigmoid_gating_and_exp_probs_b(tmp_path, case):
+    """expert_gating_func 2 (sigmoid) with exp_probs_b.bias: DeepSeek-V3's router (noaux_tc)."""
+    src = DATA / "reference_v3" / case
+    z = np.load(src / "ref.npz")
+    got, model = logits_of(write_gguf(src, tmp_path / "m.gguf", "F32"), None, z["ids"])
+    assert model.config.topk_method == "noaux_tc" and np.abs(got - z["logits"]).max() <= TOL
+
+
 def test_a_config_gguf_cannot_express_is_refused_naming_the_tensors(tmp_path):
     """normtopk_layerfreq2 has moe_layer_freq 2: GGUF has no key for it, so ds2 assumes every
     layer from leading_dense_block_count on is MoE, and the dense layers 1 and 3 disagree."""
