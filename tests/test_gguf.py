@@ -370,3 +370,10 @@ def test_chunked_dequantization_gives_ggufs_own_floats(name):
     assert np.array_equal(dequantize(t), gguf.quants.dequantize(t.data, t.tensor_type))
     if len(t.data.shape) == 3:
         assert np.array_equal(dequantize(t, 1), gguf.quants.dequantize(t.data, t.tensor_type)[1])
+
+
+def test_sampling_defaults_come_from_general_sampling(llama_cpp_f16):
+    """convert_hf_to_gguf writes generation_config.json's temperature / top_p as general.sampling.*."""
+    want = json.loads((REFERENCE / "plain_rope_tied_fp16" / "generation_config.json").read_text())
+    gen = llama_cpp_f16.generation_config
+    assert gen["temperature"] == pytest.approx(want["temperature"]) and gen["top_p"] == pytest.approx(want["top_p"])
