@@ -33,7 +33,8 @@ def check_model_dir(path: str | Path) -> Path:
     if gguf_file.find(path) is not None:   # a GGUF file, or a directory holding one (gguf_model.py)
         return path
     if not path.is_dir():
-        raise ConfigError(f"{path} is a file, not a model directory")
+        raise ConfigError(f"{path} is a file, not a model directory, and not a GGUF file "
+                          f"(it does not start with the GGUF magic bytes)")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     return path

@@ -220,7 +220,7 @@ def test_truncated_file_names_the_tensor(small_gguf):
 def test_wrong_magic_is_not_taken_for_a_gguf(small_gguf):
     data = small_gguf.read_bytes()
     small_gguf.write_bytes(b"GGUX" + data[4:])
-    assert_one_error_line(run("generate", "-m", small_gguf, "hi"), "is a file, not a model directory")
+    assert_one_error_line(run("generate", "-m", small_gguf, "hi"), "not a GGUF file", "magic")
 
 
 def test_unknown_tensor_type_names_the_tensor(small_gguf):
