@@ -9,7 +9,7 @@ from typing import Callable
 
 import numpy as np
 
-from ds2cli import checkpoint, helpers, memory, qcheckpoint, rope
+from ds2cli import checkpoint, gguf_file, gguf_model, helpers, memory, qcheckpoint, rope
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import ConfigError
 from ds2cli.hub import resolve_model_dir
@@ -30,8 +30,11 @@ def check_model_dir(path: str | Path) -> Path:
     path = resolve_model_dir(path)  # a Hugging Face id (not a local path) -> its cached snapshot
     if not path.exists():
         raise ConfigError(f"model directory {path} does not exist")
+    if gguf_file.find(path) is not None:   # a GGUF file, or a directory holding one (gguf_model.py)
+        return path
     if not path.is_dir():
-        raise ConfigError(f"{path} is a file, not a model directory")
+        raise ConfigError(f"{path} is a file, not a model directory, and not a GGUF file "
+                          f"(it does not start with the GGUF magic bytes)")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     return path
@@ -124,6 +127,14 @@ def wrap_projections(layer: dict) -> dict:
     return layer
 
 
+def read_tensors(tensors, names: list[str]):
+    """(name, array) for `names` from safetensors headers, or from a GGUF file's mapping
+    (gguf_tensors.GGUFTensors, which dequantizes each tensor as it is asked for)."""
+    if hasattr(tensors, "iter_tensors"):
+        return tensors.iter_tensors(names)
+    return checkpoint.iter_tensors(tensors, names)
+
+
 def strip(name: str, prefix: str) -> str:
     # "model.layers.3.self_attn.kv_b_proj.weight" -> "kv_b_proj"
     return name[len(prefix):].removesuffix(".weight").removeprefix("self_attn.").removeprefix("mlp.")
@@ -133,7 +144,7 @@ def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int) -> dict
     prefix = f"model.layers.{i}."
     mlp, slots = mlp_slots(cfg, i)
     t = {}
-    for name, array in checkpoint.iter_tensors(tensors, names):
+    for name, array in read_tensors(tensors, names):
         key = strip(name, prefix)
         if key in slots:
             dst, index = slots[key]
@@ -159,7 +170,8 @@ def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None 
         if key == "lm_head" and cfg.tie_word_embeddings:
             top[key] = top["embed_tokens"]
             continue
-        (_, array), = checkpoint.iter_float32(tensors, [name])
+        (_, array), = read_tensors(tensors, [name])
+        array = np.ascontiguousarray(array, dtype=np.float32)
         top[key] = qcheckpoint.quantize_weight(array, qcheckpoint.format_for(qc, "", key, array.shape))
     return top
 
@@ -194,8 +206,11 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     read, what the model will hold (with a cache of `context` tokens) is checked against the
     memory available (memory.py); `memory_check=False` skips that."""
     model_dir = check_model_dir(bundled_model_dir() if path is None else path)
-    cfg = DeepseekV2Config.from_file(model_dir / "config.json")
-    stored = read_quant_config(model_dir)
+    gguf = gguf_model.open_model(model_dir)       # None unless a GGUF: its config, tensors, tokenizer
+    if gguf is not None and quantize is None:
+        quantize = gguf.default_bits               # the ds2 format nearest the file's own types
+    cfg = gguf.config if gguf else DeepseekV2Config.from_file(model_dir / "config.json")
+    stored = None if gguf else read_quant_config(model_dir)
     if quantize not in (None, 8, 4, "auto"):
         raise ConfigError(f"quantize must be 8, 4 or 'auto', got {quantize!r}")
     if stored is not None and quantize not in (None, "auto", stored.bits):
@@ -203,13 +218,14 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
                           f"it cannot be loaded as {quantize}-bit")
     # headers first (cheap, and they name a broken checkpoint precisely), then the memory check,
     # then the weights
-    tensors = checkpoint.validate(cfg, model_dir) if stored is None else validate_quantized(model_dir, cfg, stored)
+    tensors = gguf.tensors if gguf else \
+        checkpoint.validate(cfg, model_dir) if stored is None else validate_quantized(model_dir, cfg, stored)
     if quantize == "auto":
         quantize = None if stored is not None else memory.choose_auto(cfg, context, path=model_dir)
     if memory_check:
         memory.check(cfg, model_dir, stored, quantize, context)
-    tokenizer = Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
-    gen = read_generation_config(model_dir)
+    tokenizer = gguf.tokenizer() if gguf else Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
+    gen = gguf.generation_config if gguf else read_generation_config(model_dir)
     if stored is not None:
         weights = qcheckpoint.load_weights(cfg, stored, tensors, progress)
     else:

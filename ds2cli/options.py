@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ds2cli import console, memory
+from ds2cli import console, gguf_model, memory
 from ds2cli.cores import kernel_threads
 from ds2cli.draft import MAX_DRAFT
 from ds2cli.config import DeepseekV2Config
@@ -155,7 +155,8 @@ def model_config(model_dir: Path | None) -> tuple[Path, DeepseekV2Config]:
     that options can be checked against the model before a long load."""
     with naming_ds2_model():
         path = check_model_dir(model_dir or bundled_model_dir())
-        return path, DeepseekV2Config.from_file(path / "config.json")
+        gguf = gguf_model.open_model(path, validate=False)   # a GGUF's config is in its metadata
+        return path, gguf.config if gguf else DeepseekV2Config.from_file(path / "config.json")
 
 
 def check_ctx(config: DeepseekV2Config, ctx: int | None) -> None:

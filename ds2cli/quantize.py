@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from ds2cli import checkpoint, files, memory, qcheckpoint
+from ds2cli import checkpoint, files, gguf_model, memory, qcheckpoint
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import ConfigError, Ds2Error
 from ds2cli.loader import check_model_dir, load_layer, load_top, names_by_layer, read_quant_config
@@ -51,18 +51,19 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool
     """Write the `bits` recipe of checkpoint `src` into directory `dst`; return a summary."""
     src, dst = check_model_dir(src), Path(dst).expanduser()
     qc = qcheckpoint.QuantConfig.recipe(bits)
-    raw = read_json_object(src / "config.json", ConfigError)
-    cfg = DeepseekV2Config.from_file(src / "config.json")
-    if read_quant_config(src) is not None:
+    gguf = gguf_model.open_model(src)    # a GGUF: its metadata is the config, its tokenizer is written out
+    raw = gguf_model.config_json(gguf.config) if gguf else read_json_object(src / "config.json", ConfigError)
+    cfg = gguf.config if gguf else DeepseekV2Config.from_file(src / "config.json")
+    if not gguf and read_quant_config(src) is not None:
         raise QuantizeError(f"{src} is already a ds2 low-bit checkpoint; quantize its float source instead")
     check_destination(src, dst, force)
-    tensors = checkpoint.validate(cfg, src)
+    tensors = gguf.tensors if gguf else checkpoint.validate(cfg, src)
     size = memory.weight_bytes(cfg, qc)
     files.check_free_disk(files.existing_ancestor(dst.parent), size + DISK_MARGIN, f"the {bits}-bit checkpoint",
                           QuantizeError)
     try:
         with files.building(dst, replace=True) as partial:
-            written = write_all(src, partial, raw, cfg, qc, tensors, progress)
+            written = write_all(src, partial, raw, cfg, qc, tensors, progress, gguf)
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise QuantizeError(f"no space left on the device writing {dst}; nothing was kept") from None
@@ -71,7 +72,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool
             "float32_bytes": memory.weight_bytes(cfg, None)}
 
 
-def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensors: dict, progress) -> int:
+def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensors: dict, progress,
+              gguf: gguf_model.GGUFModel | None = None) -> int:
     n = cfg.num_hidden_layers + 1
     weight_map, total = {}, 0
 
@@ -95,7 +97,9 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
         progress(n, n)
     index = {"metadata": {"total_size": total, "format": "ds2"}, "weight_map": dict(sorted(weight_map.items()))}
     (out / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    for path in sorted(src.iterdir()):
+    if gguf:
+        gguf.write_tokenizer_files(out)
+    for path in ([] if gguf else sorted(src.iterdir())):
         if (path.is_file() and path.name not in ("config.json", checkpoint.INDEX_NAME)
                 and not path.name.endswith(SKIPPED_SUFFIXES) and not path.name.startswith(".")):
             shutil.copy2(path, out / path.name)

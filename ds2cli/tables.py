@@ -151,9 +151,51 @@ def _scales(spec: dict) -> str:
     return f"{spec['scales']}, one per {spec['group_size']} output rows of a column"
 
 
+def _gguf_tables(r: dict) -> list:
+    files = ", ".join(r["files"])
+    tables = [_kv_table("GGUF", [("files", files), ("architecture", r["architecture"]), ("name", r["name"]),
+                                 ("tensors", r["n_tensors"]), ("size", human_bytes(r["file_bytes"]))])]
+    types = Table(title="Tensor types", title_justify="left")
+    for column in ("type", "tensors", "params", "size"):
+        types.add_column(column, justify="left" if column == "type" else "right")
+    for name, d in r["tensor_types"].items():
+        types.add_row(name, str(d["tensors"]), human_count(d["params"]), human_bytes(d["bytes"]))
+    tables.append(types)
+    if "model" in r:
+        tables += [_model_table(r), _kv_table("MLA", [(k.replace("_", " "), v) for k, v in r["mla"].items()]),
+                   _moe_table(r),
+                   _kv_table("Memory (ds2 converts the blocks at load)", [
+                       ("bulk type", r["bulk_type"]),
+                       *((f"{f['format']} ({f['option']}{', default' if f['default'] else ''})",
+                          f"weights {human_bytes(f['weight_bytes'])}, RAM {human_bytes(f['ram_bytes'])} "
+                          f"at {f['context']} tokens") for f in r["memory"])])]
+    t = r["tokenizer"]
+    tables.append(_kv_table("Tokenizer (tokenizer.ggml.*)", [
+        ("model / pre", f"{t['model']} / {t['pre']}"), ("tokens", t["tokens"]),
+        ("bos id", _show(t["bos_token_id"])), ("eos id", _show(t["eos_token_id"])),
+        ("add bos token", _show(t["add_bos_token"])), ("chat template", t["chat_template"])]))
+    return tables
+
+
 def render(report: dict, console: Console) -> None:
     """One table per section, then the problems in red. Warnings are left to the caller
     (`ds2 inspect` prints them to stderr), so they are not printed twice."""
+    if report.get("format") == "gguf":
+        tables = _gguf_tables(report)
+    else:
+        tables = _checkpoint_tables(report)
+    # the path on a line of its own, never cut to fit a table's column
+    console.print(f"checkpoint {report['path']}", soft_wrap=True, markup=False, highlight=False)
+    for table in tables:
+        if table is not None:
+            console.print(table)
+    if report["problems"]:
+        console.print(f"{plural(len(report['problems']), 'problem')}:", style="bold red", highlight=False)
+    for problem in report["problems"]:
+        console.print(f"  {problem}", style="red", markup=False, highlight=False)
+
+
+def _checkpoint_tables(report: dict) -> list:
     mla = [(k.replace("_", " "), v) for k, v in report["mla"].items()]
     tables = [_model_table(report), _kv_table("MLA", mla), _moe_table(report), _v3_table(report),
               _params_table(report), _storage_table(report), _memory_table(report), _tokenizer_table(report)]
@@ -164,12 +206,4 @@ def render(report: dict, console: Console) -> None:
             *((f"{name} scales", _scales(spec)) for name, spec in q["format_specs"].items()),
             *((role.replace("_", " "), fmt) for role, fmt in q["formats"].items()),
             ("bytes on disk", human_bytes(q["file_bytes"]))]))
-    # the path on a line of its own, never cut to fit a table's column
-    console.print(f"checkpoint {report['path']}", soft_wrap=True, markup=False, highlight=False)
-    for table in tables:
-        if table is not None:
-            console.print(table)
-    if report["problems"]:
-        console.print(f"{plural(len(report['problems']), 'problem')}:", style="bold red", highlight=False)
-    for problem in report["problems"]:
-        console.print(f"  {problem}", style="red", markup=False, highlight=False)
+    return tables

@@ -17,6 +17,7 @@ from ds2cli.bench.report import render, render_formats, stdout_console
 from ds2cli.bench.settings import BenchError, cache_tokens, check_settings, clip_counts
 from ds2cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
 from ds2cli.config import DeepseekV2Config
+from ds2cli import gguf_model
 from ds2cli.loader import check_model_dir, read_quant_config
 from ds2cli.options import model_option, thread_limits, threads_option
 from ds2cli.qcheckpoint import QuantConfig
@@ -114,13 +115,16 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
         cfg = DeepseekV2Config.from_dict(lite_config(layers or DEFAULT_LAYERS))
     else:
         model_dir = check_model_dir(model_dir)
-        cfg = DeepseekV2Config.from_file(model_dir / "config.json")
+        gguf = gguf_model.open_model(model_dir, validate=False)     # a GGUF: config from its metadata
+        cfg = gguf.config if gguf else DeepseekV2Config.from_file(model_dir / "config.json")
+        if gguf and not quantize and gguf.default_bits:
+            quantize = str(gguf.default_bits)                      # as load() would choose
     prompt_lengths, contexts = fit_defaults(cfg, prompt_lengths, contexts, decode_steps)
     check_settings(cfg, prompt_lengths, contexts, decode_steps)
     bench_dir = (cache_dir or Path("~/.cache/ds2/bench")).expanduser()
     context = cache_tokens(prompt_lengths, contexts, decode_steps)
     # refuse what cannot fit before synthesising or quantizing anything
-    stored = None if model_dir is None else read_quant_config(model_dir)
+    stored = None if model_dir is None or model_dir.is_file() else read_quant_config(model_dir)
     for bits in formats or [int(quantize) if quantize else None]:
         memory.check(cfg, model_dir or synthetic_path(bench_dir, cfg.num_hidden_layers),
                      stored or (QuantConfig.recipe(bits) if bits and formats else None),

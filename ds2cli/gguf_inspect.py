@@ -1,0 +1,75 @@
+"""What `ds2 inspect FILE.gguf` reports: the file, its tensor types, the model its metadata
+describes, the memory each ds2 form needs, and every problem found (as data; tables.py renders).
+
+Only the header is read (gguf memory-maps the file), so it is instant on a 16 GB file. A file
+that is not a readable GGUF at all (wrong magic, truncated, a part missing) raises; anything
+after that (metadata ds2 cannot map, tensors that disagree with it, types ds2 cannot read, a
+tokenizer that does not build) is a string in `problems`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ds2cli import describe, memory, qcheckpoint
+from ds2cli.errors import Ds2Error
+from ds2cli.gguf_config import config_from_gguf
+from ds2cli.gguf_file import GGUFFile, find
+from ds2cli.gguf_model import DEFAULT_BITS, GGUFModel
+from ds2cli.gguf_tensors import GGUFTensors
+
+
+def tensor_types(gf: GGUFFile) -> dict:
+    out: dict[str, dict] = {}
+    for t in gf.tensors.values():
+        d = out.setdefault(t.tensor_type.name, {"tensors": 0, "params": 0, "bytes": 0})
+        d["tensors"] += 1
+        d["params"] += int(t.n_elements)
+        d["bytes"] += int(t.n_bytes)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
+
+
+def describe_gguf(path: str | Path) -> dict:
+    gf = GGUFFile(find(path))
+    f = gf.fields
+    report = {"format": "gguf", "path": str(path), "files": [p.name for p in gf.paths], "file_bytes": gf.nbytes,
+              "architecture": f.get("general.architecture"), "name": f.get("general.name"),
+              "n_tensors": len(gf.tensors), "tensor_types": tensor_types(gf),
+              "tokenizer": {"model": f.get("tokenizer.ggml.model"), "pre": f.get("tokenizer.ggml.pre"),
+                            "tokens": len(f.get("tokenizer.ggml.tokens") or []),
+                            "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
+                            "eos_token_id": f.get("tokenizer.ggml.eos_token_id"),
+                            "add_bos_token": f.get("tokenizer.ggml.add_bos_token"),
+                            "chat_template": "tokenizer.chat_template" in f},
+              "warnings": [], "problems": []}
+    try:
+        cfg = config_from_gguf(gf)
+    except Ds2Error as e:
+        report["problems"] = [str(e)] + gf.unsupported()
+        return report
+    tensors = GGUFTensors(gf, cfg)
+    model = GGUFModel(gf, cfg, tensors)
+    report["problems"] = tensors.problems(cfg)
+    try:
+        model.tokenizer()
+    except Ds2Error as e:
+        report["problems"].append(str(e))
+    bits = DEFAULT_BITS.get(model.bulk_type)
+    report.update(model=describe.model_section(cfg), mla=describe.mla_section(cfg), moe=describe.moe_section(cfg),
+                  bulk_type=model.bulk_type, loads_as=f"{bits}-bit" if bits else "float32",
+                  memory=memory_forms(cfg, bits))
+    return report
+
+
+def memory_forms(cfg, default_bits: int | None) -> list[dict]:
+    """The weights and RAM (weights + cache at the default context + margin) of each form a GGUF
+    loads in, the default first."""
+    forms = [default_bits] + [b for b in (8, 4, None) if b != default_bits]
+    out = []
+    for bits in forms:
+        qc = qcheckpoint.QuantConfig.recipe(bits) if bits else None
+        need = memory.required(cfg, qc, None, quantize_at_load=bits is not None)
+        out.append({"format": memory.label(qc), "default": bits == default_bits,
+                    "option": "--quantize auto" if bits is None else f"--quantize {bits}",
+                    "weight_bytes": need["weights"], "ram_bytes": need["total"], "context": need["context"]})
+    return out

@@ -1,0 +1,109 @@
+"""A GGUF model as the loader takes it: config, tensors (validated), tokenizer, sampling defaults,
+and the ds2 format its weights load into.
+
+How a GGUF runs (measured, see the README's GGUF section): each tensor is dequantized with
+gguf.quants at load and, one layer at a time, requantized into ds2's own q8/q4 (the formats
+the engine, the few-token kernel and the helpers already multiply by). By default the format
+follows the file's bulk type: 8-bit for Q8_0 / Q6_K / Q5_* (and float32 for F32/F16/BF16
+files, like a safetensors checkpoint), 4-bit for Q4_0 / Q4_1 / Q4_K; `--quantize 8` loads a
+4-bit file into 8 bits (near-lossless, about twice the memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+from ds2cli.config import DeepseekV2Config
+from ds2cli.errors import CheckpointError
+from ds2cli.gguf_config import config_from_gguf
+from ds2cli.gguf_file import GGUFFile, find
+from ds2cli.gguf_tensors import GGUFTensors
+
+# the ds2 bits a tensor type loads into by default (None: float32)
+DEFAULT_BITS = {"F32": None, "F16": None, "BF16": None, "Q8_0": 8, "Q6_K": 8, "Q5_0": 8, "Q5_1": 8,
+                "Q5_K": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}
+# general.sampling.* (written by convert_hf_to_gguf from generation_config.json) -> its keys
+SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+            "general.sampling.top_k": "top_k"}
+
+
+@dataclasses.dataclass
+class GGUFModel:
+    file: GGUFFile
+    config: DeepseekV2Config
+    tensors: GGUFTensors
+
+    @property
+    def bulk_type(self) -> str:
+        """The type holding most of the decoder layers' matrix bytes (the experts', in a MoE
+        model; the embedding of a small model would outweigh them otherwise)."""
+        by_type: dict[str, int] = {}
+        for name, t in self.file.tensors.items():
+            if not name.startswith("blk.") or len(t.shape) < 2:
+                continue
+            by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        return max(by_type, key=by_type.get)
+
+    @property
+    def default_bits(self) -> int | None:
+        return DEFAULT_BITS.get(self.bulk_type)
+
+    @property
+    def generation_config(self) -> dict:
+        gen = {key: round(self.file.fields[name], 6) for name, key in SAMPLING.items() if name in self.file.fields}
+        if "temperature" in gen:
+            gen["do_sample"] = gen["temperature"] > 0
+        return gen
+
+    def tokenizer(self):
+        from ds2cli.gguf_tokenizer import tokenizer_from_gguf
+        return tokenizer_from_gguf(self.file, self.config.vocab_size)
+
+    def write_tokenizer_files(self, out: Path) -> None:
+        """tokenizer.json, tokenizer_config.json and generation_config.json for `ds2 quantize`'s
+        output directory, so that it loads like any Hugging Face checkpoint."""
+        from ds2cli.gguf_tokenizer import backend_from_gguf
+        tok = self.tokenizer()
+        backend_from_gguf(self.file).save(str(out / "tokenizer.json"))
+        config = {"bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                  "add_bos_token": self.file.fields.get("tokenizer.ggml.add_bos_token") is True,
+                  "chat_template": tok.chat_template}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n",
+                                                   encoding="utf-8")
+        if self.generation_config:
+            (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2) + "\n")
+
+
+def config_json(cfg: DeepseekV2Config) -> dict:
+    """The config.json a GGUF's metadata stands for (DeepseekV2Config.from_dict reads it back)."""
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if v is not None or k in ("q_lora_rank", "rope_scaling")}
+    return {"architectures": ["DeepseekV3ForCausalLM" if cfg.is_v3 else "DeepseekV2ForCausalLM"], **d}
+
+
+@functools.lru_cache(maxsize=1)
+def read_file(parts: tuple[Path, ...], mtimes: tuple[int, ...]) -> GGUFFile:
+    """The parsed file, kept for the next caller: a command reads the config before it loads
+    (options.model_config), and parsing a 100k-token vocabulary takes seconds. `mtimes` keys
+    the cache, so a file rewritten in between is read again."""
+    return GGUFFile(list(parts))
+
+
+def open_model(path: str | Path, validate: bool = True) -> GGUFModel | None:
+    """The GGUF at `path` (a file, a directory holding one, any part of a split file), read and
+    checked; None when `path` is not a GGUF."""
+    parts = find(path)
+    if parts is None:
+        return None
+    gf = read_file(tuple(parts), tuple(p.stat().st_mtime_ns for p in parts))
+    cfg = config_from_gguf(gf)
+    tensors = GGUFTensors(gf, cfg)
+    if validate:
+        found = tensors.problems(cfg)
+        if found:
+            shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+            raise CheckpointError(f"GGUF {gf.name} does not match its metadata "
+                                  f"({len(found)} problem{'s' * (len(found) > 1)}): {shown}")
+    return GGUFModel(gf, cfg, tensors)
