@@ -267,17 +267,18 @@ def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch):
     ids = list(range(0, 800, 10))      # more than cores.FEW_TOKENS: a prefill, not a few-token pass
     assert len(ids) > cores.FEW_TOKENS
     seen = []
-    real = cores.Workers.map
+    real = cores.map
 
-    def spy(self, fn, items):
+    def spy(fn, items, cost=None):     # attention's pieces are (sequence, tokens, heads)
         items = list(items)
-        seen.append((self.lanes, items))
-        return real(self, fn, items)
+        seen.append(items)
+        return real(fn, items, cost)
 
-    monkeypatch.setattr(cores.Workers, "map", spy)
+    monkeypatch.setattr(cores, "map", spy)
     shared = model.forward(ids, model.new_cache(128), all_logits=True)
     heads = model.config.num_attention_heads
-    splits = [items for lanes, items in seen if items and all(isinstance(i, slice) for i in items)]
+    splits = [[p[-1] for p in items] for items in seen
+              if items and all(isinstance(p, tuple) and isinstance(p[-1], slice) for p in items)]
     assert len(splits) == model.config.num_hidden_layers
     assert all(len(s) == cores.workers().n and s[0].start == 0 and s[-1].stop == heads for s in splits)
     with cores.kernel_threads(1):     # one core: every head in one call, nothing shared
