@@ -51,6 +51,7 @@ MIN_EXPERT_TOKENS = 32        # an expert seen by fewer tokens takes its layer's
 DAMP = 0.3
 SHRINK = 4                    # an expert's H counts SHRINK * in tokens of its layer's (Moments.hessian)
 BLOCK = 64                    # GPTQ's columns per block
+ACT_ORDER = True              # GPTQ's columns in order of decreasing diag(H)
 
 
 class CalibrationError(Ds2Error):
@@ -220,8 +221,23 @@ def quantize_calibrated(w: np.ndarray, f: quant.Format, h: np.ndarray) -> tuple[
     searched with diag(h) as the column weights, then (like q4) GPTQ-compensated."""
     diag = np.diagonal(h, axis1=-2, axis2=-1)
     if w.ndim == 2:
-        return tuple(a[0] for a in compensate(w[None], f, h[None], diag[None]))
-    return compensate(w, f, h, diag)
+        return tuple(a[0] for a in quantize_calibrated(w[None], f, h[None]))
+    if not ACT_ORDER:
+        return compensate(w, f, h, diag)
+    # GPTQ's act-order: the columns of most energy first, while the most columns remain to take
+    # their error. It costs nothing here: a q4 group lies in one column, so any column order
+    # leaves the groups whole (GPTQ's row groups need a permutation index at run time instead).
+    E = len(w)
+    order = np.argsort(-diag, axis=-1, kind="stable")                        # (E, in)
+    undo = np.argsort(order, axis=-1)
+    wp = np.take_along_axis(w, order[:, None, :], axis=-1)
+    hp = np.take_along_axis(np.take_along_axis(h, order[:, :, None], axis=1), order[:, None, :], axis=2)
+    dp = np.take_along_axis(diag, order, axis=-1)
+    ints, scales = compensate(wp, f, hp, dp, packed=False)
+    ints = np.take_along_axis(ints, undo[:, None, :], axis=-1)
+    if f.group_size is None:
+        return ints, scales
+    return pack_q4(ints), np.take_along_axis(scales, undo[:, None, :], axis=-1)
 
 
 def inverse_factor(h: np.ndarray) -> np.ndarray:
@@ -246,7 +262,8 @@ def inverse_factor(h: np.ndarray) -> np.ndarray:
     return u
 
 
-def compensate(w: np.ndarray, f: quant.Format, h: np.ndarray, diag: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def compensate(w: np.ndarray, f: quant.Format, h: np.ndarray, diag: np.ndarray,
+               packed: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ over a stack w (E, out, in) with second moments h (E, in, in): columns in order, each
     quantized (q4: its groups' scales searched on the column as compensated so far; q8: the row
     scales fixed first, searched on the weights with diag as the column weights) and its error,
@@ -281,11 +298,16 @@ def compensate(w: np.ndarray, f: quant.Format, h: np.ndarray, diag: np.ndarray) 
             block[:, :, i + 1:] -= e_i[:, :, None] * u[:, None, b0 + i, b0 + i + 1:b1]
         if b1 < inp:
             work[:, :, b1:] -= np.matmul(err, u[:, b0:b1, b1:])             # (E, out, rest)
-    if f.group_size is None:
+    if f.group_size is None or not packed:
         return ints, scales
+    return pack_q4(ints), scales
+
+
+def pack_q4(ints: np.ndarray) -> np.ndarray:
+    """q - 8 (..., out, in) int8 -> q4's bytes (..., out, in/2), as quant.quantize packs them."""
     q = (ints + 8).astype(np.uint8)
-    half = inp // 2
-    return np.ascontiguousarray(q[..., :half] | (q[..., half:] << 4)), scales
+    half = q.shape[-1] // 2
+    return np.ascontiguousarray(q[..., :half] | (q[..., half:] << 4))
 
 
 def quantize_column(col: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
