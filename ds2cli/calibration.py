@@ -223,7 +223,7 @@ def quantize_calibrated(w: np.ndarray, f: quant.Format, h: np.ndarray) -> tuple[
     if w.ndim == 2:
         return tuple(a[0] for a in quantize_calibrated(w[None], f, h[None]))
     if not ACT_ORDER:
-        return compensate(w, f, h, diag)
+        return compensate(np.array(w, np.float32), f, inverse_factor(h), diag)
     # GPTQ's act-order: the columns of most energy first, while the most columns remain to take
     # their error. It costs nothing here: a q4 group lies in one column, so any column order
     # leaves the groups whole (GPTQ's row groups need a permutation index at run time instead).
@@ -232,8 +232,9 @@ def quantize_calibrated(w: np.ndarray, f: quant.Format, h: np.ndarray) -> tuple[
     undo = np.argsort(order, axis=-1)
     wp = np.take_along_axis(w, order[:, None, :], axis=-1)
     hp = np.take_along_axis(np.take_along_axis(h, order[:, :, None], axis=1), order[:, None, :], axis=2)
-    dp = np.take_along_axis(diag, order, axis=-1)
-    ints, scales = compensate(wp, f, hp, dp, packed=False)
+    u = inverse_factor(hp)
+    del hp    # the copies are one layer's experts' size (V2-Lite: 1 GB of H, 1.5 GB of gate_up)
+    ints, scales = compensate(wp, f, u, np.take_along_axis(diag, order, axis=-1), packed=False)
     ints = np.take_along_axis(ints, undo[:, None, :], axis=-1)
     if f.group_size is None:
         return ints, scales
@@ -262,18 +263,17 @@ def inverse_factor(h: np.ndarray) -> np.ndarray:
     return u
 
 
-def compensate(w: np.ndarray, f: quant.Format, h: np.ndarray, diag: np.ndarray,
+def compensate(work: np.ndarray, f: quant.Format, u: np.ndarray, diag: np.ndarray,
                packed: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """GPTQ over a stack w (E, out, in) with second moments h (E, in, in): columns in order, each
+    """GPTQ over a stack `work` (E, out, in) float32, updated in place, with U (E, in, in) from
+    inverse_factor: columns in order, each
     quantized (q4: its groups' scales searched on the column as compensated so far; q8: the row
     scales fixed first, searched on the weights with diag as the column weights) and its error,
     divided by U[i, i], subtracted from the later columns along U[i, i+1:]."""
-    E, out, inp = w.shape
-    u = inverse_factor(h)
-    work = np.array(w, np.float32)                                          # updated in place
+    E, out, inp = work.shape
     ints = np.empty((E, out, inp), np.int8)                                 # q8: q; q4: q - 8
     if f.group_size is None:
-        scales = np.stack([quant.quantize(w[e], f, diag[e])[1] for e in range(E)])  # (E, out)
+        scales = np.stack([quant.quantize(work[e], f, diag[e])[1] for e in range(E)])  # (E, out)
     else:
         g = f.group_size
         G = -(-out // g)
