@@ -24,9 +24,10 @@ on two cores), so whatever the scales add to the product shows in the tok/s:
     with xs = s * x (G, in): the raw nibbles multiply the scaled activation, and the offset is
     one number per group, subtracted from the output, never from each weight.
 q4 scales are bfloat16 rather than float16 because NumPy (through ml_dtypes) widens bfloat16 to
-float32 several times faster than float16, and a decode step widens every q4 scale it uses. A
-scale is rounded *up* to bfloat16, never to nearest, so the largest value of a group never leaves
-the integer range; the step grows by at most 0.8%.
+float32 several times faster than float16, and a decode step widens every q4 scale it uses. The
+round-to-nearest scale is rounded *up* to bfloat16, so the largest value of a group never leaves
+the integer range (the step grows by at most 0.8%); a searched scale is rounded to the nearest
+bfloat16 and kept only where it then measures better (search_q4), clipping included.
 
 Kernels: a matrix-vector product (decode) widens row blocks that fit in L2 into a reused float32
 buffer and multiplies each by the activation with BLAS; its rows are split across the cores, in
