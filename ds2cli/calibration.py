@@ -227,7 +227,6 @@ def quantize_calibrated(w: np.ndarray, f: quant.Format, h: np.ndarray) -> tuple[
     # GPTQ's act-order: the columns of most energy first, while the most columns remain to take
     # their error. It costs nothing here: a q4 group lies in one column, so any column order
     # leaves the groups whole (GPTQ's row groups need a permutation index at run time instead).
-    E = len(w)
     order = np.argsort(-diag, axis=-1, kind="stable")                        # (E, in)
     undo = np.argsort(order, axis=-1)
     wp = np.take_along_axis(w, order[:, None, :], axis=-1)

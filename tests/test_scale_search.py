@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from hypothesis.extra import numpy as hnp
 
 import ds2cli
 from ds2cli import quant
