@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ds2cli import checkpoint, quant
+from ds2cli import calibration, checkpoint, quant
 from ds2cli.config import DeepseekV2Config
 from ds2cli.linear import Dense
 from ds2cli.quant import FORMATS, QuantError, QuantMatrix
@@ -62,6 +62,7 @@ RECIPES = {8: dict.fromkeys(ROLES, "q8"),
 class QuantConfig:
     bits: int
     formats: dict                     # role -> "q8" | "q4" | "f32"
+    calibration: dict | None = None   # what calibration.Calibration.describe() said, if one ran
 
     @staticmethod
     def recipe(bits: int) -> "QuantConfig":
@@ -79,9 +80,15 @@ class QuantConfig:
         return [name for name in FORMATS if name in self.formats.values()]
 
     def to_json(self) -> dict:
-        return {"quant_method": QUANT_METHOD, "version": VERSION, "bits": self.bits, "layout": "ds2-prepared",
-                "formats": dict(self.formats),
-                "format_specs": {name: FORMATS[name].spec() for name in self.used}}
+        # scale_search and calibration describe how the scales were chosen, not how to read
+        # them: a reader that predates them (ds2 before the scale search) loads the file alike
+        d = {"quant_method": QUANT_METHOD, "version": VERSION, "bits": self.bits, "layout": "ds2-prepared",
+             "formats": dict(self.formats),
+             "format_specs": {name: FORMATS[name].spec() for name in self.used},
+             "scale_search": {"q8": list(quant.Q8_STEPS), "q4": list(quant.Q4_STEPS)}}
+        if self.calibration is not None:
+            d["calibration"] = dict(self.calibration)
+        return d
 
     @staticmethod
     def from_json(d: object) -> "QuantConfig":
@@ -101,7 +108,8 @@ class QuantConfig:
             if name != "f32" and (not isinstance(name, str) or name not in FORMATS):
                 raise QuantError(f"config.json: quantization_config gives {role} the unknown format "
                                  f"{name!r} (ds2 knows {', '.join(FORMATS)}, f32)")
-        qc = QuantConfig(bits, dict(formats))
+        calib = d.get("calibration")
+        qc = QuantConfig(bits, dict(formats), calib if isinstance(calib, dict) else None)
         if not isinstance(specs, dict):
             raise QuantError("config.json: quantization_config has no format_specs object")
         for name in qc.used:
@@ -258,20 +266,26 @@ def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress
 
 # ---- quantizing prepared float weights ----
 
-def quantize_weight(w, f: quant.Format | None):
-    """A prepared float weight (Dense or array) in format f, or as it is when f is None."""
+def quantize_weight(w, f: quant.Format | None, hessian: np.ndarray | None = None):
+    """A prepared float weight (Dense or array) in format f, or as it is when f is None; with
+    `hessian`, the second moments of its inputs over a calibration text (calibration.py)."""
     if f is None:
         return w
-    return QuantMatrix.from_float(w.w if isinstance(w, Dense) else w, f)
+    w = w.w if isinstance(w, Dense) else w
+    if hessian is None:
+        return QuantMatrix.from_float(w, f)
+    return QuantMatrix(*calibration.quantize_calibrated(w, f, hessian), f)
 
 
-def quantize_layer(layer: dict, qc: QuantConfig) -> dict:
+def quantize_layer(layer: dict, qc: QuantConfig, stats: dict | None = None) -> dict:
     """Replace a prepared float layer's matrices by their low-bit forms, one at a time (so at most
-    one matrix exists in both forms at once)."""
+    one matrix exists in both forms at once); `stats` {(part, key): (H, tokens)} from a
+    calibration run."""
     for part in ("attn", "mlp"):
         for key, w in layer[part].items():
             if (part, key) in ROLE_OF:
-                layer[part][key] = quantize_weight(w, format_for(qc, part, key, w.shape))
+                h = stats[part, key][0] if stats and (part, key) in stats else None
+                layer[part][key] = quantize_weight(w, format_for(qc, part, key, w.shape), h)
     return layer
 
 

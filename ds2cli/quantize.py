@@ -10,16 +10,18 @@ removes its partial directory itself when it can.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import shutil
 from pathlib import Path
 from typing import Callable
 
-from ds2cli import checkpoint, files, gguf_model, memory, qcheckpoint
+from ds2cli import calibration, checkpoint, files, gguf_model, memory, qcheckpoint
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import ConfigError, Ds2Error
 from ds2cli.loader import check_model_dir, load_layer, load_top, names_by_layer, read_quant_config
+from ds2cli.tokenizer import Tokenizer
 
 # Weight files of other frameworks are never copied; everything else at the top level of the
 # source (tokenizer, generation config, license, README, remote code) is.
@@ -47,33 +49,44 @@ def shard_name(k: int, n: int) -> str:
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool = False,
-                        progress: Callable[[int, int], None] | None = None) -> dict:
-    """Write the `bits` recipe of checkpoint `src` into directory `dst`; return a summary."""
+                        progress: Callable[[int, int], None] | None = None,
+                        calibration_text: str | Path | None = None) -> dict:
+    """Write the `bits` recipe of checkpoint `src` into directory `dst`; return a summary. With
+    `calibration_text` (a file, or calibration.BUILTIN), the scales are chosen from the float
+    model's inputs on that text (calibration.py)."""
     src, dst = check_model_dir(src), Path(dst).expanduser()
     qc = qcheckpoint.QuantConfig.recipe(bits)
     gguf = gguf_model.open_model(src)    # a GGUF: its metadata is the config, its tokenizer is written out
     raw = gguf_model.config_json(gguf.config) if gguf else read_json_object(src / "config.json", ConfigError)
     cfg = gguf.config if gguf else DeepseekV2Config.from_file(src / "config.json")
     if not gguf and read_quant_config(src) is not None:
-        raise QuantizeError(f"{src} is already a ds2 low-bit checkpoint; quantize its float source instead")
+        what = "calibrate from" if calibration_text is not None else "quantize"
+        raise QuantizeError(f"{src} is already a ds2 low-bit checkpoint; {what} its float source instead")
+    if gguf and calibration_text is not None:
+        raise QuantizeError(f"{src} is a GGUF file, already quantized: calibrate from its float source instead")
+    text = calibration.read_text(calibration_text) if calibration_text is not None else None
     check_destination(src, dst, force)
     tensors = gguf.tensors if gguf else checkpoint.validate(cfg, src)
+    calib = None
+    if text is not None:
+        calib = calibration.Calibration(tensors, cfg, Tokenizer.load(src, vocab_size=cfg.vocab_size), *text)
+        qc = dataclasses.replace(qc, calibration=calib.describe())
     size = memory.weight_bytes(cfg, qc)
     files.check_free_disk(files.existing_ancestor(dst.parent), size + DISK_MARGIN, f"the {bits}-bit checkpoint",
                           QuantizeError)
     try:
         with files.building(dst, replace=True) as partial:
-            written = write_all(src, partial, raw, cfg, qc, tensors, progress, gguf)
+            written = write_all(src, partial, raw, cfg, qc, tensors, progress, gguf, calib)
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise QuantizeError(f"no space left on the device writing {dst}; nothing was kept") from None
         raise QuantizeError(f"cannot write {dst}: {e.strerror or e}") from None
     return {"path": str(dst), "bits": bits, "bytes": written, "formats": qc.formats,
-            "float32_bytes": memory.weight_bytes(cfg, None)}
+            "float32_bytes": memory.weight_bytes(cfg, None), "calibration": qc.calibration}
 
 
 def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensors: dict, progress,
-              gguf: gguf_model.GGUFModel | None = None) -> int:
+              gguf: gguf_model.GGUFModel | None = None, calib: calibration.Calibration | None = None) -> int:
     n = cfg.num_hidden_layers + 1
     weight_map, total = {}, 0
 
@@ -84,12 +97,23 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
         weight_map.update((tensor, name) for tensor, _ in arrays)
 
     for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
-        layer = qcheckpoint.quantize_layer(load_layer(tensors, names, cfg, i), qc)
+        layer = load_layer(tensors, names, cfg, i)
+        stats = calib.run_layer(layer) if calib else None
+        layer = qcheckpoint.quantize_layer(layer, qc, stats)
+        del stats
         write(i + 1, list(qcheckpoint.layer_arrays(layer, i)))
         del layer
         if progress:
             progress(i + 1, n)
-    top = load_top(tensors, cfg, qc)
+    if calib:   # the head's inputs are the last layer's outputs, through the final norm
+        top = load_top(tensors, cfg, None)
+        stats = calib.head(top["norm"])
+        for key in ("embed_tokens", "lm_head"):
+            f = qcheckpoint.format_for(qc, "", key, top[key].shape)
+            h = stats["", key][0] if ("", key) in stats else None
+            top[key] = qcheckpoint.quantize_weight(top[key], f, h)
+    else:
+        top = load_top(tensors, cfg, qc)
     if cfg.tie_word_embeddings:
         del top["lm_head"]
     write(n, list(qcheckpoint.layer_arrays(top, None)))
