@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ds2cli import checkpoint, quant, rope
-from ds2cli.attention import mla, rms_norm
+from ds2cli.attention import Span, mla, rms_norm
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
 from ds2cli.linear import Dense
@@ -192,8 +192,8 @@ class Calibration:
                 latent = np.zeros((T, cfg.kv_lora_rank), np.float32)         # this layer's cache
                 k_pe = np.zeros((T, cfg.qk_rope_head_dim), np.float32)
                 h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
-                x = x + mla(h, layer["attn"], latent, k_pe, 0, cos, sin, cfg.num_attention_heads,
-                            cfg.rms_norm_eps, self.softmax_scale)
+                x = x + mla(h, layer["attn"], [Span(slice(0, T), latent, k_pe, 0)], cos, sin,
+                            cfg.num_attention_heads, cfg.rms_norm_eps, self.softmax_scale)
                 h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
                 w = layer["mlp"]
                 self.x[k] = x + (moe(h, w, cfg) if layer["is_moe"] else swiglu(h, w["gate_up"], w["down_proj"]))
