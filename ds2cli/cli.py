@@ -14,13 +14,14 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ds2cli import __version__, console, memory
+from ds2cli import __version__, console, gguf_file, memory
 from ds2cli.bench import bench
 from ds2cli.chat import ChatSession, read_messages
 from ds2cli.console import quiet_broken_pipe, write_out
 from ds2cli.describe import describe
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generate import Chunk, lstrip_reply, stream_generate
+from ds2cli.gguf_inspect import describe_gguf
 from ds2cli.loader import bundled_model_dir, check_model_dir
 from ds2cli.model import Model
 from ds2cli.options import (argument_text, chat_template_option, check_ctx, generation_options,
@@ -293,7 +294,9 @@ def inspect(directory, model_dir, as_json, check):
     if directory is not None and model_dir is not None and not model_from_env():
         raise click.UsageError("give the checkpoint as DIRECTORY or with -m/--model, not both")
     with naming_ds2_model() if directory is None else contextlib.nullcontext():
-        report = describe(check_model_dir(directory or model_dir or bundled_model_dir()), check=check)
+        path = check_model_dir(directory or model_dir or bundled_model_dir())
+        # a GGUF's report is built from its metadata (gguf_inspect, on describe's sections)
+        report = describe_gguf(path) if gguf_file.find(path) is not None else describe(path, check=check)
     if as_json:
         write_out(json.dumps(report, ensure_ascii=False) + "\n")
     else:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds2cli import checkpoint, gguf_file, memory, qcheckpoint, rope
+from ds2cli import checkpoint, memory, qcheckpoint, rope
 from ds2cli.checkpoint import TensorInfo
 from ds2cli.config import DeepseekV2Config, read_json_object
 from ds2cli.errors import CheckpointError, Ds2Error
@@ -55,9 +55,6 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
     and the rest of the report is made of what can be read.
     With `check`, every tensor's values are scanned, one tensor at a time."""
     model_dir = check_model_dir(model_dir)
-    if gguf_file.find(model_dir) is not None:
-        from ds2cli.gguf_inspect import describe_gguf   # it uses this module's sections
-        return describe_gguf(model_dir)
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
     stored, qc, found, complete = read_checkpoint(model_dir, cfg)
     tensors = {n: t for n, t in stored.items() if not checkpoint.is_mtp(n, cfg)}  # what inference reads
