@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ds2cli.api import ABORTED, Job
-from ds2cli.generate import Chunk, Generation
+from ds2cli.generate import Chunk, Generation, ReplyStart
 from ds2cli.logprobs import PROMPT_CHUNK, ObservedSampler, TokenLogprobs, entry
 from ds2cli.model import Model
 from ds2cli.prompt_cache import PromptCache, common_prefix, copy_prefix
@@ -173,8 +173,8 @@ class Engine:
         its last. A chat reply's leading whitespace is dropped (templates end at "Assistant:")."""
         out = requests[0].out
         unfinished = {r.job.index for r in requests}
-        started: set[int] = set()
-        chat = requests[0].job.chat
+        job = requests[0].job
+        starts = {i: ReplyStart() for i in unfinished} if job.chat and not job.continue_final else None
         while unfinished:
             try:
                 index, item = out.get(timeout=0.25)
@@ -184,11 +184,7 @@ class Engine:
                 continue
             if isinstance(item, BaseException):
                 raise item
-            if chat and index not in started and not requests[0].job.continue_final:
-                item.text = item.text.lstrip()
-                if item.text:
-                    started.add(index)
-            yield index, item
+            yield index, starts[index](item) if starts else item
             if item.finish_reason is not None:
                 unfinished.discard(index)
 
@@ -239,12 +235,14 @@ class Engine:
             self.cond.notify_all()
             job, cache = request.job, None
             try:
-                cache, job.cached = self.prompt_cache.take(job.ids)
-                self.share_prefix(job, cache)
+                # echo: the prompt's logprobs need every position's logits, so it reuses no
+                # cached prefix (and takes none from the pool: it is kept when the job ends)
                 scored = job.echo and job.logprobs is not None
-                if scored:      # echo: the prompt's logprobs need every position's logits
-                    cache.reset()
-                    job.cached, job.prompt_logprobs = 0, [None]
+                cache, job.cached = self.prompt_cache.take(job.ids[:1] if scored else job.ids)
+                if scored:
+                    job.prompt_logprobs = [None]
+                else:
+                    self.share_prefix(job, cache)
                 keep = job.cached
                 constraint = job.constraint()      # grammar hook: None, or this sequence's grammar state
                 sampler = make_sampler(job.params, constraint)

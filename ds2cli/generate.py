@@ -69,14 +69,24 @@ class StopMatcher:
         return out
 
 
-def lstrip_reply(chunks: Iterator[Chunk]) -> Iterator[Chunk]:
-    """Drop the whitespace a chat reply starts with (templates end the prompt at "Assistant:")."""
-    started = False
-    for chunk in chunks:
-        if not started:
+class ReplyStart:
+    """Drops the whitespace a chat reply starts with (templates end the prompt at "Assistant:"):
+    called on each of one reply's chunks in order."""
+
+    def __init__(self):
+        self.started = False
+
+    def __call__(self, chunk: Chunk) -> Chunk:
+        if not self.started:
             chunk.text = chunk.text.lstrip()
-            started = bool(chunk.text)
-        yield chunk
+            self.started = bool(chunk.text)
+        return chunk
+
+
+def lstrip_reply(chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    """One reply's chunks with its leading whitespace dropped (ReplyStart)."""
+    start = ReplyStart()
+    return (start(chunk) for chunk in chunks)
 
 
 def check_logits(logits: np.ndarray) -> np.ndarray:

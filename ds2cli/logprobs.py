@@ -9,8 +9,10 @@ Three pieces, each small:
 - `TokenLogprobs`: called where the sampler is (`observe`), it hands each generated token's
   entry to the chunk that goes out once the token is sampled (`attach`): exactly once, in order,
   whatever text the stop-string matcher or an unfinished UTF-8 character holds back meanwhile.
-- `score_prompt`: the prompt's own entries for `echo`, over a long prompt in chunks, so that
-  the (T, V) logits of a whole prompt never exist at once (0.84 GB for 2048 tokens of V2-Lite).
+- `PROMPT_CHUNK`: under `echo` a prompt runs at most this many tokens a pass with every row's
+  logits, each pass's rows reduced to entries at once (the engine's `prompt_rows`, through
+  generate.Generation), so that the (T, V) logits of a whole prompt never exist at once
+  (0.84 GB for 2048 tokens of V2-Lite).
 
 And the OpenAI shapes of a list of entries, for chat (`content[]`) and for completions
 (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
@@ -24,8 +26,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ds2cli.cache import LatentCache
-from ds2cli.generate import Chunk, check_logits
+from ds2cli.generate import Chunk
 from ds2cli.tokenizer import Tokenizer
 
 MAX_TOP = 20            # top_logprobs may ask for 0..20 alternatives (OpenAI's limit)
@@ -103,20 +104,6 @@ class ObservedSampler:
         ok, token = self.sampler.verify(row, history, guessed)
         self.logprobs.observe(row, token)
         return ok, token
-
-
-def score_prompt(model, ids: Sequence[int], cache: LatentCache, top_n: int,
-                 chunk: int = PROMPT_CHUNK) -> list[Entry | None]:
-    """The entries of ids[1:] given what precedes each (None for ids[0], which nothing predicts),
-    feeding ids[:-1] into `cache` (which must be empty), `chunk` positions per forward pass and
-    each pass's rows reduced to entries at once. The caller feeds ids[-1] next: its logits give
-    the first generated token."""
-    out: list[Entry | None] = [None]
-    for start in range(0, len(ids) - 1, chunk):
-        part = ids[start:min(start + chunk, len(ids) - 1)]
-        rows = check_logits(model.forward(part, cache, all_logits=True))   # (t, V) predict ids[start+1 ...]
-        out += [entry(row, t, top_n) for row, t in zip(rows, ids[start + 1:start + 1 + len(part)])]
-    return out
 
 
 # ---- the OpenAI shapes ----

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ds2cli import logprobs as lp_module
-from ds2cli.generate import stream_generate
-from ds2cli.logprobs import TextOffsets, TokenLogprobs, entry, score_prompt
+from ds2cli.generate import Generation, stream_generate
+from ds2cli.logprobs import TextOffsets, TokenLogprobs, entry
 from ds2cli.sampling import SamplingParams, make_sampler
 from test_serve import client, request, running, sse
 
@@ -49,13 +49,24 @@ def test_entry_is_the_raw_log_softmax_with_the_top_ones_in_order(model):
     assert entry(huge, 0, 1).logprob == 0.0 and entry(huge, 1, 0).logprob == -float(huge[0])
 
 
+def score_prompt(model, ids, top_n, chunk):
+    """A prompt's entries as the engine scores an echo prompt: a Generation whose prompt rows,
+    `chunk` tokens a pass, are each reduced to the entry of the token they predict."""
+    got, cache = [None], model.new_cache(len(ids))
+    gen = Generation(model, ids, cache, make_sampler(SamplingParams(temperature=0)), 0,
+                     prompt_rows=lambda rows, tokens: got.extend(entry(r, t, top_n) for r, t in zip(rows, tokens)),
+                     prompt_rows_chunk=chunk)
+    while not gen.done:
+        gen.take(model.forward_batch([gen.step()])[0])
+    return got, cache
+
+
 def test_score_prompt_in_chunks_equals_one_forward_pass(model):
     ids = model.tokenizer.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind")
     ref = direct(model, ids)
     for chunk in (1, 7, 256):
-        cache = model.new_cache(len(ids))
-        got = score_prompt(model, ids, cache, 2, chunk=chunk)
-        assert got[0] is None and len(got) == len(ids) and cache.length == len(ids) - 1
+        got, cache = score_prompt(model, ids, 2, chunk)
+        assert got[0] is None and len(got) == len(ids) and cache.length == len(ids)
         for i, e in enumerate(got[1:]):
             assert e.token == ids[i + 1] and abs(e.logprob - ref[i, ids[i + 1]]) < TOL
 
