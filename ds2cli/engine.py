@@ -85,7 +85,7 @@ class Engine:
         self.cond = threading.Condition()
         self.closing = False
         self.aborting = threading.Event()
-        self.steps = 0                              # passes run, for the tests and the log
+        self.steps = 0                              # passes run (the tests count them)
         self.thread = threading.Thread(target=self.run, name="ds2-scheduler", daemon=True)
         self.thread.start()
 
