@@ -272,7 +272,7 @@ def storage_section(model_dir: Path, tensors: dict[str, TensorInfo],
     files = [{"name": p.name, "bytes": p.stat().st_size} for p in checkpoint.find_shards(model_dir)[0]]
     dtypes: dict[str, dict] = {}
     for name, t in parameters(tensors).items():
-        kind, weights_per_element = (t.dtype, 1) if qc is None else qcheckpoint.stored_kind(name, t.dtype)
+        kind, weights_per_element = (t.dtype, 1) if qc is None else qcheckpoint.stored_kind(name, tensors)
         d = dtypes.setdefault(kind, {"params": 0, "bytes": 0})
         d["params"] += t.numel * weights_per_element
         d["bytes"] += t.nbytes

@@ -207,8 +207,9 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     memory available (memory.py); `memory_check=False` skips that."""
     model_dir = check_model_dir(bundled_model_dir() if path is None else path)
     gguf = gguf_model.open_model(model_dir)       # None unless a GGUF: its config, tensors, tokenizer
+    recipe = None                                  # the formats it loads into, when not quantize's recipe
     if gguf is not None and quantize is None:
-        quantize = gguf.default_bits               # the ds2 format nearest the file's own types
+        quantize, recipe = gguf.default_bits, gguf.default_recipe   # nearest the file's own types
     cfg = gguf.config if gguf else DeepseekV2Config.from_file(model_dir / "config.json")
     stored = None if gguf else read_quant_config(model_dir)
     if quantize not in (None, 8, 4, "auto"):
@@ -223,16 +224,16 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     if quantize == "auto":
         quantize = None if stored is not None else memory.choose_auto(cfg, context, path=model_dir)
     if memory_check:
-        memory.check(cfg, model_dir, stored, quantize, context)
+        memory.check(cfg, model_dir, stored, quantize, context, recipe=recipe)
     tokenizer = gguf.tokenizer() if gguf else Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
     gen = gguf.generation_config if gguf else read_generation_config(model_dir)
     if stored is not None:
         weights = qcheckpoint.load_weights(cfg, stored, tensors, progress)
     else:
-        qc = qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None
+        qc = recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None)
         weights = load_weights(model_dir, cfg, progress, qc, tensors)
     model = Model(cfg, weights, tokenizer, gen, model_dir)
-    model.quantization = stored or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
+    model.quantization = stored or recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
     if model.quantization is not None:
         helpers.start_helpers()   # processes that share the decode steps' matvecs (helpers.py)
     return model

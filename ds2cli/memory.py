@@ -159,11 +159,12 @@ def model_name(cfg: DeepseekV2Config, path: Path | None = None) -> str:
 
 
 def check(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, quantize: int | None,
-          context: int | None, available: int | None = None) -> None:
+          context: int | None, available: int | None = None, recipe: QuantConfig | None = None) -> None:
     """Raise MemoryCheckError, naming both figures and what would fit, when the model in the form
-    it will be loaded would not fit in the memory available."""
+    it will be loaded would not fit in the memory available (`recipe`: the formats it loads
+    into, when not --quantize's own recipe, as a GGUF's exact one)."""
     available = available_bytes() if available is None else available
-    qc = stored or (QuantConfig.recipe(quantize) if quantize else None)
+    qc = stored or recipe or (QuantConfig.recipe(quantize) if quantize else None)
     need = required(cfg, qc, context, quantize_at_load=stored is None and quantize is not None)
     if available is None or need["total"] <= available:
         return

@@ -51,11 +51,19 @@ ROLES = {"attention": ("attn", ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_wit
 ROLE_OF = {(part, key): role for role, (part, keys) in ROLES.items() for key in keys}
 PART_PREFIX = {"": "", "attn": "self_attn.", "mlp": "mlp."}
 
-# --bits 8: every matrix 8-bit. --bits 4: the MLPs (97% of V2-Lite's parameters) 4-bit; attention,
-# the embedding and lm_head 8-bit, because 4-bit attention and head double ds2-tiny's KL for 3% of
-# the bytes (measured: 0.12 mixed vs 0.22 all 4-bit).
-RECIPES = {8: dict.fromkeys(ROLES, "q8"),
-           4: {**dict.fromkeys(ROLES, "q8"), "dense_mlp": "q4", "routed_experts": "q4", "shared_experts": "q4"}}
+# The recipes, by measurement on ds2-tiny (examples/quant_quality.py, the tune prompts; the README
+# has the held-out figures). Its error compounds across roles, so a role is kept wider where that
+# cut the KL most for its bytes on the 27-layer V2-Lite shape:
+#   --bits 8: the embedding, attention and the dense MLP as bfloat16 (lossless from a bfloat16
+#     source, as fast as int8 to widen); the experts and lm_head q8. Raw-text KL 1.69e-2 all q8,
+#     4.9e-3 so (the embedding alone 1.40e-2, with the dense MLP 1.01e-2, with attention 1.05e-2):
+#     V2-Lite's file grows 3.7%.
+#   --bits 4: the routed experts (92% of V2-Lite's parameters) 4-bit; attention, the embedding,
+#     lm_head, the dense MLP and the shared experts 8-bit. Raw-text KL 0.339 with only attention,
+#     embedding and lm_head at 8 bits, 0.215 with the dense MLP too, 0.168 with the shared experts
+#     (4-bit attention: 0.346): V2-Lite's file grows 2.4%.
+RECIPES = {8: {**dict.fromkeys(ROLES, "q8"), "embed_tokens": "bf16", "attention": "bf16", "dense_mlp": "bf16"},
+           4: {**dict.fromkeys(ROLES, "q8"), "routed_experts": "q4"}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,20 +197,24 @@ def stored_tensors(name: str, shape: tuple[int, ...], f: quant.Format | None) ->
         yield name + ".scales", f.scales_shape(shape), SAFETENSORS_DTYPES[f.scale_dtype]
 
 
-def stored_kind(name: str, dtype: str) -> tuple[str, int]:
+def stored_kind(name: str, tensors: dict[str, checkpoint.TensorInfo]) -> tuple[str, int]:
     """How `ds2 inspect` names the storage of a tensor of a ds2 checkpoint, and the weights each of
     its elements holds: ("q4 (U8, 2 per byte)", 2) for a q4 qweight, ("q8 (I8)", 1) for a q8 one,
-    ("q8 scales (F32)", 0) for scales (they are not parameters), (dtype, 1) for a float tensor."""
-    suffix = name.rsplit(".", 1)[-1]
-    for f in FORMATS.values():
-        qweight, scales = SAFETENSORS_DTYPES[f.qweight_dtype], SAFETENSORS_DTYPES[f.scale_dtype]
-        per_byte = 8 // f.bits
-        if suffix == "qweight" and dtype == qweight:
-            return (f"{f.name} ({qweight}, {per_byte} per byte)" if per_byte > 1 else f"{f.name} ({qweight})",
-                    per_byte)
-        if suffix == "scales" and dtype == scales:
-            return f"{f.name} scales ({scales})", 0
-    return dtype, 1
+    ("q8 scales (F32)", 0) for scales (they are not parameters), (dtype, 1) for a float tensor.
+    q8 and q8b store the same dtypes, so the format is the one whose shapes the pair has."""
+    stem, _, suffix = name.rpartition(".")
+    t = tensors[name]
+    qweight, scales = tensors.get(stem + ".qweight"), tensors.get(stem + ".scales")
+    if suffix in ("qweight", "scales") and qweight is not None and scales is not None:
+        for f in FORMATS.values():
+            shape = (*qweight.shape[:-1], qweight.shape[-1] * f.per_element)
+            if (qweight.dtype, scales.dtype) == (SAFETENSORS_DTYPES[f.qweight_dtype], SAFETENSORS_DTYPES[f.scale_dtype]) \
+                    and f.scales_shape(shape) == tuple(scales.shape):
+                if suffix == "scales":
+                    return f"{f.name} scales ({t.dtype})", 0
+                return (f"{f.name} ({t.dtype}, {f.per_element} per byte)" if f.per_element > 1
+                        else f"{f.name} ({t.dtype})", f.per_element)
+    return t.dtype, 1
 
 
 def format_for(qc: QuantConfig | None, part: str, key: str, shape: tuple[int, ...]) -> quant.Format | None:

@@ -1,9 +1,16 @@
 """ds2's low-bit weight formats and their NumPy kernels.
 
-Two formats, both symmetric (integers times a scale; the scales searched, see `search_scales`):
+Four formats; the integer ones symmetric (integers times a scale, searched, see `search_scales`):
 
   q8: qweight int8 (..., out, in), one float32 scale per output row, scales (..., out):
       value = q * s[o], q in [-127, 127].
+  q8b: qweight int8 (..., out, in), one float32 scale per block of 32 *inputs of one row*,
+      scales (..., out, in/32): value = q * s[o, i // 32]. GGUF's Q8_0 blocks, held exactly (a
+      Q8_0 file's integers and scales come back bit for bit), and the embedding's format in
+      `--bits 8`, where only rows are gathered and the extra scales cost no kernel time.
+  bf16: qweight bfloat16 (..., out, in), scales (..., out) all 1: q8's code path with a 16-bit
+      value that NumPy widens faster than int8 (0.11 vs 0.14 ns a value from cache), lossless
+      for a bfloat16 source; the roles of `--bits 8` whose error counts most (qcheckpoint.py).
   q4: qweight uint8 (..., out, in/2), one bfloat16 scale per group of 32 *output rows of one
       input column* (W[32j:32j+32, i]), scales (..., ceil(out/32), in): value = (q - 8) * s,
       q in [0, 15]. Byte k of a row holds column k in its low nibble and column k + in/2 in its
@@ -50,6 +57,7 @@ from ds2cli.errors import Ds2Error
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 Q4_GROUP = 32                 # q4: output rows per scale
+Q8_BLOCK = 32                 # q8b: inputs of a row per scale (GGUF's Q8_0 block)
 ROW_ALIGN = 8                 # q8 row blocks and spans start at multiples of this (q4: its group)
 L2_BLOCK_BYTES = 1 << 20      # a decode row block's float32 buffer: fits one core's L2
 PREFILL_CHUNK_BYTES = 16 << 20  # prefill dequantizes at most this much float32 at once, a core
@@ -72,8 +80,9 @@ class QuantError(Ds2Error):
 @dataclasses.dataclass(frozen=True)
 class Format:
     name: str
-    bits: int
-    group_size: int | None        # output rows per scale of one column; None: one scale per row
+    bits: int                     # 8, 4, or 16 (bfloat16 values, not integers)
+    group_size: int | None        # q4: output rows per scale of one column
+    block: int | None = None      # q8b: inputs per scale along a row; neither: one scale per row
 
     def qweight_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
@@ -81,13 +90,20 @@ class Format:
 
     def scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
+        if self.block is not None:
+            return (*lead, out, inp // self.block)
         if self.group_size is None:
             return (*lead, out)
         return (*lead, -(-out // self.group_size), inp)
 
     @property
     def qweight_dtype(self) -> np.dtype:
-        return np.dtype(np.int8 if self.bits == 8 else np.uint8)
+        return np.dtype({8: np.int8, 4: np.uint8, 16: BF16}[self.bits])
+
+    @property
+    def per_element(self) -> int:
+        """Weights a stored qweight element holds (a q4 byte holds two)."""
+        return 2 if self.bits == 4 else 1
 
     @property
     def scale_dtype(self) -> np.dtype:
@@ -105,12 +121,18 @@ class Format:
         return self.group_size or ROW_ALIGN
 
     def supports(self, shape: tuple[int, ...]) -> bool:
-        return self.bits == 8 or shape[-1] % 2 == 0
+        if self.block is not None:
+            return shape[-1] % self.block == 0
+        return self.bits != 4 or shape[-1] % 2 == 0
 
     def spec(self) -> dict:
         """The format as config.json's quantization_config describes it."""
         d = {"bits": self.bits, "qweight": str(self.qweight_dtype), "symmetric": True}
-        if self.group_size is None:
+        if self.bits == 16:
+            d.update(scales="float32", scale_group="row", scale_value=1)
+        elif self.block is not None:
+            d.update(scales="float32", scale_group="block", block_size=self.block)
+        elif self.group_size is None:
             d.update(scales="float32", scale_group="row")
         else:
             d.update(scales="bfloat16", scale_group="column", group_size=self.group_size,
@@ -118,7 +140,8 @@ class Format:
         return d
 
 
-FORMATS = {"q8": Format("q8", 8, None), "q4": Format("q4", 4, Q4_GROUP)}
+FORMATS = {"q8": Format("q8", 8, None), "q4": Format("q4", 4, Q4_GROUP),
+           "q8b": Format("q8b", 8, None, Q8_BLOCK), "bf16": Format("bf16", 16, None)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,26 +173,32 @@ def quantize(w: np.ndarray, f: Format, importance: np.ndarray | None = None,
             qweight[e], scales[e] = quantize(w[e], f, imp, search)
         return qweight, scales
     w = np.asarray(w, dtype=np.float32)
+    if f.bits == 16:
+        return w.astype(BF16), np.ones(w.shape[0], np.float32)
     if f.group_size is None:
-        weight = None if importance is None else np.asarray(importance, np.float32)
-        block = max(1, SEARCH_BLOCK_BYTES // (4 * w.shape[1]))
-        scale = np.empty(w.shape[0], np.float32)
-        q = np.empty(w.shape, np.int8)
-        for r0 in range(0, w.shape[0], block):
-            rows = w[r0:r0 + block]
+        # a q8 row is one block of `in` values; a q8b row is in/32 blocks, each scaled alone
+        size = f.block or w.shape[1]
+        blocks = w.reshape(w.shape[0], -1, size)                                # (out, nb, size)
+        weight = None if importance is None else np.asarray(importance, np.float32).reshape(-1, size)
+        step = max(1, SEARCH_BLOCK_BYTES // (4 * w.shape[1]))
+        scale = np.empty(blocks.shape[:2], np.float32)
+        q = np.empty(blocks.shape, np.int8)
+        for r0 in range(0, w.shape[0], step):
+            rows = blocks[r0:r0 + step]
             s = nearest_q8(rows)
             if search:
                 s = keep_better(rows, search_scales(rows, -127, 127, Q8_STEPS, weight, axis=-1), s,
                                 -127, 127, -1, weight)
-            scale[r0:r0 + block] = s
-            q[r0:r0 + block] = round_clip(rows, s[:, None], -127, 127)
-        return q, scale
+            scale[r0:r0 + step] = s
+            q[r0:r0 + step] = round_clip(rows, s[..., None], -127, 127)
+        return q.reshape(w.shape), (scale if f.block else scale[:, 0])
     return quantize_q4(w, f, search)
 
 
 def nearest_q8(rows: np.ndarray) -> np.ndarray:
-    """Round-to-nearest row scales: the largest magnitude maps to 127."""
-    return np.abs(rows).max(axis=-1) / np.float32(127)                     # (rows,)
+    """Round-to-nearest scales of the last axis (a q8 row, a q8b block): the largest magnitude
+    maps to 127."""
+    return np.abs(rows).max(axis=-1) / np.float32(127)                     # (rows, ...)
 
 
 def nearest_q4(groups: np.ndarray) -> np.ndarray:
@@ -323,6 +352,11 @@ def dequantize_block(qweight: np.ndarray, scales: np.ndarray, r0: int, f: Format
 def dequantize_scale(w: np.ndarray, scales: np.ndarray, r0: int, f: Format) -> None:
     """Scale the signed integers w (rows r0 .. r0 + len(w), as float32) in place."""
     rows = w.shape[0]
+    if f.bits == 16:
+        return                                                              # its scales are 1
+    if f.block is not None:
+        w.reshape(rows, -1, f.block)[...] *= scales[r0:r0 + rows, :, None]  # (rows, nb, block)
+        return
     if f.group_size is None:
         w *= scales[r0:r0 + rows, None]
         return
@@ -342,12 +376,13 @@ def row_block(inp: int, f: Format, nbytes: int | None = None) -> int:
 
 
 def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
-    """The signed integers as float32 (..., rows, in): q for q8, q - 8 for q4."""
+    """The stored values as float32 (..., rows, in), unscaled: q for q8 and q8b, q - 8 for q4,
+    the bfloat16 values widened for bf16."""
     *lead, rows, stored = qweight.shape
     inp = stored * 2 if f.bits == 4 else stored
     if out is None:
         out = np.empty((*lead, rows, inp), np.float32)
-    if f.bits == 8:
+    if f.bits != 4:
         np.copyto(out, qweight, casting="unsafe")
         return out
     with workers().buffer(-(-qweight.size // 2), slot="nibbles") as scratch:
@@ -410,6 +445,10 @@ class QuantMatrix:
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
         w = unpack(self.qweight[ids], self.f)                               # (T, in)
+        if self.f.bits == 16:
+            return w
+        if self.f.block is not None:
+            return (w.reshape(len(ids), -1, self.f.block) * self.scales[ids][..., None]).reshape(w.shape)
         if self.f.group_size is None:
             return w * self.scales[ids][:, None]
         return w * self.scales[ids // self.f.group_size].astype(np.float32)
@@ -475,7 +514,8 @@ class QuantMatrix:
 
     def _span_q8(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """y[:, a:b] = s * (q @ x[t]) for each token t: a block is cast once, then one gemv a
-        token while it is in cache."""
+        token while it is in cache (q8b: the block is scaled in place after its cast; bf16: its
+        values need no scale)."""
         inp = self.shape[1]
         block = row_block(inp, self.f)
         with workers().buffer(block * inp) as buf:
@@ -483,9 +523,16 @@ class QuantMatrix:
                 r1 = min(b, r0 + block)
                 w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
                 np.copyto(w, self.qweight[r0:r1], casting="unsafe")
+                if self.f.block is not None:
+                    dequantize_scale(w, self.scales, r0, self.f)
                 for t in range(len(x)):
                     np.dot(w, x[t], out=y[t, r0:r1])
-        y[:, a:b] *= self.scales[a:b]
+        self._row_scales(y, a, b)
+
+    def _row_scales(self, y: np.ndarray, a: int, b: int) -> None:
+        """q8's per-row scales, applied to the output columns a..b (other formats: none left)."""
+        if self.f.bits == 8 and self.f.block is None:
+            y[:, a:b] *= self.scales[a:b]
 
     def _span_q8_gemm(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """y[:, a:b] = s * (x @ q.T): one cast and one GEMM (block, in) x (in, k) a row block."""
@@ -497,10 +544,12 @@ class QuantMatrix:
                 r1 = min(b, r0 + block)
                 w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
                 np.copyto(w, self.qweight[r0:r1], casting="unsafe")
+                if self.f.block is not None:
+                    dequantize_scale(w, self.scales, r0, self.f)
                 yt = tmp[:(r1 - r0) * len(x)].reshape(r1 - r0, len(x))
                 np.matmul(w, x.T, out=yt)                                   # (block, k)
                 y[:, r0:r1] = yt.T
-        y[:, a:b] *= self.scales[a:b]
+        self._row_scales(y, a, b)
 
     def _span_q4(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """y[:, a:b] for q4 rows a..b (a multiple of the group): each group of g rows multiplies
@@ -583,9 +632,11 @@ class QuantMatrix:
                 for c0 in range(a, b, chunk):
                     c1 = min(b, c0 + chunk)
                     w = buf[:(c1 - c0) * inp].reshape(c1 - c0, inp)
-                    if g is None:
+                    if f.bits == 8 and f.block is None:
                         np.matmul(unpack(self.qweight[c0:c1], f, w), xt, out=yt[c0:c1])
                         yt[c0:c1] *= self.scales[c0:c1, None]
+                    elif g is None:      # q8b, bf16: scales (if any) on the weights, rows c0..c1
+                        np.matmul(dequantize(self.qweight[c0:c1], self.scales[c0:c1], f, w), xt, out=yt[c0:c1])
                     else:
                         np.matmul(dequantize(self.qweight[c0:c1], self.scales[c0 // g:-(-c1 // g)], f, w),
                                   xt, out=yt[c0:c1])                        # (chunk, T)

@@ -146,8 +146,12 @@ def _tokenizer_table(r: dict) -> Table:
 
 
 def _scales(spec: dict) -> str:
+    if spec.get("scale_value") == 1:
+        return "none (bfloat16 values)"
     if spec["scale_group"] == "row":
         return f"{spec['scales']}, one per output row"
+    if spec["scale_group"] == "block":
+        return f"{spec['scales']}, one per {spec['block_size']} inputs of a row"
     return f"{spec['scales']}, one per {spec['group_size']} output rows of a column"
 
 
