@@ -284,7 +284,8 @@ def quantize_weight(w, f: quant.Format | None, hessian: np.ndarray | None = None
     if f is None:
         return w
     w = w.w if isinstance(w, Dense) else w
-    if hessian is None:
+    if hessian is None or f.bits == 16 or f.block is not None:
+        # bf16 rounds each value alone, nothing to compensate; q8b is a GGUF's own Q8_0 blocks
         return QuantMatrix.from_float(w, f)
     return QuantMatrix(*calibration.quantize_calibrated(w, f, hessian), f)
 

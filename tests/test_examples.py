@@ -40,3 +40,10 @@ def test_quant_quality_reports_kl_and_agreement_on_a_reference_case():
     out = run("quant_quality.py", "--bits", "8", "--model", str(EXAMPLES.parent / "tests/data/reference/lite_like_plainq_yarn"))
     m = re.search(r"over (\d+) positions: mean KL ([\d.e-]+), top-1 agreement ([\d.]+)%", out)
     assert int(m.group(1)) == 220 and 0 < float(m.group(2)) < 1e-2 and float(m.group(3)) > 80, out
+
+
+def test_few_rows_kernel_times_every_product():
+    out = run("few_rows_kernel.py", "--rows", "32", "--inp", "256", "--out", "128", "--repeats", "2")
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 8]
+    assert rows[0][5] == "1.00x" and all(float(v) > 0 for r in rows for v in r[1:4])

@@ -23,10 +23,12 @@ def assert_product(m: QuantMatrix, x: np.ndarray, y: np.ndarray) -> None:
     assert (np.abs(y - ref) <= bound).all(), float((np.abs(y - ref) / np.maximum(bound, 1e-30)).max())
 
 
-@pytest.mark.parametrize("name", ["q8", "q4"])
+@pytest.mark.parametrize("name", ["q8", "q4", "q8b", "bf16"])
 @pytest.mark.parametrize("shape", [(2816, 2048), (1000, 514), (520, 96), (33, 64), (4097, 130)])
 @pytest.mark.parametrize("k", [2, 3, 7, 16, 33, 64])
 def test_the_few_token_kernel_is_the_product_of_the_dequantized_weights(name, shape, k, monkeypatch):
+    if not FORMATS[name].supports(shape):
+        pytest.skip(f"{name} needs rows of whole blocks")
     monkeypatch.setattr(quant, "SMALL_MATRIX", 0)             # every matrix through the kernel
     rng = np.random.default_rng(k * 1000 + shape[0])
     m = QuantMatrix.from_float(rng.standard_normal(shape, dtype=np.float32), FORMATS[name])
@@ -35,22 +37,22 @@ def test_the_few_token_kernel_is_the_product_of_the_dequantized_weights(name, sh
     assert_product(m, x, m.matmul_few(x))
 
 
-@pytest.mark.parametrize("name", ["q8", "q4"])
+@pytest.mark.parametrize("name", ["q8", "q4", "q8b", "bf16"])
 def test_small_row_blocks_and_odd_spans(name, monkeypatch):
     """Blocks much smaller than the matrix, and partial last groups, at every k."""
     monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
-    monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 40 * 4 * 300)
+    monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 40 * 4 * 320)
     rng = np.random.default_rng(3)
-    m = QuantMatrix.from_float(rng.standard_normal((1003, 300), dtype=np.float32), FORMATS[name])
+    m = QuantMatrix.from_float(rng.standard_normal((1003, 320), dtype=np.float32), FORMATS[name])
     for k in range(2, 65, 9):
-        x = rng.standard_normal((k, 300), dtype=np.float32)
+        x = rng.standard_normal((k, 320), dtype=np.float32)
         assert_product(m, x, m.matmul_few(x))
         with cores.kernel_threads(1):
             assert_product(m, x, m.matmul_few(x))
 
 
 @pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes: Linux, two cores or more")
-@pytest.mark.parametrize("name", ["q8", "q4"])
+@pytest.mark.parametrize("name", ["q8", "q4", "q8b", "bf16"])
 def test_the_helper_processes_take_their_rows_of_a_few_token_pass(name, monkeypatch):
     """In a pass of few tokens the products are split with the helper processes, whose shared
     memory holds k rows of x and y; the result is the same product."""

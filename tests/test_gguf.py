@@ -151,8 +151,31 @@ def test_block_types_dequantize_and_load_in_the_nearest_ds2_format(tmp_path, qty
     assert kl(ref, own) <= own_bound
     if bits == 4:
         assert kl(ref, got) <= 2 * kl(ref, own)                # measured 1.36x (Q4_0)
+    elif qtype == "Q8_0":
+        # q8b holds Q8_0's blocks exactly: the file's own model, up to float32 summation order
+        assert set(model.quantization.formats.values()) == {"q8b"}
+        np.testing.assert_allclose(got, own, rtol=0, atol=1e-4 * np.abs(own).max())
+        assert kl(ref, got) <= 1.01 * kl(ref, own)             # measured 1.000x
+        fast, _ = logits_of(path, 8, ids)                      # --quantize 8: ds2's per-row q8
+        assert kl(ref, fast) <= 1.2 * kl(ref, own)             # measured 1.15x
     elif bits == 8:
-        assert kl(ref, got) <= 2.5 * max(kl(ref, own), 2e-4)   # Q8_0: 1.86x, see the README
+        assert kl(ref, got) <= 2.5 * max(kl(ref, own), 2e-4)
+
+
+def test_q8_0_blocks_load_bit_for_bit(tmp_path):
+    """A Q8_0 tensor becomes a q8b matrix whose integers and scales are the file's own: its
+    dequantized values equal gguf's dequantization of the file exactly."""
+    from ds2cli.gguf_file import dequantize
+    path = write_gguf(REFERENCE / "lite_like_plainq_yarn", tmp_path / "m.gguf", "Q8_0")
+    model = load(path)
+    gf = GGUFFile([path])
+    w = model.layers[1]["mlp"]["experts_down"]               # (E, out, in), q8b
+    assert w.f.name == "q8b"
+    for e in range(len(w)):
+        np.testing.assert_array_equal(w[e].dequantize(), dequantize(gf.tensors["blk.1.ffn_down_exps.weight"], e))
+    shared = model.layers[1]["mlp"]["shared_down"]
+    assert shared.f.name == "q8b"
+    np.testing.assert_array_equal(shared.dequantize(), dequantize(gf.tensors["blk.1.ffn_down_shexp.weight"]))
 
 
 # ---- finding the file ----

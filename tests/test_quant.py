@@ -29,22 +29,29 @@ def weights(shape, seed=0):
     return w
 
 
-@pytest.mark.parametrize("name", ["q8", "q4"])
+@pytest.mark.parametrize("name", ["q8", "q4", "q8b", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("search", [False, True])
 def test_round_trip_error_is_at_most_half_a_step(name, shape, search):
     """Round to nearest: every value within half a step (q4: but the far side's extreme). The
     searched scales may clip a row's or group's extremes, when that lowers its error (see
-    test_scale_search.py); every value they do not clip is within half a step too."""
+    test_scale_search.py); every value they do not clip is within half a step too. bf16: within
+    half a bfloat16 ulp (at most 2^-8 of the value: 7 stored mantissa bits)."""
     f = FORMATS[name]
     w = weights(shape)
     m = QuantMatrix(*quant.quantize(w, f, search=search), f)
     assert m.qweight.dtype == f.qweight_dtype and m.scales.dtype == f.scale_dtype
     assert m.qweight.shape == f.qweight_shape(shape) and m.scales.shape == f.scales_shape(shape)
     assert m.nbytes == f.nbytes(shape)
+    if name == "bf16":
+        assert np.all(m.scales == 1)
+        assert np.all(np.abs(m.dequantize() - w) <= np.abs(w) * 2 ** -8)
+        return
     if name == "q8":   # one float32 scale per output row
         assert m.scales.dtype == np.float32
         step = np.broadcast_to(m.scales[..., None], shape)
+    elif name == "q8b":  # one float32 scale per 32 inputs of a row
+        step = np.repeat(m.scales, 32, axis=-1)
     else:              # one bfloat16 scale per 32 output rows of a column
         assert m.scales.dtype == quant.BF16
         step = np.repeat(np.abs(m.scales.astype(np.float32)), 32, axis=-2)[..., :shape[-2], :]
@@ -53,7 +60,7 @@ def test_round_trip_error_is_at_most_half_a_step(name, shape, search):
     if search:
         inside = np.abs(w) <= (7.5 if name == "q4" else 127.5) * step
         assert np.all(err[inside] <= step[inside] / 2 * tol) and inside.mean() > 0.9
-    elif name == "q8":
+    elif name in ("q8", "q8b"):
         assert np.all(err <= step / 2 * tol)
     else:
         # Q4_0's range is [-8, 7] steps: the extreme maps to -8 exactly, and a value past 7.5 steps
@@ -72,10 +79,12 @@ def test_bf16_scales_round_up_so_the_extreme_never_clips():
     assert np.all(np.abs(m.qweight) <= 127)
 
 
-@pytest.mark.parametrize("name", ["q8", "q4"])
+@pytest.mark.parametrize("name", ["q8", "q4", "q8b", "bf16"])
 @pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("shape", [(80, 256), (2816 // 8, 2048 // 8), (512, 384), (81, 30)])  # (81, 30): odd byte counts
 def test_kernels_equal_float32_products_of_the_dequantized_weight(monkeypatch, name, threaded, shape):
+    if not FORMATS[name].supports(shape):
+        pytest.skip(f"{name} needs rows of whole blocks")
     if threaded:  # force the row-block path with its thread split, and chunked prefill
         monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
         monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 64 * 4 * shape[1])

@@ -16,11 +16,13 @@ from ds2cli.quant import FORMATS, QuantMatrix
 
 
 def weighted_error(w, m, weight=None):
-    """Per row (q8) or per group of 32 rows of a column (q4): sum(weight * (w - dequantized)^2),
-    in float64."""
+    """Per row (q8), per block of 32 inputs of a row (q8b) or per group of 32 rows of a column
+    (q4): sum(weight * (w - dequantized)^2), in float64."""
     e = (m.dequantize().astype(np.float64) - w) ** 2
     if weight is not None:
         e *= weight
+    if m.f.block is not None:
+        return e.reshape(*e.shape[:-1], -1, m.f.block).sum(axis=-1)         # (out, in / 32)
     if m.f.group_size is None:
         return e.sum(axis=-1)                                               # (out,)
     out, inp = w.shape
@@ -51,9 +53,11 @@ def matrices(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(w=matrices(), weighted=st.booleans(), seed=st.integers(0, 1000), name=st.sampled_from(["q8", "q4"]))
+@given(w=matrices(), weighted=st.booleans(), seed=st.integers(0, 1000), name=st.sampled_from(["q8", "q4", "q8b"]))
 def test_the_search_never_does_worse_than_round_to_nearest(w, weighted, seed, name):
     f = FORMATS[name]
+    if not f.supports(w.shape):   # q8b: rows of whole 32-blocks, 16 copies of an even width
+        w = np.ascontiguousarray(np.tile(w, (1, 16)))
     weight = np.random.default_rng(seed).exponential(size=w.shape[1]).astype(np.float32) if weighted else None
     if weight is not None and seed % 3 == 0:
         weight[: len(weight) // 2] = 0            # channels calibration never saw
@@ -61,7 +65,7 @@ def test_the_search_never_does_worse_than_round_to_nearest(w, weighted, seed, na
     nearest = QuantMatrix(*quant.quantize(w, f, search=False), f)
     # q4's groups lie in one column, so the column weight is common to a group: q4 minimizes the
     # plain error, and its weighted error is that times the weight
-    weight = weight if name == "q8" else None
+    weight = weight if name != "q4" else None
     got, ref = weighted_error(w, searched, weight), weighted_error(w, nearest, weight)
     # the search compares errors summed in float32: ties within its rounding may go either way
     assert np.all(got <= ref * (1 + 1e-5) + 1e-30), (got - ref).max()
