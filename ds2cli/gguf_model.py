@@ -4,12 +4,12 @@ and the ds2 format its weights load into.
 How a GGUF runs (measured, see the README's GGUF section): each tensor is dequantized with
 gguf.quants at load and, one layer at a time, requantized into ds2's own formats (the ones
 the engine, the few-token kernel and the helpers already multiply by). By default the format
-follows the file's bulk type: a Q8_0 file's matrices become q8b, Q8_0's own blocks of 32 held
-exactly (its integers and scales come back bit for bit, so it computes what the file holds);
-Q6_K / Q5_* files load as `--bits 8` (float32 for F32/F16/BF16 files, like a safetensors
-checkpoint), Q4_0 / Q4_1 / Q4_K as `--bits 4`. `--quantize 8` loads a Q8_0 file into ds2's
-per-row q8 instead (faster to decode, not exact), and a 4-bit file into 8 bits (near-lossless,
-about twice the memory).
+follows the file's bulk type: Q8_0 / Q6_K / Q5_* files load as `--bits 8` (float32 for
+F32/F16/BF16 files, like a safetensors checkpoint), Q4_0 / Q4_1 / Q4_K as `--bits 4`;
+`--quantize 8` loads a 4-bit file into 8 bits (near-lossless, about twice the memory), and
+`--quantize exact` a Q8_0 file's matrices as q8b, Q8_0's own blocks of 32 (its integers and
+scales come back bit for bit, so it computes what the file holds, at about half the decode
+speed: NumPy scales a block 32 values at a time).
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ class GGUFModel:
         return DEFAULT_BITS.get(self.bulk_type)
 
     @property
-    def default_recipe(self) -> qcheckpoint.QuantConfig | None:
-        """The formats a file loads into without --quantize: every matrix q8b for a Q8_0 file
-        (exact), else the recipe of its default bits (None: float32)."""
-        if self.bulk_type == "Q8_0":
-            return qcheckpoint.QuantConfig(8, dict.fromkeys(qcheckpoint.ROLES, "q8b"))
-        return qcheckpoint.QuantConfig.recipe(self.default_bits) if self.default_bits else None
+    def exact_recipe(self) -> qcheckpoint.QuantConfig | None:
+        """`--quantize exact`: every matrix q8b, a Q8_0 file's own blocks bit for bit (None: the
+        file is not Q8_0, and no ds2 format holds its blocks exactly)."""
+        if self.bulk_type != "Q8_0":
+            return None
+        return qcheckpoint.QuantConfig(8, dict.fromkeys(qcheckpoint.ROLES, "q8b"))
 
     @property
     def generation_config(self) -> dict:

@@ -201,19 +201,25 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     absorption precomputed, tokenizer and generation_config.
 
     A float checkpoint loads as float32, or with `quantize=8|4` quantized layer by layer as it
-    loads (`"auto"`: float32 if it fits in memory, else the most precise format that does); a
+    loads (`"auto"`: float32 if it fits in memory, else the most precise format that does;
+    `"exact"`: a Q8_0 GGUF's own blocks, q8b); a
     checkpoint written by `ds2 quantize` is memory-mapped as it is stored. Before any weight is
     read, what the model will hold (with a cache of `context` tokens) is checked against the
     memory available (memory.py); `memory_check=False` skips that."""
     model_dir = check_model_dir(bundled_model_dir() if path is None else path)
     gguf = gguf_model.open_model(model_dir)       # None unless a GGUF: its config, tensors, tokenizer
     recipe = None                                  # the formats it loads into, when not quantize's recipe
+    if quantize == "exact":                        # a Q8_0 GGUF's own blocks (gguf_model.exact_recipe)
+        if gguf is None or gguf.exact_recipe is None:
+            raise ConfigError("--quantize exact keeps a Q8_0 GGUF's own blocks; "
+                              f"{model_dir} is {'a ' + gguf.bulk_type if gguf else 'not a'} GGUF")
+        quantize, recipe = 8, gguf.exact_recipe
     if gguf is not None and quantize is None:
-        quantize, recipe = gguf.default_bits, gguf.default_recipe   # nearest the file's own types
+        quantize = gguf.default_bits               # the ds2 format nearest the file's own types
     cfg = gguf.config if gguf else DeepseekV2Config.from_file(model_dir / "config.json")
     stored = None if gguf else read_quant_config(model_dir)
     if quantize not in (None, 8, 4, "auto"):
-        raise ConfigError(f"quantize must be 8, 4 or 'auto', got {quantize!r}")
+        raise ConfigError(f"quantize must be 8, 4, 'auto' or 'exact', got {quantize!r}")
     if stored is not None and quantize not in (None, "auto", stored.bits):
         raise ConfigError(f"{model_dir} is already {article(stored.bits)} {stored.bits}-bit ds2 checkpoint; "
                           f"it cannot be loaded as {quantize}-bit")

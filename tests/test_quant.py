@@ -273,7 +273,7 @@ def reference(float_model):
                                  for s in seqs])
 
 
-@pytest.mark.parametrize("bits, max_kl, min_top1, min_additions", [(8, 1.5e-2, 0.95, 98), (4, 0.25, 0.75, 95)])
+@pytest.mark.parametrize("bits, max_kl, min_top1, min_additions", [(8, 9e-3, 0.965, 100), (4, 0.20, 0.78, 98)])
 def test_quality_against_float32(reference, bits, max_kl, min_top1, min_additions):
     seqs, ref = reference
     q = ds2cli.load(quantize=bits)
