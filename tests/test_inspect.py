@@ -568,21 +568,23 @@ def test_low_bit_storage_counts_weights_not_bytes(quantized, bits):
     are listed with 0 parameters, so the parameters add up to the model's and the bytes to the
     files' data."""
     r, raw = describe(quantized[bits]), raw_headers(quantized[bits])
-    weights = {"I8": 0, "U8": 0, "F32": 0}
+    # a pair's format from its qweight's dtype (the recipes use q8, q4 and bf16; see qcheckpoint)
+    kind = {"I8": "q8", "U8": "q4", "BF16": "bf16"}
+    label = {"I8": "q8 (I8)", "U8": "q4 (U8, 2 per byte)", "BF16": "bf16 (BF16)", "F32": "F32"}
+    want, scale_bytes = {}, {}
     for name, e in raw.items():
         if name.endswith((".qweight", ".weight")):
-            weights[e["dtype"]] += numel(e) * (2 if e["dtype"] == "U8" else 1)
-    scale_bytes = {}
-    for name, e in raw.items():
+            key = label[e["dtype"]]
+            want[key] = want.get(key, 0) + numel(e) * (2 if e["dtype"] == "U8" else 1)
         if name.endswith(".scales"):
-            scale_bytes[e["dtype"]] = scale_bytes.get(e["dtype"], 0) + e["data_offsets"][1] - e["data_offsets"][0]
-    want = ({"q8 (I8)": weights["I8"], "F32": weights["F32"]} if bits == 8 else
-            {"q4 (U8, 2 per byte)": weights["U8"], "q8 (I8)": weights["I8"], "F32": weights["F32"]})
+            key = f"{kind[raw[name[:-len('scales')] + 'qweight']['dtype']]} scales ({e['dtype']})"
+            scale_bytes[key] = scale_bytes.get(key, 0) + e["data_offsets"][1] - e["data_offsets"][0]
+    assert set(want) == ({"q8 (I8)", "bf16 (BF16)", "F32"} if bits == 8 else {"q4 (U8, 2 per byte)", "q8 (I8)", "F32"})
     assert r["dtypes"] == want
     assert sum(want.values()) == r["total_params"] == describe(TINY)["total_params"]
     s = r["storage"]["dtypes"]
-    assert s["q8 scales (F32)"] == {"params": 0, "bytes": scale_bytes["F32"]}
-    assert bits == 8 or s["q4 scales (BF16)"] == {"params": 0, "bytes": scale_bytes["BF16"]}
+    for key, nbytes in scale_bytes.items():
+        assert s[key] == {"params": 0, "bytes": nbytes}
     assert sum(d["bytes"] for d in s.values()) == sum(e["data_offsets"][1] - e["data_offsets"][0]
                                                       for e in raw.values())
     assert r["params"] == describe(TINY)["params"] and r["problems"] == []
@@ -594,8 +596,10 @@ def test_low_bit_storage_table(quantized):
     text = out.getvalue()
     rows = {cells[0]: cells[1:] for line in text[text.index("Storage"):text.index("Quantization")].splitlines()
             if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 3}
-    assert rows["q4 (U8, 2 per byte)"] == ["5.01M", "2.51 MB"]
-    assert rows["q8 (I8)"] == ["2.76M", "2.76 MB"]
+    # 4-bit: only the routed experts (5 MoE layers x 8 x 3 x 256 x 128 = 3,932,160); the dense MLP
+    # (589,824) and shared experts (491,520) join the 2.76M of attention, embedding and lm_head at q8
+    assert rows["q4 (U8, 2 per byte)"] == ["3.93M", "1.97 MB"]
+    assert rows["q8 (I8)"] == ["3.84M", "3.84 MB"]
     assert rows["q4 scales (BF16)"][0] == rows["q8 scales (F32)"][0] == "-"
 
 
