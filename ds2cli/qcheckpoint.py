@@ -55,7 +55,8 @@ PART_PREFIX = {"": "", "attn": "self_attn.", "mlp": "mlp."}
 # has the held-out figures). Its error compounds across roles, so a role is kept wider where that
 # cut the KL most for its bytes on the 27-layer V2-Lite shape:
 #   --bits 8: the embedding, attention and the dense MLP as bfloat16 (lossless from a bfloat16
-#     source, as fast as int8 to widen); the experts and lm_head q8. Raw-text KL 1.69e-2 all q8,
+#     source; faster than int8 to widen from cache, but two bytes a weight from memory: decode on
+#     the 4-layer slice about 5% slower); the experts and lm_head q8. Raw-text KL 1.69e-2 all q8,
 #     4.9e-3 so (the embedding alone 1.40e-2, with the dense MLP 1.01e-2, with attention 1.05e-2):
 #     V2-Lite's file grows 3.7%.
 #   --bits 4: the routed experts (92% of V2-Lite's parameters) 4-bit; attention, the embedding,

@@ -6,8 +6,8 @@ Four formats; the integer ones symmetric (integers times a scale, searched, see 
       value = q * s[o], q in [-127, 127].
   q8b: qweight int8 (..., out, in), one float32 scale per block of 32 *inputs of one row*,
       scales (..., out, in/32): value = q * s[o, i // 32]. GGUF's Q8_0 blocks, held exactly (a
-      Q8_0 file's integers and scales come back bit for bit), and the embedding's format in
-      `--bits 8`, where only rows are gathered and the extra scales cost no kernel time.
+      Q8_0 file's integers and scales come back bit for bit) for `--quantize exact`; about half
+      q8's decode speed, since NumPy scales a widened block 32 values at a time.
   bf16: qweight bfloat16 (..., out, in), scales (..., out) all 1: q8's code path with a 16-bit
       value that NumPy widens faster than int8 (0.11 vs 0.14 ns a value from cache), lossless
       for a bfloat16 source; the roles of `--bits 8` whose error counts most (qcheckpoint.py).
