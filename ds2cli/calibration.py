@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds2cli import checkpoint, quant, rope
+from ds2cli import checkpoint, quant, rope, scales
 from ds2cli.attention import Span, mla, rms_norm
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
@@ -233,11 +233,11 @@ def quantize_calibrated(w: np.ndarray, f: quant.Format, h: np.ndarray) -> tuple[
     hp = np.take_along_axis(np.take_along_axis(h, order[:, :, None], axis=1), order[:, None, :], axis=2)
     u = inverse_factor(hp)
     del hp    # the copies are one layer's experts' size (V2-Lite: 1 GB of H, 1.5 GB of gate_up)
-    ints, scales = compensate(wp, f, u, np.take_along_axis(diag, order, axis=-1), packed=False)
+    ints, found = compensate(wp, f, u, np.take_along_axis(diag, order, axis=-1), packed=False)
     ints = np.take_along_axis(ints, undo[:, None, :], axis=-1)
     if f.group_size is None:
-        return ints, scales
-    return pack_q4(ints), np.take_along_axis(scales, undo[:, None, :], axis=-1)
+        return ints, found
+    return pack_q4(ints), np.take_along_axis(found, undo[:, None, :], axis=-1)
 
 
 def inverse_factor(h: np.ndarray) -> np.ndarray:
@@ -272,11 +272,11 @@ def compensate(work: np.ndarray, f: quant.Format, u: np.ndarray, diag: np.ndarra
     E, out, inp = work.shape
     ints = np.empty((E, out, inp), np.int8)                                 # q8: q; q4: q - 8
     if f.group_size is None:
-        scales = np.stack([quant.quantize(work[e], f, diag[e])[1] for e in range(E)])  # (E, out)
+        found = np.stack([scales.quantize(work[e], f, diag[e])[1] for e in range(E)])   # (E, out)
     else:
         g = f.group_size
         G = -(-out // g)
-        scales = np.empty((E, G, inp), quant.BF16)
+        found = np.empty((E, G, inp), quant.BF16)
     for b0 in range(0, inp, BLOCK):
         b1 = min(inp, b0 + BLOCK)
         block = work[:, :, b0:b1]                                           # (E, out, B), a view
@@ -284,11 +284,11 @@ def compensate(work: np.ndarray, f: quant.Format, u: np.ndarray, diag: np.ndarra
         for i in range(b1 - b0):
             col = np.ascontiguousarray(block[:, :, i])                       # (E, out)
             if f.group_size is None:
-                q = quant.round_clip(col, scales, -127, 127)
-                deq = q * scales
+                q = scales.round_clip(col, found, -127, 127)
+                deq = q * found
             else:
                 q, s = quantize_column(col, g)
-                scales[:, :, b0 + i] = s
+                found[:, :, b0 + i] = s
                 deq = q * np.repeat(s.astype(np.float32), g, axis=1)[:, :out]
             ints[:, :, b0 + i] = q
             d = u[:, b0 + i, b0 + i]                                         # (E,)
@@ -298,12 +298,12 @@ def compensate(work: np.ndarray, f: quant.Format, u: np.ndarray, diag: np.ndarra
         if b1 < inp:
             work[:, :, b1:] -= np.matmul(err, u[:, b0:b1, b1:])             # (E, out, rest)
     if f.group_size is None or not packed:
-        return ints, scales
-    return pack_q4(ints), scales
+        return ints, found
+    return pack_q4(ints), found
 
 
 def pack_q4(ints: np.ndarray) -> np.ndarray:
-    """q - 8 (..., out, in) int8 -> q4's bytes (..., out, in/2), as quant.quantize packs them."""
+    """q - 8 (..., out, in) int8 -> q4's bytes (..., out, in/2), as scales.quantize packs them."""
     q = (ints + 8).astype(np.uint8)
     half = q.shape[-1] // 2
     return np.ascontiguousarray(q[..., :half] | (q[..., half:] << 4))
@@ -317,6 +317,6 @@ def quantize_column(col: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
     if pad:
         col = np.concatenate([col, np.zeros((E, pad), np.float32)], axis=1)
     groups = col.reshape(-1, g, 1)                                          # (E*G, g, 1)
-    s = quant.search_q4(groups)                                             # (E*G, 1)
-    q = quant.round_clip(groups, s.astype(np.float32)[:, None, :], -8, 7)  # (E*G, g, 1)
+    s = scales.search_q4(groups)                                             # (E*G, 1)
+    q = scales.round_clip(groups, s.astype(np.float32)[:, None, :], -8, 7)  # (E*G, g, 1)
     return q.reshape(E, -1)[:, :out], s.reshape(E, -1)

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ds2cli import calibration, checkpoint, quant
+from ds2cli import calibration, checkpoint, quant, scales
 from ds2cli.config import DeepseekV2Config
 from ds2cli.linear import Dense
 from ds2cli.quant import FORMATS, QuantError, QuantMatrix
@@ -94,7 +94,7 @@ class QuantConfig:
         d = {"quant_method": QUANT_METHOD, "version": VERSION, "bits": self.bits, "layout": "ds2-prepared",
              "formats": dict(self.formats),
              "format_specs": {name: FORMATS[name].spec() for name in self.used},
-             "scale_search": {"q8": list(quant.Q8_STEPS), "q4": list(quant.Q4_STEPS)}}
+             "scale_search": {"q8": list(scales.Q8_STEPS), "q4": list(scales.Q4_STEPS)}}
         if self.calibration is not None:
             d["calibration"] = dict(self.calibration)
         return d
@@ -205,12 +205,12 @@ def stored_kind(name: str, tensors: dict[str, checkpoint.TensorInfo]) -> tuple[s
     q8 and q8b store the same dtypes, so the format is the one whose shapes the pair has."""
     stem, _, suffix = name.rpartition(".")
     t = tensors[name]
-    qweight, scales = tensors.get(stem + ".qweight"), tensors.get(stem + ".scales")
-    if suffix in ("qweight", "scales") and qweight is not None and scales is not None:
+    qweight, scale = tensors.get(stem + ".qweight"), tensors.get(stem + ".scales")
+    if suffix in ("qweight", "scales") and qweight is not None and scale is not None:
         for f in FORMATS.values():
             shape = (*qweight.shape[:-1], qweight.shape[-1] * f.per_element)
-            if (qweight.dtype, scales.dtype) == (SAFETENSORS_DTYPES[f.qweight_dtype], SAFETENSORS_DTYPES[f.scale_dtype]) \
-                    and f.scales_shape(shape) == tuple(scales.shape):
+            if (qweight.dtype, scale.dtype) == (SAFETENSORS_DTYPES[f.qweight_dtype], SAFETENSORS_DTYPES[f.scale_dtype]) \
+                    and f.scales_shape(shape) == tuple(scale.shape):
                 if suffix == "scales":
                     return f"{f.name} scales ({t.dtype})", 0
                 return (f"{f.name} ({t.dtype}, {f.per_element} per byte)" if f.per_element > 1
@@ -287,7 +287,7 @@ def quantize_weight(w, f: quant.Format | None, hessian: np.ndarray | None = None
     w = w.w if isinstance(w, Dense) else w
     if hessian is None or f.bits == 16 or f.block is not None:
         # bf16 rounds each value alone, nothing to compensate; q8b is a GGUF's own Q8_0 blocks
-        return QuantMatrix.from_float(w, f)
+        return scales.quantize_matrix(w, f)
     return QuantMatrix(*calibration.quantize_calibrated(w, f, hessian), f)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import ds2cli
-from ds2cli import quant
+from ds2cli import scales
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arithmetic import ask  # noqa: E402
@@ -94,8 +94,8 @@ def main():
     if (args.bits is None) == (args.quantized is None):
         ap.error("give one of --bits and --quantized")
     if args.nearest:
-        nearest = quant.quantize
-        quant.quantize = lambda w, f, importance=None, search=True: nearest(w, f, importance, search=False)
+        nearest = scales.quantize
+        scales.quantize = lambda w, f, importance=None, search=True: nearest(w, f, importance, search=False)
     base = ds2cli.load(args.model)
     low = ds2cli.load(args.quantized) if args.quantized else ds2cli.load(args.model, quantize=args.bits)
     bits = low.quantization.bits

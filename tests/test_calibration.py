@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import calibration, quant
+from ds2cli import calibration, scales
 from ds2cli.cli import main
 from ds2cli.config import DeepseekV2Config
 from ds2cli.linear import Dense
@@ -85,7 +85,7 @@ def test_gptq_lowers_the_output_error_on_the_calibration_inputs(name):
     mix = rng.standard_normal((E, inp, inp)) * np.exp(rng.standard_normal(inp))[None, :, None]
     x = np.einsum("etj,eji->eti", rng.standard_normal((E, n, inp)), mix).astype(np.float32)  # (E, n, in)
     h = np.einsum("eti,etj->eij", x.astype(np.float64), x) / n
-    plain = QuantMatrix(*quant.quantize(w, f), f).dequantize()
+    plain = QuantMatrix(*scales.quantize(w, f), f).dequantize()
     gptq = QuantMatrix(*calibration.quantize_calibrated(w, f, h.astype(np.float32)), f).dequantize()
     single = QuantMatrix(*calibration.quantize_calibrated(w[0], f, h[0].astype(np.float32)), f).dequantize()
     err = lambda q: float(np.sum(np.einsum("eti,eoi->eto", x, q - w) ** 2))  # noqa: E731

@@ -6,7 +6,7 @@ a float32 rounding bound: the kernel and the reference use different BLAS call s
 import numpy as np
 import pytest
 
-from ds2cli import cores, quant
+from ds2cli import cores, quant, scales
 from ds2cli import helpers as procs
 from ds2cli.quant import FORMATS, QuantMatrix
 
@@ -30,7 +30,7 @@ def assert_product(m: QuantMatrix, x: np.ndarray, y: np.ndarray) -> None:
 def test_the_few_token_kernel_is_the_product_of_the_dequantized_weights(name, shape, k, monkeypatch):
     monkeypatch.setattr(quant, "SMALL_MATRIX", 0)             # every matrix through the kernel
     rng = np.random.default_rng(k * 1000 + shape[0])
-    m = QuantMatrix.from_float(rng.standard_normal(shape, dtype=np.float32), FORMATS[name])
+    m = scales.quantize_matrix(rng.standard_normal(shape, dtype=np.float32), FORMATS[name])
     x = rng.standard_normal((k, shape[1]), dtype=np.float32)
     assert_product(m, x, m.matmul(x))
     assert_product(m, x, m.matmul_few(x))
@@ -42,7 +42,7 @@ def test_small_row_blocks_and_odd_spans(name, monkeypatch):
     monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
     monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 40 * 4 * 320)
     rng = np.random.default_rng(3)
-    m = QuantMatrix.from_float(rng.standard_normal((1003, 320), dtype=np.float32), FORMATS[name])
+    m = scales.quantize_matrix(rng.standard_normal((1003, 320), dtype=np.float32), FORMATS[name])
     for k in range(2, 65, 9):
         x = rng.standard_normal((k, 320), dtype=np.float32)
         assert_product(m, x, m.matmul_few(x))
@@ -59,7 +59,7 @@ def test_the_helper_processes_take_their_rows_of_a_few_token_pass(name, monkeypa
     monkeypatch.setattr(procs, "_helpers_failed", False)
     monkeypatch.delenv("DS2_HELPERS", raising=False)
     rng = np.random.default_rng(5)
-    m = QuantMatrix.from_float(rng.standard_normal((1536, 512), dtype=np.float32), FORMATS[name])
+    m = scales.quantize_matrix(rng.standard_normal((1536, 512), dtype=np.float32), FORMATS[name])
     procs.start_helpers()
     try:
         helpers = procs.running()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ds2cli
-from ds2cli import cores, quant
+from ds2cli import cores, quant, scales
 from ds2cli import helpers as procs
 
 pytestmark = pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes are used on Linux "
@@ -92,7 +92,7 @@ def test_a_few_token_pass_with_helpers_is_the_same_pass(monkeypatch, bits):
 
 
 def test_an_interrupted_step_leaves_no_stale_rows():
-    m = quant.QuantMatrix.from_float(np.random.default_rng(0).standard_normal((512, 256), dtype=np.float32),
+    m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((512, 256), dtype=np.float32),
                                      quant.FORMATS["q8"])
     procs.start_helpers()                    # forked after m exists, so the helper knows it
     helpers = procs.running()

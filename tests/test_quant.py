@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import cores, quant
+from ds2cli import cores, quant, scales
 from ds2cli.cli import main
 from ds2cli.linear import Dense
 from ds2cli.loader import bundled_model_dir
@@ -39,7 +39,7 @@ def test_round_trip_error_is_at_most_half_a_step(name, shape, search):
     half a bfloat16 ulp (at most 2^-8 of the value: 7 stored mantissa bits)."""
     f = FORMATS[name]
     w = weights(shape)
-    m = QuantMatrix(*quant.quantize(w, f, search=search), f)
+    m = QuantMatrix(*scales.quantize(w, f, search=search), f)
     assert m.qweight.dtype == f.qweight_dtype and m.scales.dtype == f.scale_dtype
     assert m.qweight.shape == f.qweight_shape(shape) and m.scales.shape == f.scales_shape(shape)
     assert m.nbytes == f.nbytes(shape)
@@ -71,11 +71,11 @@ def test_round_trip_error_is_at_most_half_a_step(name, shape, search):
 
 def test_bf16_scales_round_up_so_the_extreme_never_clips():
     x = np.array([1.0, 1.0000001, 3.14159, 1e-30, 3e38, -2.5, 0.0], np.float32)
-    up = quant.bf16_up(x).astype(np.float32)
+    up = scales.bf16_up(x).astype(np.float32)
     assert np.all(np.abs(up) >= np.abs(x)) and np.all(np.isfinite(up))
     assert np.all(np.abs(up) <= np.abs(x) * (1 + 2 ** -7) + 1e-38)
     w = np.full((32, 4), 0.127, np.float32)
-    m = QuantMatrix.from_float(w, FORMATS["q8"])
+    m = scales.quantize_matrix(w, FORMATS["q8"])
     assert np.all(np.abs(m.qweight) <= 127)
 
 
@@ -89,7 +89,7 @@ def test_kernels_equal_float32_products_of_the_dequantized_weight(monkeypatch, n
         monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 64 * 4 * shape[1])
         monkeypatch.setattr(quant, "DEQUANTIZE_BLOCK_BYTES", 32 * 4 * shape[1])
         monkeypatch.setattr(quant, "PREFILL_CHUNK_BYTES", 96 * 4 * shape[1])
-    m = QuantMatrix.from_float(weights(shape), FORMATS[name])
+    m = scales.quantize_matrix(weights(shape), FORMATS[name])
     w = m.dequantize().astype(np.float64)
     rng = np.random.default_rng(1)
     for tokens in (1, 3, 40):
@@ -105,7 +105,7 @@ def test_kernels_equal_float32_products_of_the_dequantized_weight(monkeypatch, n
 
 def test_stacked_experts_index_like_arrays():
     w = weights((3, 64, 32))
-    m = QuantMatrix.from_float(w, FORMATS["q4"])
+    m = scales.quantize_matrix(w, FORMATS["q4"])
     assert len(m) == 3 and m[1].shape == (64, 32)
     np.testing.assert_array_equal(m[1].dequantize(), m.dequantize()[1])
     d = Dense(w)

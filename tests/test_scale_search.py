@@ -1,4 +1,4 @@
-"""The scale search (quant.search_scales): on any weights it never does worse than round to
+"""The scale search (scales.search_scales): on any weights it never does worse than round to
 nearest, by the (weighted) squared error it minimizes; and checkpoints written before it, by
 round to nearest with today's quantization_config, still load and run."""
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ds2cli
-from ds2cli import quant
+from ds2cli import scales
 from ds2cli.loader import bundled_model_dir
 from ds2cli.qcheckpoint import VERSION
 from ds2cli.quant import FORMATS, QuantMatrix
@@ -61,8 +61,8 @@ def test_the_search_never_does_worse_than_round_to_nearest(w, weighted, seed, na
     weight = np.random.default_rng(seed).exponential(size=w.shape[1]).astype(np.float32) if weighted else None
     if weight is not None and seed % 3 == 0:
         weight[: len(weight) // 2] = 0            # channels calibration never saw
-    searched = QuantMatrix(*quant.quantize(w, f, weight), f)
-    nearest = QuantMatrix(*quant.quantize(w, f, search=False), f)
+    searched = QuantMatrix(*scales.quantize(w, f, weight), f)
+    nearest = QuantMatrix(*scales.quantize(w, f, search=False), f)
     # q4's groups lie in one column, so the column weight is common to a group: q4 minimizes the
     # plain error, and its weighted error is that times the weight
     weight = weight if name != "q4" else None
@@ -80,8 +80,8 @@ def test_the_search_lowers_the_error_of_normal_weights():
     w[3, 5] = 0.3
     for name, gain in (("q8", 0.97), ("q4", 0.93)):
         f = FORMATS[name]
-        searched = weighted_error(w, QuantMatrix(*quant.quantize(w, f), f)).sum()
-        nearest = weighted_error(w, QuantMatrix(*quant.quantize(w, f, search=False), f)).sum()
+        searched = weighted_error(w, QuantMatrix(*scales.quantize(w, f), f)).sum()
+        nearest = weighted_error(w, QuantMatrix(*scales.quantize(w, f, search=False), f)).sum()
         assert searched < gain * nearest, (name, searched / nearest)
 
 
@@ -93,8 +93,8 @@ def test_q8_row_scales_follow_the_column_weights():
     weight = np.ones(256, np.float32)
     weight[:8] = 1000
     f = FORMATS["q8"]
-    plain = weighted_error(w, QuantMatrix(*quant.quantize(w, f), f), weight).sum()
-    weighted = weighted_error(w, QuantMatrix(*quant.quantize(w, f, weight), f), weight).sum()
+    plain = weighted_error(w, QuantMatrix(*scales.quantize(w, f), f), weight).sum()
+    weighted = weighted_error(w, QuantMatrix(*scales.quantize(w, f, weight), f), weight).sum()
     assert weighted < 0.9 * plain
 
 
@@ -107,14 +107,14 @@ def test_a_checkpoint_quantized_before_the_search_still_loads_and_runs(tmp_path,
 
     from ds2cli.cli import main
 
-    old = quant.quantize
+    old = scales.quantize
     try:   # today's writer is this one with round to nearest
-        quant.quantize = lambda w, f, importance=None, search=True: old(w, f, importance, search=False)
+        scales.quantize = lambda w, f, importance=None, search=True: old(w, f, importance, search=False)
         dst = tmp_path / f"old-q{bits}"
         r = CliRunner().invoke(main, ["quantize", str(bundled_model_dir()), str(dst), "--bits", str(bits)])
         assert r.exit_code == 0, r.output
     finally:
-        quant.quantize = old
+        scales.quantize = old
     config = json.loads((dst / "config.json").read_text())
     qc = config["quantization_config"]
     del qc["scale_search"]
