@@ -87,7 +87,7 @@ class Format:
 
     def qweight_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
-        return (*lead, out, inp // 2 if self.bits == 4 else inp)
+        return (*lead, out, inp // self.per_element)
 
     def scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
@@ -105,6 +105,12 @@ class Format:
     def per_element(self) -> int:
         """Weights a stored qweight element holds (a q4 byte holds two)."""
         return 2 if self.bits == 4 else 1
+
+    @property
+    def output_scales(self) -> bool:
+        """q8's one scale a row, which the kernels apply to the output rows rather than to every
+        weight (q8b's and q4's scales vary along a row; bf16's are 1)."""
+        return self.bits == 8 and self.block is None
 
     @property
     def scale_dtype(self) -> np.dtype:
@@ -150,12 +156,12 @@ def dequantize(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarr
     rows must start where a group starts, `scales` holding those groups."""
     if qweight.ndim > 2:
         if out is None:
-            out = np.empty((*qweight.shape[:-1], qweight.shape[-1] * (2 if f.bits == 4 else 1)), np.float32)
+            out = np.empty((*qweight.shape[:-1], qweight.shape[-1] * f.per_element), np.float32)
         for e in np.ndindex(qweight.shape[:-2]):
             dequantize(qweight[e], scales[e], f, out[e])
         return out
     rows = qweight.shape[0]
-    inp = qweight.shape[1] * (2 if f.bits == 4 else 1)
+    inp = qweight.shape[1] * f.per_element
     w = np.empty((rows, inp), np.float32) if out is None else out
     # block by block, so the scaling pass finds each block still in cache; blocks of a few MB,
     # not L2's one, because two cores dequantizing at once pass the GIL at every call and fewer,
@@ -202,7 +208,7 @@ def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.
     """The stored values as float32 (..., rows, in), unscaled: q for q8 and q8b, q - 8 for q4,
     the bfloat16 values widened for bf16."""
     *lead, rows, stored = qweight.shape
-    inp = stored * 2 if f.bits == 4 else stored
+    inp = stored * f.per_element
     if out is None:
         out = np.empty((*lead, rows, inp), np.float32)
     if f.bits != 4:
@@ -242,7 +248,7 @@ class QuantMatrix:
 
     def __init__(self, qweight: np.ndarray, scales: np.ndarray, f: Format, key: tuple[int, int] | None = None):
         self.qweight, self.scales, self.f = qweight, scales, f
-        self.shape = (*qweight.shape[:-1], qweight.shape[-1] * (2 if f.bits == 4 else 1))
+        self.shape = (*qweight.shape[:-1], qweight.shape[-1] * f.per_element)
         # how a helper process finds this matrix: (its number, expert or -1)
         self.key = (helpers.register(self), -1) if key is None else key
 
@@ -350,7 +356,7 @@ class QuantMatrix:
 
     def _row_scales(self, y: np.ndarray, a: int, b: int) -> None:
         """q8's per-row scales, applied to the output columns a..b (other formats: none left)."""
-        if self.f.bits == 8 and self.f.block is None:
+        if self.f.output_scales:
             y[:, a:b] *= self.scales[a:b]
 
     def _span_q8_gemm(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
@@ -451,7 +457,7 @@ class QuantMatrix:
                 for c0 in range(a, b, chunk):
                     c1 = min(b, c0 + chunk)
                     w = buf[:(c1 - c0) * inp].reshape(c1 - c0, inp)
-                    if f.bits == 8 and f.block is None:
+                    if f.output_scales:
                         np.matmul(unpack(self.qweight[c0:c1], f, w), xt, out=yt[c0:c1])
                         yt[c0:c1] *= self.scales[c0:c1, None]
                     elif g is None:      # q8b, bf16: scales (if any) on the weights, rows c0..c1

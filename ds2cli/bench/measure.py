@@ -47,7 +47,7 @@ def bench_prefill(model: Model, tokens: int, repeats: int, rng) -> dict:
     (FLOPs) and, since a short prompt is bound by reading the experts its tokens picked, the
     matvec probe (bytes)."""
     console.info(f"prefill {tokens} tokens x {repeats}")
-    probes = probed_beside()
+    probes = outside_peak(probe_beside)
     samples, routes = [], []
     for _ in range(repeats):
         ids = rng.integers(model.config.vocab_size, size=tokens)
@@ -84,7 +84,7 @@ def bench_decode(model: Model, contexts: list[int], steps: int, repeats: int, rn
 
 
 def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rng) -> dict:
-    probes = probed_beside()
+    probes = outside_peak(probe_beside)
     samples, routes = [], []
     for _ in range(repeats):
         ids = rng.integers(model.config.vocab_size, size=steps)
@@ -159,10 +159,6 @@ def outside_peak(probe) -> dict:
         return probes
     _peak_outside_probes = before
     return probes
-
-
-def probed_beside() -> dict:
-    return outside_peak(probe_beside)
 
 
 def memory_section(model: Model, cache_tokens: int) -> dict:
