@@ -8,7 +8,9 @@ Weights (prepared once at load by model.py, Hugging Face names kept); the projec
 weights you can multiply by (linear.py: float32 or low-bit, `w.matmul(x)` = x @ W.T):
   q_proj (H*(d+R), D)  or  q_a_proj (q_lora_rank, D), q_a_layernorm, q_b_proj (H*(d+R), q_lora_rank)
   kv_a_proj_with_mqa (C+R, D), kv_a_layernorm (C,), o_proj (D, H*v)
-  w_uk (H, d, C), w_uv (H, C, v): kv_b_proj split per head, the MLA weight absorption
+  w_uk (H, d, C), w_uv (H, C, v): kv_b_proj split per head, the MLA weight absorption; arrays,
+    float32 or (in a ds2 low-bit checkpoint) bfloat16, since both forms below use them in both
+    orientations
 The RoPE rows of q and kv_a_proj_with_mqa are stored de-interleaved (see rope.deinterleave_rows).
 """
 
@@ -111,7 +113,9 @@ def mla(x, w, spans, cos, sin, H, eps, scale) -> np.ndarray:
     N = len(x)
     C = w["kv_a_layernorm"].shape[0]
     q = project_q(x, w, H, eps)                                             # (N, H, d+R)
-    d = w["w_uk"].shape[1]
+    # kv_b_proj's halves in float32, once a pass (a low-bit checkpoint stores them bfloat16)
+    w_uk, w_uv = (np.asarray(w[k], np.float32) for k in ("w_uk", "w_uv"))  # (H, d, C), (H, C, v)
+    d = w_uk.shape[1]
     q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
     kv = w["kv_a_proj_with_mqa"].matmul(x)                                  # (N, C+R)
     latent_new = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)              # (N, C)
@@ -125,13 +129,13 @@ def mla(x, w, spans, cos, sin, H, eps, scale) -> np.ndarray:
     def attend(piece) -> np.ndarray:
         s, T, h = piece
         latent, k_pe = s.latent[:s.start + T], s.k_pe[:s.start + T]         # (S, C), (S, R)
-        dims = (T, s.start + T, H, C, k_pe.shape[1], d, w["w_uv"].shape[2])
+        dims = (T, s.start + T, H, C, k_pe.shape[1], d, w_uv.shape[2])
         form = attend_absorbed if absorbed_cost(*dims) <= expanded_cost(*dims) else attend_expanded
-        return form(q_nope[s.rows, h], q_pe[s.rows, h], latent, k_pe, w["w_uk"][h], w["w_uv"][h], scale)
+        return form(q_nope[s.rows, h], q_pe[s.rows, h], latent, k_pe, w_uk[h], w_uv[h], scale)
 
     # the cores may share the pieces (cores.py decides when that pays), the costliest first
     outs = cores.map(attend, work, cost=[T * (s.start + T) for s, T, _ in work])
-    ctx = np.empty((N, H, w["w_uv"].shape[2]), dtype=q.dtype)               # (N, H, v)
+    ctx = np.empty((N, H, w_uv.shape[2]), dtype=q.dtype)                    # (N, H, v)
     for (s, _, h), out in zip(work, outs):
         ctx[s.rows, h] = out                                                # (T, h, v)
     return w["o_proj"].matmul(ctx.reshape(N, -1))                           # (N, D)

@@ -119,7 +119,8 @@ def mlp_slots(cfg: DeepseekV2Config, i: int) -> tuple[dict, dict]:
 
 def wrap_projections(layer: dict) -> dict:
     """The matrices a prepared layer multiplies by (qcheckpoint.ROLES names them) become weight
-    objects (linear.Dense); norms, the router gate, w_uk and w_uv stay float32 arrays."""
+    objects (linear.Dense); norms, the router gate, w_uk and w_uv stay arrays (float32, until
+    qcheckpoint.quantize_layer rounds the last three to bfloat16)."""
     for part in ("attn", "mlp"):
         for key, w in layer[part].items():
             if (part, key) in qcheckpoint.ROLE_OF:

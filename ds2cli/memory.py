@@ -44,7 +44,9 @@ def gb(n: float) -> str:
 
 def matrix_bytes(qc: QuantConfig | None, part: str, key: str, shape: tuple[int, ...]) -> int:
     f = qcheckpoint.format_for(qc, part, key, shape)
-    return f.nbytes(shape) if f is not None else math.prod(shape) * FLOAT32
+    if f is not None:
+        return f.nbytes(shape)
+    return math.prod(shape) * (2 if qc is not None and qc.float_dtype(part, key) == "BF16" else FLOAT32)
 
 
 def layer_bytes(cfg: DeepseekV2Config, i: int, qc: QuantConfig | None) -> int:

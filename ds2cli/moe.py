@@ -1,8 +1,9 @@
 """DeepSeek-V2's mixture of experts: the gate (`route`), SwiGLU experts, and the mixture.
 
 Weights (prepared at load by model.py; every matrix but the gate is a weight you can multiply
-by, linear.py): gate (E, D) float32; experts_gate_up (E, 2*I, D) with each
-expert's gate_proj and up_proj stacked so one matmul computes both; experts_down (E, D, I);
+by, linear.py): gate (E, D), an array (float32, or bfloat16 in a ds2 low-bit checkpoint);
+experts_gate_up (E, 2*I, D) with each expert's gate_proj and up_proj stacked so one matmul
+computes both; experts_down (E, D, I);
 shared_gate_up (2*I_s, D), shared_down (D, I_s) when there are shared experts.
 Dense layers use the same `swiglu` with gate_up (2*I, D) and down_proj (D, I)."""
 
@@ -93,7 +94,8 @@ def route_noaux_tc(x: np.ndarray, gate: np.ndarray, bias: np.ndarray,
 def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
     """Run only the experts the gate selected, each once over the tokens routed to it; the
     chosen expert ids (T, k) are appended to `trace` when one is given."""
-    idx, weight = route(x, w["gate"], cfg, w.get("e_score_correction_bias"))  # (T, k)
+    gate = np.asarray(w["gate"], np.float32)                                # (E, D)
+    idx, weight = route(x, gate, cfg, w.get("e_score_correction_bias"))     # (T, k)
     if trace is not None:
         trace.append(idx)
     k = idx.shape[1]

@@ -570,16 +570,18 @@ def test_low_bit_storage_counts_weights_not_bytes(quantized, bits):
     r, raw = describe(quantized[bits]), raw_headers(quantized[bits])
     # a pair's format from its qweight's dtype (the recipes use q8, q4 and bf16; see qcheckpoint)
     kind = {"I8": "q8", "U8": "q4", "BF16": "bf16"}
-    label = {"I8": "q8 (I8)", "U8": "q4 (U8, 2 per byte)", "BF16": "bf16 (BF16)", "F32": "F32"}
+    label = {"I8": "q8 (I8)", "U8": "q4 (U8, 2 per byte)", "BF16": "bf16 (BF16)"}
     want, scale_bytes = {}, {}
     for name, e in raw.items():
         if name.endswith((".qweight", ".weight")):
-            key = label[e["dtype"]]
+            # a float tensor (a norm; F32 or, for w_uk, w_uv and the gate, BF16) by its dtype
+            key = label[e["dtype"]] if name.endswith(".qweight") else e["dtype"]
             want[key] = want.get(key, 0) + numel(e) * (2 if e["dtype"] == "U8" else 1)
         if name.endswith(".scales"):
             key = f"{kind[raw[name[:-len('scales')] + 'qweight']['dtype']]} scales ({e['dtype']})"
             scale_bytes[key] = scale_bytes.get(key, 0) + e["data_offsets"][1] - e["data_offsets"][0]
-    assert set(want) == ({"q8 (I8)", "bf16 (BF16)", "F32"} if bits == 8 else {"q4 (U8, 2 per byte)", "q8 (I8)", "F32"})
+    assert set(want) == ({"q8 (I8)", "bf16 (BF16)", "BF16", "F32"} if bits == 8
+                         else {"q4 (U8, 2 per byte)", "q8 (I8)", "BF16", "F32"})
     assert r["dtypes"] == want
     assert sum(want.values()) == r["total_params"] == describe(TINY)["total_params"]
     s = r["storage"]["dtypes"]

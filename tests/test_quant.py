@@ -174,6 +174,25 @@ def test_quantized_checkpoint_is_self_describing(quantized):
         assert len(shards) == 7 and not list(path.parent.glob(".*partial*"))
 
 
+def test_the_unquantized_matrices_are_stored_bfloat16(quantized):
+    """w_uk, w_uv and the router gate, which no recipe quantizes, are stored bfloat16 (from a
+    float32 source, rounded to nearest); ds2-tiny is a bfloat16 checkpoint, so they hold its
+    values exactly. The model widens them to float32 for its products."""
+    from ds2cli import checkpoint
+    from ds2cli.qcheckpoint import UNQUANTIZED_MATRICES, stored_name
+    source = ds2cli.load(None)
+    for bits, path in quantized.items():
+        assert json.loads((path / "config.json").read_text())["quantization_config"]["unquantized"] == "bf16"
+        headers, mapped, seen = checkpoint.read_headers(path), ds2cli.load(path), 0
+        for i, layer in enumerate(mapped.layers):
+            for part, key in UNQUANTIZED_MATRICES:
+                if key in layer[part]:
+                    assert headers[stored_name(i, part, key) + ".weight"].dtype == "BF16"
+                    np.testing.assert_array_equal(layer[part][key].astype(np.float32), source.layers[i][part][key])
+                    seen += 1
+        assert seen == 3 * (len(mapped.layers) - 1) + 2      # one dense layer, without a gate
+
+
 def test_loading_is_a_memory_map_and_equals_quantizing_at_load(quantized):
     ids = [0, 74, 75, 76, 77, 300, 12]
     for bits, path in quantized.items():

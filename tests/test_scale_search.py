@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ds2cli
-from ds2cli import scales
+from ds2cli import checkpoint, qcheckpoint, scales
 from ds2cli.loader import bundled_model_dir
 from ds2cli.qcheckpoint import VERSION
 from ds2cli.quant import FORMATS, QuantMatrix
@@ -100,24 +100,28 @@ def test_q8_row_scales_follow_the_column_weights():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_checkpoint_quantized_before_the_search_still_loads_and_runs(tmp_path, bits):
-    """What ds2 wrote before the scale search: round-to-nearest tensors under a
-    quantization_config without scale_search or calibration. It loads, as a memory map, and
-    runs: its next token after a prompt is the one this ds2's searched scales give."""
+    """What ds2 wrote before the scale search: round-to-nearest tensors, w_uk, w_uv and the
+    router gate float32, under a quantization_config without scale_search, calibration or
+    unquantized. It loads, as a memory map, and runs: its next token after a prompt is the one
+    this ds2's searched scales give."""
     from click.testing import CliRunner
 
     from ds2cli.cli import main
 
     old = scales.quantize
-    try:   # today's writer is this one with round to nearest
+    try:   # today's writer is this one with round to nearest and float32 unquantized matrices
         scales.quantize = lambda w, f, importance=None, search=True: old(w, f, importance, search=False)
+        qcheckpoint.UNQUANTIZED = "f32"
         dst = tmp_path / f"old-q{bits}"
         r = CliRunner().invoke(main, ["quantize", str(bundled_model_dir()), str(dst), "--bits", str(bits)])
         assert r.exit_code == 0, r.output
     finally:
-        scales.quantize = old
+        scales.quantize, qcheckpoint.UNQUANTIZED = old, "bf16"
     config = json.loads((dst / "config.json").read_text())
     qc = config["quantization_config"]
     del qc["scale_search"]
+    assert qc.pop("unquantized") == "f32"
+    assert checkpoint.read_headers(dst)["model.layers.1.self_attn.w_uk.weight"].dtype == "F32"
     assert set(qc) == {"quant_method", "version", "bits", "layout", "formats", "format_specs"} and qc["version"] == VERSION
     (dst / "config.json").write_text(json.dumps(config))
     model = ds2cli.load(dst)
