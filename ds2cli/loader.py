@@ -84,15 +84,20 @@ def prepare_attention(t: dict, cfg: DeepseekV2Config) -> dict:
     return w
 
 
-def mlp_slots(cfg: DeepseekV2Config, i: int) -> tuple[dict, dict]:
+def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None = None) -> tuple[dict, dict]:
     """Layer i's fused MLP arrays, preallocated, and where each checkpoint tensor goes in them.
 
     gate_proj fills the first half of a (2I, D) gate_up matrix and up_proj the second, so one
     matmul computes both; every expert sits in one (E, 2I, D) / (E, D, I) pair. Each stored
     tensor is converted to float32 straight into its slot: no per-layer float32 copy of the
     experts exists beside the stacked arrays, which keeps the load's peak memory near the
-    weights' own size."""
+    weights' own size. With qc, the routed experts' stacks are qcheckpoint.ExpertStacks, which
+    quantize each expert once it is read: their float32 stacks never exist."""
     D, w, slots = cfg.hidden_size, {}, {}
+
+    def stack(key: str, shape: tuple[int, int, int]):
+        f = qcheckpoint.format_for(qc, "mlp", key, shape)
+        return qcheckpoint.ExpertStack(shape, f) if f is not None else np.empty(shape, np.float32)
 
     def fuse(prefix: str, gate_up: str, down: str, inter: int, lead: tuple = ()) -> None:
         slots[prefix + "gate_proj"] = (w[gate_up], lead + (slice(0, inter),))
@@ -105,8 +110,8 @@ def mlp_slots(cfg: DeepseekV2Config, i: int) -> tuple[dict, dict]:
         fuse("", "gate_up", "down_proj", inter)
         return w, slots
     E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-    w.update(experts_gate_up=np.empty((E, 2 * inter, D), np.float32),
-             experts_down=np.empty((E, D, inter), np.float32))
+    w.update(experts_gate_up=stack("experts_gate_up", (E, 2 * inter, D)),
+             experts_down=stack("experts_down", (E, D, inter)))
     for e in range(E):
         fuse(f"experts.{e}.", "experts_gate_up", "experts_down", inter, (e,))
     if cfg.n_shared_experts:
@@ -141,17 +146,35 @@ def strip(name: str, prefix: str) -> str:
     return name[len(prefix):].removesuffix(".weight").removeprefix("self_attn.").removeprefix("mlp.")
 
 
-def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int) -> dict:
+def expert_of(name: str, prefix: str) -> int:
+    """The routed expert a layer's tensor belongs to ("...mlp.experts.17.gate_proj.weight": 17),
+    -1 for the others."""
+    rest = name[len(prefix):]
+    if rest.startswith("mlp.experts."):
+        return int(rest.split(".")[2])
+    return -1
+
+
+def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
+               qc: qcheckpoint.QuantConfig | None = None) -> dict:
+    """Layer i, prepared, in float32; with qc its routed experts already in qc's formats (the
+    rest is for qcheckpoint.quantize_layer)."""
     prefix = f"model.layers.{i}."
-    mlp, slots = mlp_slots(cfg, i)
+    mlp, slots = mlp_slots(cfg, i, qc)
     t = {}
+    # an expert's tensors together, so each one is complete (and quantized) soon after it starts
+    # (a GGUF lists all experts' gate slabs, then all up slabs)
+    names = sorted(names, key=lambda n: expert_of(n, prefix))
     for name, array in read_tensors(tensors, names):
         key = strip(name, prefix)
         if key in slots:
             dst, index = slots[key]
-            dst[index] = array                   # converts to float32 in place
+            dst[index] = array                   # converts to float32 in place (or quantizes)
         else:
             t[key] = np.ascontiguousarray(array, dtype=np.float32)
+    for key, w in mlp.items():
+        if isinstance(w, qcheckpoint.ExpertStack):
+            mlp[key] = w.finish()
     if "gate" in t:
         mlp["gate"] = t.pop("gate")
     if "gate.e_score_correction_bias" in t:  # DeepSeek-V3's router bias (E,)
@@ -185,7 +208,7 @@ def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | No
     top = load_top(tensors, cfg, qc)
     layers = []
     for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
-        layer = load_layer(tensors, names, cfg, i)
+        layer = load_layer(tensors, names, cfg, i, qc)
         layers.append(qcheckpoint.quantize_layer(layer, qc) if qc else layer)
         if progress:
             progress(i + 1, cfg.num_hidden_layers)

@@ -63,13 +63,25 @@ def cache_bytes(cfg: DeepseekV2Config, tokens: int) -> int:
     return tokens * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * FLOAT32
 
 
+def staging_bytes(cfg: DeepseekV2Config, i: int, qc: QuantConfig | None) -> int:
+    """The float32 bytes that exist at once while layer i is quantized as it loads: the layer but
+    its routed experts, which qcheckpoint.ExpertStack quantizes as they are read, holding at most
+    two batches of them and one expert being read (their quantized stacks count as weights)."""
+    full = layer_bytes(cfg, i, None)
+    keys = ("experts_gate_up", "experts_down")
+    shapes = qcheckpoint.layer_shapes(cfg, i)
+    if not all(("mlp", k) in shapes and qcheckpoint.format_for(qc, "mlp", k, shapes["mlp", k]) for k in keys):
+        return full
+    expert = sum(math.prod(shapes["mlp", k][1:]) for k in keys) * FLOAT32
+    return full - cfg.n_routed_experts * expert + min(cfg.n_routed_experts, 2 * qcheckpoint.EXPERT_BATCH + 1) * expert
+
+
 def required(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None,
              quantize_at_load: bool = False) -> dict:
     """The bytes a loaded model holds, by part."""
     context = min(cfg.max_position_embeddings, DEFAULT_CONTEXT) if context is None else context
     weights = weight_bytes(cfg, qc)
-    # quantizing as it loads, one layer exists in float32 (and its quantized temporaries) at once
-    staging = max((layer_bytes(cfg, i, None) for i in range(cfg.num_hidden_layers)), default=0) \
+    staging = max((staging_bytes(cfg, i, qc) for i in range(cfg.num_hidden_layers)), default=0) \
         if quantize_at_load else 0
     margin = WORKING_MARGIN_BYTES + int(WORKING_MARGIN_FRACTION * weights) + staging
     cache = cache_bytes(cfg, context)

@@ -302,13 +302,57 @@ def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress
 def quantize_weight(w, f: quant.Format | None, hessian: np.ndarray | None = None):
     """A prepared float weight (Dense or array) in format f, or as it is when f is None; with
     `hessian`, the second moments of its inputs over a calibration text (calibration.py)."""
-    if f is None:
+    if f is None or isinstance(w, QuantMatrix):   # already quantized as it was read (ExpertStack)
         return w
     w = w.w if isinstance(w, Dense) else w
     if hessian is None or f.bits == 16 or f.block is not None:
         # bf16 rounds each value alone, nothing to compensate; q8b is a GGUF's own Q8_0 blocks
         return scales.quantize_matrix(w, f)
     return QuantMatrix(*calibration.quantize_calibrated(w, f, hessian), f)
+
+
+class ExpertStack:
+    """A stacked expert weight (E, out, in) in format f, filled from float tensors an expert's
+    rows at a time (`stack[e, rows] = array`, as loader.mlp_slots fills a float32 stack) and
+    quantized as soon as EXPERT_BATCH experts are complete, so the layer's float32 stack (2.2 GB
+    for a V2-Lite MoE layer) never exists: only the experts read but not yet quantized do."""
+
+    def __init__(self, shape: tuple[int, int, int], f: quant.Format):
+        self.shape, self.f = shape, f
+        self.qweight = np.empty(f.qweight_shape(shape), f.qweight_dtype)
+        self.scales = np.empty(f.scales_shape(shape), f.scale_dtype)
+        self.pending: dict[int, list] = {}        # expert -> [float32 (out, in), rows filled]
+        self.complete: list[int] = []
+        self.done = np.zeros(shape[0], bool)
+
+    def __setitem__(self, index: tuple, array: np.ndarray) -> None:
+        e, rows = index[0], index[1] if len(index) > 1 else slice(None)
+        slot = self.pending.setdefault(e, [np.empty(self.shape[1:], np.float32), 0])
+        slot[0][rows] = array                       # converts to float32 in place
+        slot[1] += slot[0][rows].shape[0]
+        if slot[1] == self.shape[1]:
+            self.complete.append(e)
+            if len(self.complete) >= EXPERT_BATCH:
+                self.flush()
+
+    def flush(self) -> None:
+        """Quantize the complete experts together (scales.quantize shares a stack over the cores)."""
+        if not self.complete:
+            return
+        es, self.complete = self.complete, []
+        block = np.stack([self.pending.pop(e)[0] for e in es])                 # (k, out, in)
+        self.qweight[es], self.scales[es] = scales.quantize(block, self.f)
+        self.done[es] = True
+
+    def finish(self) -> QuantMatrix:
+        self.flush()
+        if not self.done.all() or self.pending:
+            missing = sorted({int(e) for e in np.flatnonzero(~self.done)} | set(self.pending))
+            raise QuantError(f"experts {missing[:8]} of a {list(self.shape)} stack were not read whole")
+        return QuantMatrix(self.qweight, self.scales, self.f)
+
+
+EXPERT_BATCH = 8     # experts quantized at once: enough for both cores, 8 x 23 MB of float32 on V2-Lite
 
 
 def quantize_layer(layer: dict, qc: QuantConfig, stats: dict | None = None) -> dict:

@@ -97,7 +97,8 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
         weight_map.update((tensor, name) for tensor, _ in arrays)
 
     for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
-        layer = load_layer(tensors, names, cfg, i)
+        # calibration runs the float layer; without it the experts are quantized as they are read
+        layer = load_layer(tensors, names, cfg, i, None if calib else qc)
         stats = calib.run_layer(layer) if calib else None
         layer = qcheckpoint.quantize_layer(layer, qc, stats)
         del stats

@@ -382,3 +382,82 @@ def test_an_item_that_fails_stops_the_other_cores_after_their_current_one():
     failed.set()
     pool.pool.shutdown(wait=True)    # the other core's item ends; it must not start more
     assert len(started) < 10
+
+
+# ---- the routed experts, quantized an expert at a time as they load ----
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_experts_quantized_as_they_load_equal_the_whole_stack_quantized(bits):
+    """Loading with --quantize, each routed expert is quantized once it is read; every integer
+    and scale equals quantizing the layer's float32 stack at once (the same per-matrix search)."""
+    source, low = ds2cli.load(None), ds2cli.load(None, quantize=bits)
+    qc, seen = QuantConfig.recipe(bits), 0
+    for float_layer, layer in zip(source.layers, low.layers):
+        for key in ("experts_gate_up", "experts_down"):
+            if key in layer["mlp"]:
+                w = float_layer["mlp"][key].w                                  # (E, out, in)
+                q, s = scales.quantize(w, qc.format_of("mlp", key))
+                assert layer["mlp"][key].f is qc.format_of("mlp", key)
+                np.testing.assert_array_equal(layer["mlp"][key].qweight, q)
+                np.testing.assert_array_equal(layer["mlp"][key].scales, s)
+                seen += 1
+    assert seen == 2 * (len(source.layers) - 1)
+
+
+def test_a_layer_loading_never_holds_its_float32_expert_stack(monkeypatch):
+    """With a batch of one expert, loading a MoE layer with a recipe allocates at most a few
+    experts' float32 at once: far less than its (E, 2I, D) + (E, D, I) float32 stacks, which
+    loading it as float32 allocates."""
+    import tracemalloc
+
+    from ds2cli import checkpoint, loader, qcheckpoint
+    monkeypatch.setattr(qcheckpoint, "EXPERT_BATCH", 1)
+    path = bundled_model_dir()
+    cfg = ds2cli.DeepseekV2Config.from_file(path / "config.json")
+    tensors = checkpoint.validate(cfg, path)
+    names = loader.names_by_layer(tensors, cfg.num_hidden_layers)[1]
+    names = sorted(names, reverse=True)   # any order: an expert's tensors are read together
+    E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    stacks = E * 3 * inter * D * 4
+
+    def peak(qc):
+        tracemalloc.start()
+        layer = loader.load_layer(tensors, names, cfg, 1, qc)
+        top = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return layer, top
+
+    as_float, float_peak = peak(None)
+    layer, low_peak = peak(QuantConfig.recipe(4))
+    assert isinstance(layer["mlp"]["experts_gate_up"], QuantMatrix)
+    assert float_peak > stacks and float_peak - low_peak > (E - 4) * 3 * inter * D * 4
+    np.testing.assert_array_equal(layer["mlp"]["experts_down"].dequantize(),
+                                  scales.quantize_matrix(as_float["mlp"]["experts_down"].w, FORMATS["q4"]).dequantize())
+
+
+def test_an_expert_stack_names_the_experts_it_never_got_whole():
+    from ds2cli.qcheckpoint import ExpertStack
+    stack = ExpertStack((3, 4, 32), FORMATS["q8"])
+    rng = np.random.default_rng(0)
+    stack[0, slice(0, 4)] = rng.standard_normal((4, 32))
+    stack[2, slice(0, 2)] = rng.standard_normal((2, 32))
+    with pytest.raises(quant.QuantError, match=r"experts \[1, 2\]"):
+        stack.finish()
+
+
+def test_the_memory_check_counts_a_few_experts_in_float32_not_the_layer():
+    """memory.required's staging for quantizing at load: V2-Lite's largest float32 layer less
+    its routed experts, plus two batches and one expert (0.71 GB, where a whole MoE layer is
+    2.3 GB and the dense layer 0.33)."""
+    from ds2cli import memory, qcheckpoint
+    from ds2cli.bench.synthetic import lite_config
+    cfg = ds2cli.DeepseekV2Config.from_dict(lite_config(27))
+    expert = 3 * 1408 * 2048 * 4
+    for bits in (8, 4):
+        qc = QuantConfig.recipe(bits)
+        moe = memory.staging_bytes(cfg, 1, qc)
+        assert moe == memory.layer_bytes(cfg, 1, None) - (64 - 2 * qcheckpoint.EXPERT_BATCH - 1) * expert
+        assert memory.staging_bytes(cfg, 0, qc) == memory.layer_bytes(cfg, 0, None)     # dense: whole
+        need, old = memory.required(cfg, qc, 128, quantize_at_load=True), memory.layer_bytes(cfg, 1, None)
+        assert need["margin"] == memory.required(cfg, qc, 128)["margin"] + max(moe, memory.layer_bytes(cfg, 0, None))
+        assert 0.6e9 < moe < 0.8e9 < 2.2e9 < old
