@@ -47,3 +47,15 @@ def test_few_rows_kernel_times_every_product():
     rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 8]
     assert rows[0][5] == "1.00x" and all(float(v) > 0 for r in rows for v in r[1:4])
+
+
+def test_side_by_side_reports_both_phases_and_their_ratios():
+    tiny = str(EXAMPLES.parent / "ds2cli/models/ds2-tiny")
+    out = run("side_by_side.py", tiny, tiny, "--rounds", "3", "--prompt", "8", "--decode", "4")
+    lines = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert out.startswith("2 rounds") and set(lines) == {"prefill", "decode"}
+    for phase, row in lines.items():
+        # "A min / med / max   B min / med / max   B/A min / med / max"
+        values = [float(v) for v in row[2:13:2] + row[14::2]]
+        assert len(values) == 9 and all(v > 0 for v in values), out
+        assert values[0] <= values[1] <= values[2] and values[6] <= values[7] <= values[8], out
