@@ -152,16 +152,22 @@ class GGUFFile:
     def type_name(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
 
-    def release(self, name: str) -> None:
-        """Drop a tensor's pages from this process once it has been converted. The file stays
-        mapped, and every page read would count in the process's RSS until the end: a 16.7 GB
-        Q8_0 file would show as 16.7 GB beside the 15.9 GB of weights converted from it (the
-        pages stay in the page cache; MADV_DONTNEED only unmaps them from this process)."""
+    def release(self, name: str, index: int | None = None) -> None:
+        """Drop a tensor's pages (with `index`, one expert's slab of a stacked tensor) from this
+        process once it has been converted. The file stays mapped, and every page read would
+        count in the process's RSS until the end: a 16.7 GB Q8_0 file would show as 16.7 GB
+        beside the 15.9 GB of weights converted from it (the pages stay in the page cache;
+        MADV_DONTNEED only unmaps them from this process, and a page shared with the next slab
+        is read back from the cache)."""
         m, t = self.maps.get(name), self.tensors.get(name)
         if m is None or not hasattr(m, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = t.data_offset - t.data_offset % mmap.PAGESIZE
-        length = t.data_offset + int(t.n_bytes) - start
+        first, n_bytes = t.data_offset, int(t.n_bytes)
+        if index is not None:
+            n_bytes //= t.data.shape[0]
+            first += index * n_bytes
+        start = first - first % mmap.PAGESIZE
+        length = first + n_bytes - start
         try:
             m.madvise(mmap.MADV_DONTNEED, start, length)
         except (OSError, ValueError):

@@ -133,9 +133,8 @@ class GGUFTensors(dict):
         for name in names:
             yield name, self.array(name)
             src = self[name]
-            if src.index is None or src.index == self.gf.tensors[src.names[0]].data.shape[0] - 1:
-                for n in src.names:               # a stacked tensor once its last expert is read
-                    self.gf.release(n)
+            for n in src.names:                   # a stacked tensor an expert's slab at a time
+                self.gf.release(n, src.index)
 
     def array(self, name: str) -> np.ndarray:
         src, tensors = self[name], self.gf.tensors

@@ -352,7 +352,7 @@ class ExpertStack:
         return QuantMatrix(self.qweight, self.scales, self.f)
 
 
-EXPERT_BATCH = 8     # experts quantized at once: enough for both cores, 8 x 23 MB of float32 on V2-Lite
+EXPERT_BATCH = 4     # experts quantized at once: two a core, 4 x 23 MB of float32 on V2-Lite
 
 
 def quantize_layer(layer: dict, qc: QuantConfig, stats: dict | None = None) -> dict:

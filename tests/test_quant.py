@@ -447,7 +447,7 @@ def test_an_expert_stack_names_the_experts_it_never_got_whole():
 
 def test_the_memory_check_counts_a_few_experts_in_float32_not_the_layer():
     """memory.required's staging for quantizing at load: V2-Lite's largest float32 layer less
-    its routed experts, plus two batches and one expert (0.71 GB, where a whole MoE layer is
+    its routed experts, plus two batches and one expert (0.44 GB, where a whole MoE layer is
     2.3 GB and the dense layer 0.33)."""
     from ds2cli import memory, qcheckpoint
     from ds2cli.bench.synthetic import lite_config
@@ -460,4 +460,4 @@ def test_the_memory_check_counts_a_few_experts_in_float32_not_the_layer():
         assert memory.staging_bytes(cfg, 0, qc) == memory.layer_bytes(cfg, 0, None)     # dense: whole
         need, old = memory.required(cfg, qc, 128, quantize_at_load=True), memory.layer_bytes(cfg, 1, None)
         assert need["margin"] == memory.required(cfg, qc, 128)["margin"] + max(moe, memory.layer_bytes(cfg, 0, None))
-        assert 0.6e9 < moe < 0.8e9 < 2.2e9 < old
+        assert 0.4e9 < moe < 0.5e9 < 2.2e9 < old
