@@ -77,7 +77,7 @@ UNQUANTIZED_MATRICES = (("attn", "w_uk"), ("attn", "w_uv"), ("mlp", "gate"))
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     bits: int
-    formats: dict                     # role -> "q8" | "q4" | "f32"
+    formats: dict                     # role -> a FORMATS name ("q8", "q4", "q8b", "bf16") or "f32"
     calibration: dict | None = None   # what calibration.Calibration.describe() said, if one ran
     unquantized: str = "f32"          # UNQUANTIZED_MATRICES: "f32" or "bf16" (files before it: f32)
 
