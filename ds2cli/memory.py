@@ -21,7 +21,7 @@ import math
 import os
 from pathlib import Path
 
-from ds2cli import qcheckpoint
+from ds2cli import checkpoint, qcheckpoint
 from ds2cli.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
 from ds2cli.qcheckpoint import QuantConfig
@@ -46,7 +46,7 @@ def matrix_bytes(qc: QuantConfig | None, part: str, key: str, shape: tuple[int, 
     f = qcheckpoint.format_for(qc, part, key, shape)
     if f is not None:
         return f.nbytes(shape)
-    return math.prod(shape) * (2 if qc is not None and qc.float_dtype(part, key) == "BF16" else FLOAT32)
+    return math.prod(shape) * checkpoint.DTYPE_SIZES[qc.float_dtype(part, key) if qc is not None else "F32"]
 
 
 def layer_bytes(cfg: DeepseekV2Config, i: int, qc: QuantConfig | None) -> int:
