@@ -1,5 +1,16 @@
 """ds2: DeepSeek-V2 family language models on a CPU, in pure NumPy.
 
+The packages are the layers, bottom-up; each imports only those before it in this list:
+    errors, json_files, wording   modules every layer may use (error types, untrusted JSON, words)
+    parallel     the cores a pass runs on: worker pool, BLAS threads, helper processes
+    model        the math: config, RoPE, latent cache, MLA attention, MoE, the transformer
+    text         tokenizers and chat templates
+    weights      checkpoints (safetensors, low-bit, GGUF, hub ids), formats and kernels, the loader
+    generation   sampling, drafts, grammars, the generation loop, logprobs, a conversation
+    server       the OpenAI-compatible server (`ds2 serve` without its click command)
+    cli          the `ds2` command line: every command's click side, chat's loop, inspect, bench
+docs/internals.md draws the same map, one line a module.
+
 The public names are imported when first used (PEP 562), so that `import ds2cli` costs nothing
 and the `ds2` command can handle a Ctrl-C from its first line on (__main__.py)."""
 
@@ -7,8 +18,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-_PUBLIC = {"load": "ds2cli.loader", "Model": "ds2cli.model", "LatentCache": "ds2cli.cache",
-           "DeepseekV2Config": "ds2cli.config", "Ds2Error": "ds2cli.errors", "ConfigError": "ds2cli.errors",
+_PUBLIC = {"load": "ds2cli.weights.loader", "Model": "ds2cli.model.transformer", "LatentCache": "ds2cli.model.cache",
+           "DeepseekV2Config": "ds2cli.model.config", "Ds2Error": "ds2cli.errors", "ConfigError": "ds2cli.errors",
            "CheckpointError": "ds2cli.errors", "TokenizerError": "ds2cli.errors",
            "ContextFullError": "ds2cli.errors", "GenerationError": "ds2cli.errors"}
 
@@ -18,7 +29,7 @@ __all__ = [*_PUBLIC, "__version__"]
 def __getattr__(name: str):
     if name in _PUBLIC:
         return getattr(importlib.import_module(_PUBLIC[name]), name)
-    try:   # a submodule, as `import ds2cli; ds2cli.loader` finds it once imported anywhere
+    try:   # a submodule, as `import ds2cli; ds2cli.weights.loader` finds it once imported anywhere
         return importlib.import_module(f"ds2cli.{name}")
     except ModuleNotFoundError:
         raise AttributeError(f"module 'ds2cli' has no attribute {name!r}") from None

@@ -10,7 +10,7 @@ import sys
 
 def main() -> None:
     try:
-        from ds2cli.cli import main as cli
+        from ds2cli.cli.main import main as cli
         cli()
     except KeyboardInterrupt:   # before the commands' own handler exists, or after it is done
         quiet_interrupt()

@@ -1,4 +1,4 @@
-"""How much constrained output costs a token: llguidance (what ds2cli.grammar uses) against
+"""How much constrained output costs a token: llguidance (what ds2cli.generation.grammar uses) against
 outlines-core, on ds2-tiny's 4096-token vocabulary and a DeepSeek tokenizer (102400 logits).
 
     python examples/grammar_masks.py [--tokenizer DIR] [--outlines]
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ds2cli import grammar as grammars
-from ds2cli.loader import bundled_model_dir
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.generation import grammar as grammars
+from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "color", "tags", "address"],

@@ -10,7 +10,7 @@ additions in chat; or over the `ids` of a reference case's ref.npz.
     python examples/quant_quality.py --bits 4 --model ../shared/reference/lite_like_plainq_yarn
 
 The two prompt sets are disjoint. `tune` is what the scale search and the calibration were
-developed against (and the prompts of tests/test_quant.py); `heldout` was not looked at until the
+developed against (and the prompts of tests/weights/test_quant.py); `heldout` was not looked at until the
 figures were final. Neither overlaps ds2cli/calibration.txt, the default calibration text.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import ds2cli
-from ds2cli import scales
+from ds2cli.weights import scales
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arithmetic import ask  # noqa: E402

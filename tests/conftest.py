@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds2cli.loader import bundled_model_dir
+from ds2cli.weights.loader import bundled_model_dir
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 
@@ -83,7 +83,7 @@ def assert_reference_rows(case, split: str, tol: float) -> None:
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fail the test if any weight is loaded: options must be refused before that."""
-    import ds2cli.options as options_module   # where the commands load their model
+    import ds2cli.cli.options as options_module   # where the commands load their model
 
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")

@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
-from ds2cli.config import DeepseekV2Config
+from ds2cli.model.config import DeepseekV2Config
 
 NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a",

@@ -17,7 +17,7 @@ No real Moonlight or Kimi tokenizer file is reachable offline, so this writes on
 The committed fixture keeps 3,840 ranks (+ 256 reserved = 4,096 ids, the reference_v3
 moonlight_like case's embedding rows): DeepSeek-V2's first 3,584, then 256 merges learned over
 unsplit text (`crossing_merges`: tokens across the pattern's boundaries, which make the id test
-sensitive to the split); tests/test_tiktoken.py builds the full ~100k-rank file from the same
+sensitive to the split); tests/text/test_tiktoken.py builds the full ~100k-rank file from the same
 functions at test time.
 """
 
@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-from ds2cli.tiktoken_convert import byte_level_alphabet
+from ds2cli.text.tiktoken_convert import byte_level_alphabet
 
 DATA = Path(__file__).parent / "data"
 DEEPSEEK_V2_TOKENIZER = DATA / "tokenizers" / "deepseek-v2" / "tokenizer.json"

@@ -11,7 +11,7 @@ the first code points that do.
 import sys, time, unicodedata
 import tiktoken
 from make_moonlight_tokenizer import ranks_from_bpe, crossing_merges, CROSSING_RANKS
-from ds2cli import tiktoken_convert as tc
+from ds2cli.text import tiktoken_convert as tc
 ranks = crossing_merges(ranks_from_bpe(), CROSSING_RANKS)
 backend = tc.build(ranks, {})
 enc = tiktoken.Encoding("x", pat_str=tc.MOONSHOT_PATTERN, mergeable_ranks=ranks, special_tokens={})

@@ -16,13 +16,13 @@ import re
 import sys
 from pathlib import Path
 
-from ds2cli import console
-from ds2cli.chat import ChatSession
-from ds2cli.console import write_out
-from ds2cli.text import plural
+from ds2cli.cli import console
+from ds2cli.generation.conversation import ChatSession
+from ds2cli.cli.console import write_out
+from ds2cli.wording import plural
 from ds2cli.errors import Ds2Error
-from ds2cli.generate import Chunk
-from ds2cli.options import argument_text
+from ds2cli.generation.generate import Chunk
+from ds2cli.cli.options import argument_text
 
 PROMPT, CONTINUATION = ">>> ", "... "
 MULTILINE_FENCE = '"""'

@@ -12,8 +12,8 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ds2cli.cache import LatentCache
-from ds2cli.generate import Chunk
+from ds2cli.model.cache import LatentCache
+from ds2cli.generation.generate import Chunk
 
 
 def error(message: str) -> None:

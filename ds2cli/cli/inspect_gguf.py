@@ -1,5 +1,5 @@
 """What `ds2 inspect FILE.gguf` reports: the file, its tensor types, the model its metadata
-describes, the memory each ds2 form needs, and every problem found (as data; tables.py renders).
+describes, the memory each ds2 form needs, and every problem found (as data; inspect_tables.py renders).
 
 Only the header is read (gguf memory-maps the file), so it is instant on a 16 GB file. A file
 that is not a readable GGUF at all (wrong magic, truncated, a part missing) raises; anything
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds2cli import describe, memory, qcheckpoint
+from ds2cli.cli import inspect_report as describe
+from ds2cli.weights import memory
+from ds2cli.weights import qcheckpoint
 from ds2cli.errors import Ds2Error
-from ds2cli.gguf_config import config_from_gguf
-from ds2cli.gguf_file import GGUFFile, find
-from ds2cli.gguf_model import DEFAULT_BITS, GGUFModel
-from ds2cli.gguf_tensors import GGUFTensors
+from ds2cli.weights.gguf.config import config_from_gguf
+from ds2cli.weights.gguf.file import GGUFFile, find
+from ds2cli.weights.gguf.checkpoint import DEFAULT_BITS, GGUFModel
+from ds2cli.weights.gguf.tensors import GGUFTensors
 
 
 def tensor_types(gf: GGUFFile) -> dict:

@@ -1,4 +1,4 @@
-"""What `ds2 inspect` reports: a checkpoint described as JSON-ready data (tables.py renders it).
+"""What `ds2 inspect` reports: a checkpoint described as JSON-ready data (inspect_tables.py renders it).
 
 `describe` reads config.json, the safetensors headers, tokenizer_config.json, tokenizer.json and
 generation_config.json, never tensor data (unless `check`), so it is instant on a 30 GB checkpoint.
@@ -33,13 +33,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ds2cli import checkpoint, memory, qcheckpoint, rope
-from ds2cli.checkpoint import TensorInfo
-from ds2cli.config import DeepseekV2Config, read_json_object
+from ds2cli.weights import checkpoint
+from ds2cli.weights import memory
+from ds2cli.weights import qcheckpoint
+from ds2cli.model import rope
+from ds2cli.weights.checkpoint import TensorInfo
+from ds2cli.json_files import read_json_object
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import CheckpointError, Ds2Error
-from ds2cli.loader import check_model_dir, read_generation_config
-from ds2cli.tiktoken_convert import has_tiktoken, load_backend as load_tiktoken_backend
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.weights.loader import check_model_dir, read_generation_config
+from ds2cli.text.tiktoken_convert import has_tiktoken, load_backend as load_tiktoken_backend
+from ds2cli.text.tokenizer import Tokenizer
 
 FLOAT32_BYTES = 4  # ds2 computes, and keeps its caches, in float32
 PARAM_CATEGORIES = ("embeddings", "attention", "dense_mlp", "routed_experts", "shared_experts",

@@ -1,4 +1,4 @@
-"""`ds2 inspect`'s report (describe.py) as rich tables: formatting only, every figure comes from
+"""`ds2 inspect`'s report (inspect_report.py) as rich tables: formatting only, every figure comes from
 the report."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ds2cli.describe import PARAM_CATEGORIES
-from ds2cli.text import human_bytes, human_count, plural
+from ds2cli.cli.inspect_report import PARAM_CATEGORIES
+from ds2cli.wording import human_bytes, human_count, plural
 
 
 def _show(value) -> str:

@@ -14,25 +14,28 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ds2cli import __version__, console, gguf_file, memory
-from ds2cli.bench import bench
-from ds2cli.chat import ChatSession, read_messages
-from ds2cli.console import quiet_broken_pipe, write_out
-from ds2cli.describe import describe
+from ds2cli import __version__
+from ds2cli.cli import console
+from ds2cli.weights.gguf import file as gguf_file
+from ds2cli.weights import memory
+from ds2cli.cli.bench import bench
+from ds2cli.generation.conversation import ChatSession, read_messages
+from ds2cli.cli.console import quiet_broken_pipe, write_out
+from ds2cli.cli.inspect_report import describe
 from ds2cli.errors import ContextFullError, Ds2Error
-from ds2cli.generate import Chunk, lstrip_reply, stream_generate
-from ds2cli.gguf_inspect import describe_gguf
-from ds2cli.loader import bundled_model_dir, check_model_dir
-from ds2cli.model import Model
-from ds2cli.options import (argument_text, chat_template_option, check_ctx, generation_options,
+from ds2cli.generation.generate import Chunk, lstrip_reply, stream_generate
+from ds2cli.cli.inspect_gguf import describe_gguf
+from ds2cli.weights.loader import bundled_model_dir, check_model_dir
+from ds2cli.model.transformer import Model
+from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, generation_options,
                             load_model, max_new_tokens_for, memory_options, model_config, model_from_env,
                             model_option, naming_ds2_model, sampler_for, strip_bom, thread_limits, unescape)
-from ds2cli.quantize import quantize_checkpoint
-from ds2cli.repl import CHAT_HELP, Repl
-from ds2cli.sampling import CountingSampler
-from ds2cli.serve import serve
-from ds2cli.tables import render
-from ds2cli.text import plural
+from ds2cli.weights.quantize import quantize_checkpoint
+from ds2cli.cli.chat_loop import CHAT_HELP, Repl
+from ds2cli.generation.sampling import CountingSampler
+from ds2cli.cli.serve import serve
+from ds2cli.cli.inspect_tables import render
+from ds2cli.wording import plural
 
 DEFAULT_CHAT_CTX = 4096  # chat keeps one cache for the whole conversation; cap its default size
 PIPE_CLOSED_EXIT = 0     # every command, when the reader of stdout goes away (`| head`)

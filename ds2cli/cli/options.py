@@ -15,14 +15,16 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ds2cli import console, gguf_model, memory
-from ds2cli.cores import kernel_threads
-from ds2cli.draft import MAX_DRAFT
-from ds2cli.config import DeepseekV2Config
+from ds2cli.cli import console
+from ds2cli.weights.gguf import checkpoint as gguf_model
+from ds2cli.weights import memory
+from ds2cli.parallel.cores import kernel_threads
+from ds2cli.generation.draft import MAX_DRAFT
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
-from ds2cli.loader import bundled_model_dir, check_model_dir, load
-from ds2cli.model import Model
-from ds2cli.sampling import SamplingParams, make_sampler
+from ds2cli.weights.loader import bundled_model_dir, check_model_dir, load
+from ds2cli.model.transformer import Model
+from ds2cli.generation.sampling import SamplingParams, make_sampler
 
 DEFAULT_MAX_NEW_TOKENS = 256
 

@@ -1,5 +1,5 @@
-"""`ds2 serve`: the command (options, loading, the engine, listening) and its graceful stop on
-SIGINT/SIGTERM. The HTTP layer is http_server.py; the engine and its scheduler engine.py.
+"""`ds2 serve`: the command (options, loading, the scheduler, listening) and its graceful stop on
+SIGINT/SIGTERM. The HTTP layer is server/http_server.py, the scheduler server/scheduler.py.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import threading
 
 import click
 
-from ds2cli import console
-from ds2cli import grammar as grammars
-from ds2cli.api import Defaults
-from ds2cli.engine import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, Engine
+from ds2cli.cli import console
+from ds2cli.generation import grammar as grammars
+from ds2cli.server.api import Defaults
+from ds2cli.server.scheduler import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, Scheduler
 from ds2cli.errors import Ds2Error
-from ds2cli.http_server import Server, State
-from ds2cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
+from ds2cli.server.http_server import Server, State
+from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
                             max_new_tokens_for, memory_options, model_config, model_option, sampling_options,
                             sampling_params, thread_limits)
 
@@ -42,7 +42,7 @@ def serve_forever(server: Server, state: State) -> None:
 
     def on_signal(signum, frame):
         if stop.is_set():
-            state.engine.abort()
+            state.scheduler.abort()
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -65,8 +65,8 @@ def serve_until(server: Server, state: State, stop: threading.Event) -> None:
     while not stop.wait(0.2):   # a timeout, so that the main thread runs its signal handlers
         pass
     state.log("ds2 serve: stopping (a second Ctrl-C ends the running requests at their next token)")
-    state.engine.close()
-    state.engine.wait_idle()
+    state.scheduler.close()
+    state.scheduler.wait_idle()
     server.shutdown()
     server.server_close()       # the listening socket: new connections are refused from now on
     state.wait_handlers()
@@ -118,15 +118,15 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
         model, load_s = load_model(path, quantize, ctx * parallel, not no_memory_check, chat_template)
         defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                             ctx, system, tuple(model.eos_token_ids))
-        engine = Engine(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue, parallel, prefill_chunk, draft)
+        scheduler = Scheduler(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue, parallel, prefill_chunk, draft)
         if grammars.available():    # llguidance's view of the vocabulary (1.5 s, 80 MB for DeepSeek's 100k
             # tokens), built off the first constrained request's path; that request waits for it if need be
             threading.Thread(target=grammars.warm, daemon=True,
                              args=(model.tokenizer, model.config.vocab_size, defaults.eos_ids)).start()
         model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
-        state = State(engine, model_id, defaults, api_key or None, cors_origins=cors_origins)
+        state = State(scheduler, model_id, defaults, api_key or None, cors_origins=cors_origins)
         server = listen(host, port, state)
-        slots = engine.prompt_cache.slots
+        slots = scheduler.prompt_cache.slots
         cache_mb = model.new_cache(1).bytes_per_token * ctx / 2 ** 20
         state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
                   f"request{'s' * (parallel != 1)} at once ({cache_mb:.0f} MB of cache each) | prompt cache "

@@ -11,11 +11,11 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ds2cli.config import JSON_ERRORS, json_error
+from ds2cli.json_files import JSON_ERRORS, json_error
 from ds2cli.errors import ContextFullError, Ds2Error
-from ds2cli.generate import Chunk, lstrip_reply, stream_generate
-from ds2cli.model import Model
-from ds2cli.sampling import Sampler
+from ds2cli.generation.generate import Chunk, lstrip_reply, stream_generate
+from ds2cli.model.transformer import Model
+from ds2cli.generation.sampling import Sampler
 
 ROLES = ("system", "user", "assistant")
 

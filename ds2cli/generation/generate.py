@@ -9,11 +9,11 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ds2cli.cache import LatentCache
-from ds2cli.draft import DraftLength, DraftSource, PromptLookup
+from ds2cli.model.cache import LatentCache
+from ds2cli.generation.draft import DraftLength, DraftSource, PromptLookup
 from ds2cli.errors import GenerationError
-from ds2cli.model import Model, Step
-from ds2cli.sampling import Sampler
+from ds2cli.model.transformer import Model, Step
+from ds2cli.generation.sampling import Sampler
 
 
 @dataclasses.dataclass

@@ -26,8 +26,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ds2cli.generate import Chunk
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.generation.generate import Chunk
+from ds2cli.text.tokenizer import Tokenizer
 
 MAX_TOP = 20            # top_logprobs may ask for 0..20 alternatives (OpenAI's limit)
 PROMPT_CHUNK = 256      # echo scores a prompt this many positions per forward pass: (256, V) logits at most

@@ -4,7 +4,7 @@ Shape legend: T new tokens of one sequence, N new tokens of all the sequences of
 pass, S cached positions (including the new ones), H heads, C kv_lora_rank,
 R qk_rope_head_dim, d qk_nope_head_dim, v v_head_dim, D hidden size.
 
-Weights (prepared once at load by model.py, Hugging Face names kept); the projections are
+Weights (prepared once at load by weights/loader.py, Hugging Face names kept); the projections are
 weights you can multiply by (linear.py: float32 or low-bit, `w.matmul(x)` = x @ W.T):
   q_proj (H*(d+R), D)  or  q_a_proj (q_lora_rank, D), q_a_layernorm, q_b_proj (H*(d+R), q_lora_rank)
   kv_a_proj_with_mqa (C+R, D), kv_a_layernorm (C,), o_proj (D, H*v)
@@ -20,8 +20,8 @@ import dataclasses
 
 import numpy as np
 
-from ds2cli import cores
-from ds2cli.rope import apply_rope
+from ds2cli.parallel import cores
+from ds2cli.model.rope import apply_rope
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from ds2cli.errors import ConfigError, Ds2Error
+from ds2cli.errors import ConfigError
+from ds2cli.json_files import read_json_object
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2",)
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -116,33 +116,6 @@ class DeepseekV2Config:
         if not path.is_file():
             raise ConfigError(f"no config.json in {path.parent}")
         return _parse(read_json_object(path, ConfigError))
-
-
-# What json.loads raises on untrusted text: JSONDecodeError, UnicodeDecodeError and an integer of
-# thousands of digits are ValueErrors; deep nesting is a RecursionError.
-JSON_ERRORS = (ValueError, RecursionError)
-
-
-def json_error(e: BaseException) -> str:
-    """Why untrusted JSON did not parse, in one line (without Python's advice to raise a limit)."""
-    if isinstance(e, RecursionError):
-        return "nested too deeply"
-    if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
-        return str(e)
-    return "a number has too many digits"
-
-
-def read_json_object(path: Path, error: type[Ds2Error]) -> dict:
-    """An untrusted JSON file that must hold an object; any failure raises `error` in one line."""
-    try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except JSON_ERRORS as e:
-        raise error(f"{path} is not valid JSON: {json_error(e)}") from None
-    except OSError as e:
-        raise error(f"cannot read {path}: {e.strerror}") from None
-    if not isinstance(d, dict):
-        raise error(f"{path} must hold a JSON object, not {type(d).__name__}")
-    return d
 
 
 # Far beyond any real checkpoint (DeepSeek-V3 has 61 layers); a hostile count must not make

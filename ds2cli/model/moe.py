@@ -1,6 +1,6 @@
 """DeepSeek-V2's mixture of experts: the gate (`route`), SwiGLU experts, and the mixture.
 
-Weights (prepared at load by model.py; every matrix but the gate is a weight you can multiply
+Weights (prepared at load by weights/loader.py; every matrix but the gate is a weight you can multiply
 by, linear.py): gate (E, D), an array (float32, or bfloat16 in a ds2 low-bit checkpoint);
 experts_gate_up (E, 2*I, D) with each expert's gate_proj and up_proj stacked so one matmul
 computes both; experts_down (E, D, I);
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds2cli import cores
-from ds2cli.attention import softmax
-from ds2cli.config import DeepseekV2Config
+from ds2cli.parallel import cores
+from ds2cli.model.attention import softmax
+from ds2cli.model.config import DeepseekV2Config
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from ds2cli.config import DeepseekV2Config
+from ds2cli.model.config import DeepseekV2Config
 
 # The original DeepseekV2YarnRotaryEmbedding's defaults for keys a rope_scaling may omit.
 YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,

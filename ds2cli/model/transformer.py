@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from ds2cli import cores, rope
-from ds2cli.attention import Span, mla, rms_norm
-from ds2cli.cache import LatentCache
-from ds2cli.config import DeepseekV2Config
+from ds2cli.parallel import cores
+from ds2cli.model import rope
+from ds2cli.model.attention import Span, mla, rms_norm
+from ds2cli.model.cache import LatentCache
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ContextFullError, Ds2Error
-from ds2cli.linear import as_weight
-from ds2cli.moe import moe, swiglu
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.model.linear import as_weight
+from ds2cli.model.moe import moe, swiglu
 
 
 @dataclasses.dataclass
@@ -31,9 +31,11 @@ class Step:
 class Model:
     """A loaded DeepSeek-V2 checkpoint. `forward` appends tokens to a LatentCache and returns logits."""
 
-    def __init__(self, config: DeepseekV2Config, weights: dict, tokenizer: Tokenizer | None,
+    def __init__(self, config: DeepseekV2Config, weights: dict, tokenizer: Any,
                  generation_config: dict | None = None, path: Path | None = None):
         self.config = config
+        # text.tokenizer.Tokenizer or None, given by the loader: the math reads only its eos ids, so
+        # the model package imports nothing of the text layer above it
         self.tokenizer = tokenizer
         self.generation_config = generation_config or {}
         self.path = path

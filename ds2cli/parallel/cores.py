@@ -5,7 +5,7 @@ The model's math asks this module two things and nothing else (attention.py, moe
   map(fn, items, cost)     [fn(item) for item in items], the items shared across the cores
 Whether sharing pays is decided here, not in the math: only while a low-bit forward pass holds
 BLAS at one thread (`forward_pass`), and not in a pass of few tokens whose products the helper
-processes (helpers.py) already split; the costliest items go first, so the cores finish together.
+processes (parallel/processes.py) already split; the costliest items go first, so the cores finish together.
 
 The low-bit kernels (quant.py) split their own row blocks with `Workers.run` and borrow their
 scratch buffers here (`Workers.buffer`).
@@ -39,7 +39,7 @@ class Workers:
         self.local = threading.local()   # .inside: this thread already runs one of several parts
         self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (forward_pass)
         self.few = 0                     # > 0 while that pass has at most FEW_TOKENS tokens
-        self.helpers = None              # the helper processes (helpers.py) while they run
+        self.helpers = None              # the helper processes (parallel/processes.py) while they run
 
     @contextlib.contextmanager
     def buffer(self, n: int, slot: str = "block"):
@@ -96,7 +96,7 @@ class Workers:
             self.local.inside = False
 
     def helpers_running(self) -> bool:
-        """Helper processes take the other cores' rows of a few-token pass's products (helpers.py)."""
+        """Helper processes take the other cores' rows of a few-token pass's products (parallel/processes.py)."""
         return self.helpers is not None and self.helpers.wanted()
 
     @property

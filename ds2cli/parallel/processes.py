@@ -31,7 +31,7 @@ import weakref
 
 import numpy as np
 
-from ds2cli import cores
+from ds2cli.parallel import cores
 
 _matrices: list[weakref.ref] = []    # a matrix's key -> the matrix, in this and every helper
 _helpers_failed = False               # a helper died or could not start: threads from then on

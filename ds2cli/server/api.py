@@ -10,16 +10,16 @@ import dataclasses
 import math
 from typing import Any
 
-from ds2cli import grammar as grammars
-from ds2cli import tools as tooling
-from ds2cli.draft import MAX_DRAFT
+from ds2cli.generation import grammar as grammars
+from ds2cli.server import tools as tooling
+from ds2cli.generation.draft import MAX_DRAFT
 from ds2cli.errors import Ds2Error
-from ds2cli.logprobs import MAX_TOP
-from ds2cli.sampling import SamplingError, SamplingParams
-from ds2cli.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
-from ds2cli.tools import ToolError, ToolSet
+from ds2cli.generation.logprobs import MAX_TOP
+from ds2cli.generation.sampling import SamplingError, SamplingParams
+from ds2cli.text.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
+from ds2cli.server.tools import ToolError, ToolSet
 
-ABORTED = "aborted"     # the engine's finish_reason for a generation the server ended (beside eos | stop | length)
+ABORTED = "aborted"     # the scheduler's finish_reason for a generation the server ended (beside eos | stop | length)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 16
 MAX_CHOICES = 64        # prompts x n in one request: each choice is a sequence of the batch
@@ -48,11 +48,11 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    cached: int = 0             # set by the engine: prompt tokens found in the prompt cache
+    cached: int = 0             # set by the scheduler: prompt tokens found in the prompt cache
     logprobs: int | None = None     # None: off; else how many top alternatives each token reports
     echo: bool = False              # completions: the answer starts with the prompt (and its logprobs)
     continue_final: bool = False    # chat: the reply continues the last assistant message (no lstrip)
-    prompt_logprobs: list | None = None  # set by the engine under echo: an Entry per prompt token (None first)
+    prompt_logprobs: list | None = None  # set by the scheduler under echo: an Entry per prompt token (None first)
     draft: int | None = None    # speculative decoding's draft length (None: the server's default)
     index: int = 0              # the choice this job answers: prompt * n + sample
     sample: int = 0             # which of the n samples of its prompt (0 pays the prompt's tokens)

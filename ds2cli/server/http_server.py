@@ -1,9 +1,9 @@
 """The HTTP layer of `ds2 serve`, on the standard library's ThreadingHTTPServer: routing, keys,
 bodies, CORS, server-sent events, one log line per request. Each request runs on its own handler
-thread, which parses it (api.py), hands its choices to the engine (engine.py) and writes their
+thread, which parses it (api.py), hands its choices to the scheduler (scheduler.py) and writes their
 chunks as they come (responses.py shapes them). serve.py has the command and its graceful stop.
 
-Why http.server rather than an ASGI stack: the engine's one scheduler thread runs every pass, so
+Why http.server rather than an ASGI stack: the scheduler's one thread runs every pass, so
 the connections need only blocking threads, not an event loop; and ds2 gains no dependency.
 """
 
@@ -21,14 +21,14 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ds2cli import __version__
-from ds2cli.api import ApiError, Defaults, parse_jobs
-from ds2cli.config import JSON_ERRORS, json_error
-from ds2cli.engine import ClientGone, Engine, Refused
+from ds2cli.server.api import ApiError, Defaults, parse_jobs
+from ds2cli.json_files import JSON_ERRORS, json_error
+from ds2cli.server.scheduler import ClientGone, Scheduler, Refused
 from ds2cli.errors import Ds2Error
-from ds2cli.metrics import CONTENT_TYPE as METRICS_TYPE
-from ds2cli.metrics import Metrics
-from ds2cli.responses import Response
-from ds2cli.tokenizer_api import detokenize_request, tokenize_request, tokenizer_info
+from ds2cli.server.metrics import CONTENT_TYPE as METRICS_TYPE
+from ds2cli.server.metrics import Metrics
+from ds2cli.server.responses import Response
+from ds2cli.server.tokenizer_endpoints import detokenize_request, tokenize_request, tokenizer_info
 
 MAX_BODY_BYTES = 4 * 1024 * 1024    # a request body beyond this gets 413 (a 160k-token prompt fits)
 IDLE_TIMEOUT_S = 120                # a connection that sends nothing for this long is closed
@@ -41,11 +41,11 @@ ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "
 
 
 class State:
-    """What every handler thread shares: the engine and the server's settings."""
+    """What every handler thread shares: the scheduler and the server's settings."""
 
-    def __init__(self, engine: Engine, model_id: str, defaults: Defaults, api_key: str | None,
+    def __init__(self, scheduler: Scheduler, model_id: str, defaults: Defaults, api_key: str | None,
                  sink=None, cors_origins: tuple[str, ...] = ()):
-        self.engine, self.model_id, self.defaults, self.api_key = engine, model_id, defaults, api_key
+        self.scheduler, self.model_id, self.defaults, self.api_key = scheduler, model_id, defaults, api_key
         self.sink = sink                    # where log lines go (tests collect them); default stderr
         self.cors_origins = tuple(cors_origins)     # --cors-origin: the origins whose pages may call us ("*": any)
         self.metrics = Metrics()
@@ -216,28 +216,28 @@ class Handler(BaseHTTPRequestHandler):
         self.send_body(200, CHAT_PAGE.read_bytes(), "text/html; charset=utf-8")
 
     def metrics(self) -> None:
-        engine = self.server.state.engine
-        text = self.server.state.metrics.render(engine.running(), engine.waiting(), len(engine.prompt_cache.entries))
+        scheduler = self.server.state.scheduler
+        text = self.server.state.metrics.render(scheduler.running(), scheduler.waiting(), len(scheduler.prompt_cache.entries))
         self.send_body(200, text.encode(), METRICS_TYPE)
 
     def tokenize(self) -> None:
         state = self.server.state
-        self.send_json(200, tokenize_request(self.read_json(), state.engine.model.tokenizer, state.defaults))
+        self.send_json(200, tokenize_request(self.read_json(), state.scheduler.model.tokenizer, state.defaults))
 
     def detokenize(self) -> None:
-        model = self.server.state.engine.model
+        model = self.server.state.scheduler.model
         self.send_json(200, detokenize_request(self.read_json(), model.tokenizer, model.config.vocab_size))
 
     def tokenizer_info(self) -> None:
-        model = self.server.state.engine.model
+        model = self.server.state.scheduler.model
         self.send_json(200, tokenizer_info(model.tokenizer, model.path, self.server.state.defaults.ctx))
 
     def health(self) -> None:
-        engine = self.server.state.engine
-        status = 503 if engine.closing else 200
-        self.send_json(status, {"status": "shutting down" if engine.closing else "ok",
+        scheduler = self.server.state.scheduler
+        status = 503 if scheduler.closing else 200
+        self.send_json(status, {"status": "shutting down" if scheduler.closing else "ok",
                                 "model": self.server.state.model_id,
-                                "running": engine.running() > 0, "waiting": engine.waiting()})
+                                "running": scheduler.running() > 0, "waiting": scheduler.waiting()})
 
     def models(self) -> None:
         self.send_json(200, {"object": "list", "data": [self.model_object()]})
@@ -260,13 +260,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def complete(self, chat: bool) -> None:
         state = self.server.state
-        engine, model = state.engine, state.engine.model
-        engine.check_open()     # while stopping, 503 before the body is read
+        scheduler, model = state.scheduler, state.scheduler.model
+        scheduler.check_open()     # while stopping, 503 before the body is read
         jobs = parse_jobs(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
         prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
         self.note = f"prompt {prompt} tok" + (f", {len(jobs)} choices" if len(jobs) > 1 else "")
         response = Response(jobs, state.model_id, model.tokenizer)
-        with engine.admit(jobs, self.client_gone) as chunks:
+        with scheduler.admit(jobs, self.client_gone) as chunks:
             lasts = (self.stream if jobs[0].stream else self.collect)(response, chunks)
         for job in jobs:
             state.metrics.generation(len(job.ids) if job.sample == 0 else 0, job.cached if job.sample == 0 else 0,
@@ -391,7 +391,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_body(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
 
     def send_body(self, status: int, data: bytes, content_type: str) -> None:
-        if self.body_pending() or self.server.state.engine.closing:
+        if self.body_pending() or self.server.state.scheduler.closing:
             self.close_connection = True   # an unread body would be parsed as the next request
         self.status = status
         self.send_response(status)

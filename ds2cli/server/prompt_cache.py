@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ds2cli.cache import LatentCache
+from ds2cli.model.cache import LatentCache
 
 
 @dataclasses.dataclass(eq=False)   # entries are told apart by identity (list.remove)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 import uuid
 
-from ds2cli import tools as tooling
-from ds2cli.api import ABORTED, Job
-from ds2cli.generate import Chunk
-from ds2cli.logprobs import TextOffsets, chat_content, completion_logprobs
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.server import tools as tooling
+from ds2cli.server.api import ABORTED, Job
+from ds2cli.generation.generate import Chunk
+from ds2cli.generation.logprobs import TextOffsets, chat_content, completion_logprobs
+from ds2cli.text.tokenizer import Tokenizer
 
 class Response:
     """Builds the objects of one completion (its choices, one per job), streamed or whole, in

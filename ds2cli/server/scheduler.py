@@ -1,13 +1,13 @@
-"""The serving engine: one model, its prompt cache, and a scheduler that runs up to `parallel`
+"""The server's scheduler: one model, its prompt cache, and a thread that runs up to `parallel`
 requests in each forward pass (continuous batching).
 
 What the HTTP layer calls is the whole interface:
 
-    with engine.admit(jobs, gone) as chunks:   # waits for a slot; Refused, ClientGone
+    with scheduler.admit(jobs, gone) as chunks:   # waits for a slot; Refused, ClientGone
         for index, chunk in chunks: ...        # each choice's last chunk has finish_reason
-    engine.close()                             # refuse new requests, send waiting ones away
-    engine.abort()                             # end running generations at their next token
-    engine.wait_idle()
+    scheduler.close()                             # refuse new requests, send waiting ones away
+    scheduler.abort()                             # end running generations at their next token
+    scheduler.wait_idle()
 
 The scheduler's thread owns the model. Each pass, every running request whose prompt is done
 adds its next token (or its token and drafts) and one request still reading its prompt adds a
@@ -32,12 +32,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ds2cli.api import ABORTED, Job
-from ds2cli.generate import Chunk, Generation, ReplyStart
-from ds2cli.logprobs import PROMPT_CHUNK, ObservedSampler, TokenLogprobs, entry
-from ds2cli.model import Model
-from ds2cli.prompt_cache import PromptCache, common_prefix, copy_prefix
-from ds2cli.sampling import make_sampler
+from ds2cli.server.api import ABORTED, Job
+from ds2cli.generation.generate import Chunk, Generation, ReplyStart
+from ds2cli.generation.logprobs import PROMPT_CHUNK, ObservedSampler, TokenLogprobs, entry
+from ds2cli.model.transformer import Model
+from ds2cli.server.prompt_cache import PromptCache, common_prefix, copy_prefix
+from ds2cli.generation.sampling import make_sampler
 
 DEFAULT_PARALLEL = 4
 DEFAULT_PREFILL_CHUNK = 128
@@ -49,7 +49,7 @@ class ClientGone(Exception):
 
 
 class Refused(Exception):
-    """No turn for this request (the queue is full, or the engine is closing); `code` says which."""
+    """No turn for this request (the queue is full, or the scheduler is closing); `code` says which."""
 
     def __init__(self, message: str, code: str):
         super().__init__(message)
@@ -57,7 +57,7 @@ class Refused(Exception):
 
 
 class Request:
-    """One job in the engine: waiting for a slot, then running as a Generation over its cache."""
+    """One job in the scheduler: waiting for a slot, then running as a Generation over its cache."""
 
     def __init__(self, job: Job, out: queue.Queue, after: Request | None = None):
         self.job, self.out, self.after = job, out, after
@@ -70,7 +70,7 @@ class Request:
         return self.out.qsize()
 
 
-class Engine:
+class Scheduler:
     """The model and its prompt cache, shared by up to `parallel` requests in each pass."""
 
     def __init__(self, model: Model, ctx: int, cache_budget_bytes: int, max_queue: int,

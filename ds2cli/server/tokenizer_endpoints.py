@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ds2cli.api import ApiError, Defaults, boolean, chat_ids, unicode_text
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.server.api import ApiError, Defaults, boolean, chat_ids, unicode_text
+from ds2cli.text.tokenizer import Tokenizer
 
 
 def tokenize_request(body: dict, tokenizer: Tokenizer, defaults: Defaults) -> dict:

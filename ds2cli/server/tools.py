@@ -29,7 +29,7 @@ import re
 import uuid
 from typing import Any
 
-from ds2cli import grammar as grammars
+from ds2cli.generation import grammar as grammars
 from ds2cli.errors import Ds2Error
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"

@@ -5,7 +5,7 @@ Python code that ds2 never runs (`tokenization_moonshot.py`, `tokenization_kimi.
 code adds to the file is three things, rebuilt here:
 - the split pattern (`pat_str`, below verbatim), which the `tokenizers` Split pre-tokenizer runs
   with Oniguruma; every construct of it is one Oniguruma understands (`&&` class intersection,
-  `\\p{Han}`, `(?i:...)`, `(?!\\S)`), and tests/test_tiktoken.py proves the split by comparing ids
+  `\\p{Han}`, `(?i:...)`, `(?!\\S)`), and tests/text/test_tiktoken.py proves the split by comparing ids
   with tiktoken itself;
 - the special tokens: 256 reserved ids right after the base ranks, named by tokenizer_config.json's
   `added_tokens_decoder` and `<|reserved_token_{id}|>` where it names none;
@@ -35,7 +35,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from ds2cli.config import read_json_object
+from ds2cli.json_files import read_json_object
 from ds2cli.errors import TokenizerError
 
 TIKTOKEN_FILE = "tiktoken.model"

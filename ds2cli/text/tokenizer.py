@@ -22,10 +22,10 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ds2cli.config import read_json_object
+from ds2cli.json_files import read_json_object
 from ds2cli.errors import TokenizerError
-from ds2cli.tiktoken_convert import byte_level_alphabet, has_tiktoken
-from ds2cli.tiktoken_convert import load_backend as tiktoken_backend
+from ds2cli.text.tiktoken_convert import byte_level_alphabet, has_tiktoken
+from ds2cli.text.tiktoken_convert import load_backend as tiktoken_backend
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -32,12 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ds2cli import checkpoint, quant, rope, scales
-from ds2cli.attention import Span, mla, rms_norm
-from ds2cli.config import DeepseekV2Config
+from ds2cli.weights import checkpoint
+from ds2cli.weights import quant
+from ds2cli.model import rope
+from ds2cli.weights import scales
+from ds2cli.model.attention import Span, mla, rms_norm
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
-from ds2cli.linear import Dense
-from ds2cli.moe import moe, swiglu
+from ds2cli.model.linear import Dense
+from ds2cli.model.moe import moe, swiglu
 
 BUILTIN = "builtin"
 BUILTIN_TEXT = Path(__file__).resolve().parent / "calibration.txt"

@@ -21,9 +21,10 @@ import ml_dtypes  # registers bfloat16 with NumPy (so safetensors can return it)
 import numpy as np
 from safetensors import safe_open
 
-from ds2cli.config import JSON_ERRORS, DeepseekV2Config
+from ds2cli.json_files import JSON_ERRORS
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import CheckpointError
-from ds2cli.text import plural
+from ds2cli.wording import plural
 
 # safetensors dtype name -> bytes per element (every dtype the format defines)
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,

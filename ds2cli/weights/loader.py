@@ -9,28 +9,35 @@ from typing import Callable
 
 import numpy as np
 
-from ds2cli import checkpoint, gguf_file, gguf_model, helpers, memory, qcheckpoint, rope
-from ds2cli.config import DeepseekV2Config, read_json_object
+from ds2cli.weights import checkpoint
+from ds2cli.weights.gguf import file as gguf_file
+from ds2cli.weights.gguf import checkpoint as gguf_model
+from ds2cli.parallel import processes as helpers
+from ds2cli.weights import memory
+from ds2cli.weights import qcheckpoint
+from ds2cli.model import rope
+from ds2cli.json_files import read_json_object
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ConfigError
-from ds2cli.hub import resolve_model_dir
-from ds2cli.linear import as_weight
-from ds2cli.model import Model
-from ds2cli.text import article
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.weights.hub import resolve_model_dir
+from ds2cli.model.linear import as_weight
+from ds2cli.model.transformer import Model
+from ds2cli.wording import article
+from ds2cli.text.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (layers done, layers total)
 
 
 def bundled_model_dir() -> Path:
     """ds2-tiny ships inside the package, so it is found wherever ds2cli is installed."""
-    return Path(__file__).resolve().parent / "models" / "ds2-tiny"
+    return Path(__file__).resolve().parents[1] / "models" / "ds2-tiny"   # ds2cli/models, package data
 
 
 def check_model_dir(path: str | Path) -> Path:
     path = resolve_model_dir(path)  # a Hugging Face id (not a local path) -> its cached snapshot
     if not path.exists():
         raise ConfigError(f"model directory {path} does not exist")
-    if gguf_file.find(path) is not None:   # a GGUF file, or a directory holding one (gguf_model.py)
+    if gguf_file.find(path) is not None:   # a GGUF file, or a directory holding one (gguf/checkpoint.py)
         return path
     if not path.is_dir():
         raise ConfigError(f"{path} is a file, not a model directory, and not a GGUF file "
@@ -265,7 +272,7 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     model = Model(cfg, weights, tokenizer, gen, model_dir)
     model.quantization = stored or recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
     if model.quantization is not None:
-        helpers.start_helpers()   # processes that share the decode steps' matvecs (helpers.py)
+        helpers.start_helpers()   # processes that share the decode steps' matvecs (parallel/processes.py)
     return model
 
 

@@ -21,11 +21,12 @@ import math
 import os
 from pathlib import Path
 
-from ds2cli import checkpoint, qcheckpoint
-from ds2cli.config import DeepseekV2Config
+from ds2cli.weights import checkpoint
+from ds2cli.weights import qcheckpoint
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
-from ds2cli.qcheckpoint import QuantConfig
-from ds2cli.text import article
+from ds2cli.weights.qcheckpoint import QuantConfig
+from ds2cli.wording import article
 
 FLOAT32 = 4
 WORKING_MARGIN_BYTES = 256 << 20

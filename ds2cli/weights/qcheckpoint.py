@@ -3,7 +3,7 @@
 A directory `ds2 quantize` writes holds config.json (the source's, plus a `quantization_config`
 with `"quant_method": "ds2"`), the tokenizer and generation files, model.safetensors.index.json
 and one safetensors shard per decoder layer plus one for the embedding, final norm and lm_head.
-Tensors are stored *prepared* (as model.py holds them after loading a Hugging Face checkpoint):
+Tensors are stored *prepared* (as weights/loader.py prepares them from a Hugging Face checkpoint):
 the RoPE rows of q and kv_a_proj_with_mqa de-interleaved, kv_b_proj split into per-head
 `w_uk` (H, d, C) and `w_uv` (H, C, v), each MLP's gate_proj and up_proj fused into one
 `gate_up` (2I, D), and the routed experts stacked as `experts_gate_up` (E, 2I, D) and
@@ -33,10 +33,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ds2cli import calibration, checkpoint, quant, scales
-from ds2cli.config import DeepseekV2Config
-from ds2cli.linear import Dense
-from ds2cli.quant import FORMATS, QuantError, QuantMatrix
+from ds2cli.weights import calibration
+from ds2cli.weights import checkpoint
+from ds2cli.weights import quant
+from ds2cli.weights import scales
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.model.linear import Dense
+from ds2cli.weights.quant import FORMATS, QuantError, QuantMatrix
 
 QUANT_METHOD = "ds2"
 VERSION = 2                      # 2: q8 scales per row (1 had groups of 32 rows)

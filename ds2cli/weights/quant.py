@@ -39,7 +39,7 @@ bfloat16 and kept only where it then measures better (scales.search_q4), clippin
 
 Kernels: a matrix-vector product (decode) widens row blocks that fit in L2 into a reused float32
 buffer and multiplies each by the activation with BLAS; its rows are split across the cores, in
-a decode step between this process and helper processes forked at load (helpers.py), otherwise
+a decode step between this process and helper processes forked at load (parallel/processes.py), otherwise
 between threads (cores.py), since NumPy releases the GIL in casts and in BLAS. A product
 with many tokens (prefill) dequantizes each weight once, in chunks, and runs the usual GEMM.
 """
@@ -51,8 +51,8 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from ds2cli import helpers
-from ds2cli.cores import FEW_TOKENS, split_rows, workers
+from ds2cli.parallel import processes as helpers
+from ds2cli.parallel.cores import FEW_TOKENS, split_rows, workers
 from ds2cli.errors import Ds2Error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -17,11 +17,17 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from ds2cli import calibration, checkpoint, files, gguf_model, memory, qcheckpoint
-from ds2cli.config import DeepseekV2Config, read_json_object
+from ds2cli.weights import calibration
+from ds2cli.weights import checkpoint
+from ds2cli.weights import staging as files
+from ds2cli.weights.gguf import checkpoint as gguf_model
+from ds2cli.weights import memory
+from ds2cli.weights import qcheckpoint
+from ds2cli.json_files import read_json_object
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ConfigError, Ds2Error
-from ds2cli.loader import check_model_dir, load_layer, load_top, names_by_layer, read_quant_config
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.weights.loader import check_model_dir, load_layer, load_top, names_by_layer, read_quant_config
+from ds2cli.text.tokenizer import Tokenizer
 
 # Weight files of other frameworks are never copied; everything else at the top level of the
 # source (tokenizer, generation config, license, README, remote code) is.

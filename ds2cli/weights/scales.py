@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds2cli.cores import split_rows, workers
-from ds2cli.quant import BF16, Format, QuantMatrix
+from ds2cli.parallel.cores import split_rows, workers
+from ds2cli.weights.quant import BF16, Format, QuantMatrix
 
 # The candidate scales tried per row or group, as multiples of the round-to-nearest inverse scale
 # (nmax / max |w|): llama.cpp's make_qx_quants tries (nmax + 0.1 k) / max for k = -9..9 and

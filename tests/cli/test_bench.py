@@ -14,14 +14,14 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 import ds2cli
-from ds2cli import checkpoint
-from ds2cli.bench import bench, compare_hf, formats, synthetic
-from ds2cli.bench import probes as probes_module
-from ds2cli.bench import report as report_module
-from ds2cli.bench.settings import BenchError
-from ds2cli.bench.synthetic import lite_config, synthesise
-from ds2cli.config import DeepseekV2Config
-from ds2cli.loader import bundled_model_dir
+from ds2cli.weights import checkpoint
+from ds2cli.cli.bench import bench, compare_hf, formats, synthetic
+from ds2cli.cli.bench import probes as probes_module
+from ds2cli.cli.bench import report as report_module
+from ds2cli.cli.bench.settings import BenchError
+from ds2cli.cli.bench.synthetic import lite_config, synthesise
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.weights.loader import bundled_model_dir
 
 TINY_ARGS = ["--repeats", "1", "--contexts", "16,64", "--prompt-lengths", "4,16", "--decode-steps", "2", "--json"]
 
@@ -331,7 +331,7 @@ def test_format_ratios_are_taken_within_each_round(report):
 def test_side_by_side_pairs_samples_of_every_format_in_one_process(report, tmp_path, monkeypatch):
     """--formats' speed ratios: every format loaded in one process, sample k of each taken in
     turn on the same ids, the ratio within each k; skipped when they do not fit together."""
-    from ds2cli.quantize import quantize_checkpoint
+    from ds2cli.weights.quantize import quantize_checkpoint
     q8 = tmp_path / "tiny-q8"
     quantize_checkpoint(bundled_model_dir(), q8, 8)
     targets = {"f32": bundled_model_dir(), "q8": q8}

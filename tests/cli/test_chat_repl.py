@@ -16,9 +16,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from ds2cli.chat import read_messages
-from ds2cli.cli import main
-from ds2cli.repl import clean_line, history_path
+from ds2cli.generation.conversation import read_messages
+from ds2cli.cli.main import main
+from ds2cli.cli.chat_loop import clean_line, history_path
 
 
 def chat(*args, input=None, env=None):

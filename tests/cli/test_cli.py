@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli.cli import main
-from ds2cli.generate import stream_generate
+from ds2cli.cli.main import main
+from ds2cli.generation.generate import stream_generate
 
 STATS = re.compile(r"^\[(?:load \d+\.\d\ds \| )?prefill (\d+) tok, [\d.]+ tok/s \| decode (\d+) tok, [\d.]+ tok/s"
                    r" \| cache (\d+)/(\d+) tok, (\d+) bytes\]$")
@@ -229,7 +229,7 @@ def test_chat_template_file_replaces_the_checkpoints(tmp_path):
 
 def test_threads_limits_blas_while_generating(monkeypatch):
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    import ds2cli.cli as cli_module
+    import ds2cli.cli.main as cli_module
     seen, real = [], cli_module.stream_generate
 
     def recording(*args, **kwargs):
@@ -244,7 +244,7 @@ def test_threads_limits_blas_while_generating(monkeypatch):
 
 
 def test_stop_understands_escapes():
-    from ds2cli.options import unescape
+    from ds2cli.cli.options import unescape
     assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb\\n") == "a\tb\\n"
     assert unescape(r"\x41\q\"") == 'A\\q"' and unescape("\\") == "\\"
     free = json.loads(run("generate", "ROMEO:\n", "--temp", "0", "-n", "40", "--json").stdout)["text"]
@@ -292,7 +292,7 @@ def test_context_clipping_max_new_tokens_is_said_once():
 def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(monkeypatch, as_json):
     """An interrupted generation still says how fast its prefill and decode steps ran: --json's
     object and the --stats line carry real figures, not zeros."""
-    import ds2cli.cli as cli_module
+    import ds2cli.cli.main as cli_module
     real = cli_module.sampler_for
 
     def sampler_for(model, opts):
@@ -335,7 +335,7 @@ def test_chat_says_when_the_context_cuts_a_reply():
 def test_inspect_refuses_a_directory_and_a_different_model_option(tmp_path):
     """`ds2 inspect DIR -m OTHER` names two checkpoints: a usage error, as generate's two prompts
     are, rather than silently reporting on one of them. DS2_MODEL is only a default: DIR wins."""
-    from ds2cli.loader import bundled_model_dir
+    from ds2cli.weights.loader import bundled_model_dir
     r = run("inspect", str(bundled_model_dir()), "-m", str(tmp_path))
     assert r.exit_code == 2 and "not both" in r.stderr and r.stdout == ""
     r = CliRunner(env={"DS2_MODEL": str(tmp_path)}).invoke(main, ["inspect", "--json", str(bundled_model_dir())])

@@ -20,12 +20,12 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import chat as chat_module
-from ds2cli import checkpoint
-from ds2cli.chat import ChatSession, read_messages, write_atomic
-from ds2cli.cli import main
+from ds2cli.generation import conversation as chat_module
+from ds2cli.weights import checkpoint
+from ds2cli.generation.conversation import ChatSession, read_messages, write_atomic
+from ds2cli.cli.main import main
 from ds2cli.errors import CheckpointError, ConfigError, Ds2Error, TokenizerError
-from ds2cli.sampling import SamplingParams, make_sampler
+from ds2cli.generation.sampling import SamplingParams, make_sampler
 
 TINY = "ds2-tiny"                       # 2 bf16 shards + index; LoRA-Q, group-limited MoE, YaRN
 SINGLE = "plain_rope_tied_fp16"         # one fp16 model.safetensors, tied embeddings
@@ -271,7 +271,7 @@ def test_hostile_generation_config(checkpoint_copy, text):
 
 
 def test_inspect_with_a_hostile_tokenizer_config(checkpoint_copy):
-    pytest.importorskip("ds2cli.describe")
+    pytest.importorskip("ds2cli.cli.inspect_report")
     model_dir = checkpoint_copy(SINGLE)
     (model_dir / "tokenizer_config.json").write_text("{\"add_bos_token\": " + "1" * 5000 + "}")
     result = cli("inspect", "--json", model_dir)
@@ -761,7 +761,7 @@ def test_sigint_during_generation_exits_130(checkpoint_copy):
 
 def test_sigint_while_loading_exits_130(checkpoint_copy, monkeypatch):
     """Ctrl-C before any output (while the model loads): exit 130, no traceback, no `Aborted!`."""
-    import ds2cli.options as options_module   # where the commands load their model
+    import ds2cli.cli.options as options_module   # where the commands load their model
 
     def interrupted_load(*args, **kwargs):
         raise KeyboardInterrupt

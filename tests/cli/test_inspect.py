@@ -17,17 +17,18 @@ from click.testing import CliRunner
 from rich.console import Console
 from safetensors.numpy import load_file, save_file
 
-from ds2cli import checkpoint, rope
-from ds2cli.checkpoint import TensorInfo, expected_shapes
-from ds2cli.cli import main
-from ds2cli.config import DeepseekV2Config
-from ds2cli.describe import describe, params_section
+from ds2cli.weights import checkpoint
+from ds2cli.model import rope
+from ds2cli.weights.checkpoint import TensorInfo, expected_shapes
+from ds2cli.cli.main import main
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.cli.inspect_report import describe, params_section
 from ds2cli.errors import CheckpointError, ConfigError
-from ds2cli.loader import bundled_model_dir
-from ds2cli.tables import render
-from ds2cli.text import article, human_bytes, human_count
+from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.cli.inspect_tables import render
+from ds2cli.wording import article, human_bytes, human_count
 
-REFERENCE = Path(__file__).parent / "data" / "reference"
+REFERENCE = Path(__file__).parents[1] / "data" / "reference"
 TINY = bundled_model_dir()
 MODEL_DIRS = [TINY] + sorted(p.parent for p in REFERENCE.glob("*/config.json"))
 IDS = [p.name for p in MODEL_DIRS]

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from ds2cli.loader import bundled_model_dir
+from ds2cli.weights.loader import bundled_model_dir
 
 # Runs `ds2 ARGS...` as the console script does, with SIGINT sent when module WHEN is first
 # imported (a meta-path finder sees the import before the module exists), or when the dotted
@@ -56,19 +56,19 @@ def assert_quiet_130(p: subprocess.CompletedProcess) -> None:
 
 
 @pytest.mark.parametrize("module", ["numpy", "jinja2", "tokenizers", "click", "rich.console",
-                                    "ds2cli.cli", "ds2cli.loader", "safetensors"])
+                                    "ds2cli.cli.main", "ds2cli.weights.loader", "safetensors"])
 def test_ctrl_c_while_importing_exits_130_quietly(module):
     assert_quiet_130(run_interrupted(module, "generate", "hi"))
 
 
-@pytest.mark.parametrize("when", ["ml_dtypes", "ds2cli.quantize", "ds2cli.checkpoint:read_headers"])
+@pytest.mark.parametrize("when", ["ml_dtypes", "ds2cli.weights.quantize", "ds2cli.weights.checkpoint:read_headers"])
 def test_ctrl_c_while_quantize_starts_exits_130_quietly(when, tmp_path):
     p = run_interrupted(when, "quantize", str(bundled_model_dir()), str(tmp_path / "out"), "--bits", "8")
     assert_quiet_130(p)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("when", ["ds2cli.loader:check_model_dir", "ds2cli.memory:check",
-                                  "ds2cli.checkpoint:iter_tensors"])
+@pytest.mark.parametrize("when", ["ds2cli.weights.loader:check_model_dir", "ds2cli.weights.memory:check",
+                                  "ds2cli.weights.checkpoint:iter_tensors"])
 def test_ctrl_c_while_loading_exits_130_quietly(when):
     assert_quiet_130(run_interrupted(when, "generate", "hi"))

@@ -5,8 +5,8 @@ import pytest
 
 import ds2cli
 from ds2cli.errors import Ds2Error, GenerationError
-from ds2cli.generate import StopMatcher, check_logits, stream_generate
-from ds2cli.sampling import (SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k,
+from ds2cli.generation.generate import StopMatcher, check_logits, stream_generate
+from ds2cli.generation.sampling import (SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k,
                              filter_top_p, make_sampler)
 
 

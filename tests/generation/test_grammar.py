@@ -1,7 +1,7 @@
-"""Constrained output: grammar.py's token masks (llguidance) on ds2's tokenizers, the sampler that
-applies them (drafts included), and response_format through ds2 serve with the openai client.
-ds2-tiny at temperature 1 writes near-random text, so a reply that parses and validates shows the
-mask did the work."""
+"""Constrained output: grammar.py's token masks (llguidance) on ds2's tokenizers and the sampler
+that applies them (drafts included); tests/server/test_response_format.py drives the same through
+ds2 serve. ds2-tiny at temperature 1 writes near-random text, so a reply that parses and validates
+shows the mask did the work."""
 
 import json
 from pathlib import Path
@@ -10,18 +10,16 @@ import numpy as np
 import pytest
 
 import ds2cli
-from ds2cli import grammar as grammars
-from ds2cli.responses import finish_reason
-from ds2cli.generate import stream_generate
-from ds2cli.sampling import SamplingParams, make_sampler
-from ds2cli.tokenizer import Tokenizer
-from test_serve import openai_client
+from ds2cli.generation import grammar as grammars
+from ds2cli.server.responses import finish_reason
+from ds2cli.generation.generate import stream_generate
+from ds2cli.generation.sampling import SamplingParams, make_sampler
+from ds2cli.text.tokenizer import Tokenizer
 
 pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
 jsonschema = pytest.importorskip("jsonschema")
-openai = pytest.importorskip("openai")
 
-TOKENIZERS = Path(__file__).parent / "data" / "tokenizers"
+TOKENIZERS = Path(__file__).parents[1] / "data" / "tokenizers"
 
 PERSON = {"type": "object", "additionalProperties": False,
           "properties": {"name": {"type": "string", "maxLength": 8},
@@ -43,19 +41,6 @@ LIST = {"type": "object", "additionalProperties": False, "required": ["items"],
 def model():
     return ds2cli.load()
 
-
-def running(model, temperature=1.0, max_tokens=200):
-    return openai_client(model, params=SamplingParams(temperature=temperature), max_tokens=max_tokens, max_queue=4)
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    with running(model) as c:
-        yield c
-
-
-def schema_format(schema):
-    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
 
 # ---- the masks, without a model ----
@@ -132,68 +117,3 @@ def test_drafts_keep_the_grammar_in_step(model):
     assert drafted_last.drafted > 0
     assert last.finish_reason == "grammar" and finish_reason(last) == "stop"
     jsonschema.validate(json.loads(text), NESTED)
-
-
-# ---- ds2 serve ----
-@pytest.mark.parametrize("schema", [PERSON, NESTED, LIST], ids=["person", "nested", "list"])
-def test_json_schema_replies_validate(client, schema):
-    for seed in (1, 2):
-        r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "Describe."}],
-                                           seed=seed, response_format=schema_format(schema))
-        assert r.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-
-
-def test_json_object_streamed_and_completions(client):
-    stream = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "JSON?"}],
-                                            seed=5, stream=True, response_format={"type": "json_object"})
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert chunks[-1].choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(text), dict)
-    r = client.completions.create(model="ds2-tiny", prompt="ROMEO:", seed=5,
-                                  extra_body={"response_format": schema_format(NESTED)})
-    assert r.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(r.choices[0].text), NESTED)
-
-
-def test_cut_by_max_tokens_is_length_not_stop(client):
-    r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}], seed=1,
-                                       max_tokens=3, response_format=schema_format(PERSON))
-    assert r.choices[0].finish_reason == "length"
-    assert r.choices[0].message.content.startswith("{")
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(r.choices[0].message.content)
-
-
-@pytest.mark.parametrize("fmt, fault", [
-    ({"type": "xml"}, "response_format must be"),
-    ({"type": "json_schema"}, "json_schema must be an object"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "Invalid type: foo"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "must be a JSON Schema object"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}, "strict")])
-def test_bad_response_format_is_400_naming_it(client, fmt, fault):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
-                                       response_format=fmt)
-    assert e.value.body["param"] == "response_format" and fault in e.value.body["message"]
-
-
-def test_stop_with_a_grammar_is_400(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
-                                       stop=["}"], response_format={"type": "json_object"})
-    assert e.value.body["param"] == "stop"
-
-
-def test_without_llguidance_the_400_says_how_to_install(client, monkeypatch):
-    def missing():
-        raise grammars.GrammarUnavailable(grammars.INSTALL_HINT)
-    monkeypatch.setattr(grammars, "_llg", missing)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
-                                       response_format={"type": "json_object"})
-    assert "pip install" in e.value.body["message"] and e.value.body["param"] == "response_format"
-    r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=2, response_format={"type": "text"})
-    assert r.choices[0].finish_reason == "length"

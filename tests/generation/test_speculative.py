@@ -9,13 +9,13 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli.cli import main
-from ds2cli.draft import DraftLength, PromptLookup
-from ds2cli.generate import stream_generate
-from ds2cli.sampling import SamplingParams, TokenSampler, make_sampler
+from ds2cli.cli.main import main
+from ds2cli.generation.draft import DraftLength, PromptLookup
+from ds2cli.generation.generate import stream_generate
+from ds2cli.generation.sampling import SamplingParams, TokenSampler, make_sampler
 
-REFERENCE = Path(__file__).parent / "data" / "reference"
-TOL = 1e-3      # the engine's agreement with the reference logits (tests/test_engine.py)
+REFERENCE = Path(__file__).parents[1] / "data" / "reference"
+TOL = 1e-3      # the engine's agreement with the reference logits (tests/model/test_parity.py)
 
 CHAT_PROMPTS = ["What is 451 - 123?", "Count from 3 to 9.", "Who are you?", "What is 17 + 25?",
                 "Count from 12 to 20.", "What is 99 - 9?", "Say something.", "Count from 1 to 5, then from 1 to 5 again."]

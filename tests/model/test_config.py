@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from ds2cli.config import DeepseekV2Config
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ConfigError
-from ds2cli.loader import bundled_model_dir
+from ds2cli.weights.loader import bundled_model_dir
 
 
 @pytest.fixture

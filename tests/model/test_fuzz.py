@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ds2cli
-from ds2cli import checkpoint
+from ds2cli.weights import checkpoint
 from ds2cli.errors import Ds2Error
 
-CASE = Path(__file__).parent / "data" / "reference" / "lite_like_plainq_yarn"
+CASE = Path(__file__).parents[1] / "data" / "reference" / "lite_like_plainq_yarn"
 SHARD = "model-00010-of-00010.safetensors"
 ORIGINAL = (CASE / SHARD).read_bytes()
 (HEADER_LEN,) = struct.unpack("<Q", ORIGINAL[:8])

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 import ds2cli
-from ds2cli import attention, rope
+from ds2cli.model import attention
+from ds2cli.model import rope
 from ds2cli.errors import ContextFullError, Ds2Error
-from ds2cli.loader import bundled_model_dir
+from ds2cli.weights.loader import bundled_model_dir
 from conftest import assert_reference_rows
 
-REFERENCE = Path(__file__).parent / "data" / "reference"
+REFERENCE = Path(__file__).parents[1] / "data" / "reference"
 CASES = sorted(p.name for p in REFERENCE.iterdir() if (p / "ref.npz").is_file())
 TOL = 1e-3  # the reference README: expect about 1e-4, above 1e-3 is a bug
 

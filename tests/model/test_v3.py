@@ -18,16 +18,19 @@ from click.testing import CliRunner
 from conftest import assert_reference_rows
 
 import ds2cli
-from ds2cli import checkpoint, moe, qcheckpoint, rope
-from ds2cli import config as config_module
-from ds2cli.bench import bench
-from ds2cli.cli import main
-from ds2cli.config import DeepseekV2Config
-from ds2cli.describe import describe
+from ds2cli.weights import checkpoint
+from ds2cli.model import moe
+from ds2cli.weights import qcheckpoint
+from ds2cli.model import rope
+from ds2cli.model import config as config_module
+from ds2cli.cli.bench import bench
+from ds2cli.cli.main import main
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.cli.inspect_report import describe
 from ds2cli.errors import CheckpointError, ConfigError
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.text.tokenizer import Tokenizer
 
-REFERENCE = Path(__file__).parent / "data" / "reference_v3"
+REFERENCE = Path(__file__).parents[1] / "data" / "reference_v3"
 CASES = sorted(p.name for p in REFERENCE.iterdir() if (p / "ref.npz").is_file())
 FP8_CASE = "v3_like_fp8_mtp"
 TOL = 1e-3  # the reference README: expect about 1e-5, above 1e-3 is a bug
@@ -202,7 +205,7 @@ def test_v3_normalises_and_still_scales_unlike_v2():
     bias = np.zeros(16, np.float32)
     _, w = moe.route(x, gate, v3_config(norm_topk_prob=True, routed_scaling_factor=2.5), bias)
     np.testing.assert_allclose(w.sum(axis=-1), 2.5, rtol=1e-6)     # normalised, then scaled
-    tiny = json.loads((ds2cli.loader.bundled_model_dir() / "config.json").read_text())
+    tiny = json.loads((ds2cli.weights.loader.bundled_model_dir() / "config.json").read_text())
     v2 = DeepseekV2Config.from_dict({**tiny, "norm_topk_prob": True, "n_routed_experts": 16})
     _, w2 = moe.route(x, gate, v2)
     np.testing.assert_allclose(w2.sum(axis=-1), 1.0, rtol=1e-6)    # V2 normalises instead of scaling
@@ -359,7 +362,7 @@ def test_inspect_check_scans_fp8_without_failing():
 
 
 def test_v2_inspect_has_no_v3_sections():
-    r = describe(ds2cli.loader.bundled_model_dir())
+    r = describe(ds2cli.weights.loader.bundled_model_dir())
     assert r["fp8"] is None and r["mtp"] == {"layers": [], "tensors": 0, "params": 0, "bytes": 0}
     assert r["model"]["family"] == "DeepSeek-V2" and r["moe"]["router"].startswith("softmax, group-limited")
 
@@ -396,7 +399,7 @@ def test_v3_ignores_moe_layer_freq_as_transformers_does():
 
 
 def test_v2_config_ignores_v3_only_fields():
-    raw = json.loads((ds2cli.loader.bundled_model_dir() / "config.json").read_text())
+    raw = json.loads((ds2cli.weights.loader.bundled_model_dir() / "config.json").read_text())
     before = DeepseekV2Config.from_dict(raw)
     raw.update(rope_interleave=False, num_nextn_predict_layers=1,
                quantization_config={"quant_method": "gptq"})
@@ -530,7 +533,7 @@ def test_generate_runs_a_v3_checkpoint():
 
 
 def test_bench_accepts_a_v3_checkpoint(monkeypatch):
-    from ds2cli.bench import probes as bench_module
+    from ds2cli.cli.bench import probes as bench_module
     monkeypatch.setattr(bench_module, "MATVEC_N", 1024)
     monkeypatch.setattr(bench_module, "GEMM_SHAPES", {"prefill": (64, 256, 256), "expert": (8, 256, 352)})
     args = ["-m", str(REFERENCE / "moonlight_like"), "--repeats", "1", "--contexts", "16",
@@ -544,7 +547,7 @@ def test_bench_accepts_a_v3_checkpoint(monkeypatch):
 
 
 def test_tiktoken_only_checkpoint_says_what_is_missing(v3_copy):
-    """Moonlight and Kimi-K2 ship tiktoken.model: ds2 converts it (tests/test_tiktoken.py), and a
+    """Moonlight and Kimi-K2 ship tiktoken.model: ds2 converts it (tests/text/test_tiktoken.py), and a
     file that cannot encode every text is refused in one line."""
     model_dir = v3_copy("moonlight_like")
     (model_dir / "tokenizer.json").unlink()

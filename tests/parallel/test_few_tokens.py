@@ -6,9 +6,11 @@ a float32 rounding bound: the kernel and the reference use different BLAS call s
 import numpy as np
 import pytest
 
-from ds2cli import cores, quant, scales
-from ds2cli import helpers as procs
-from ds2cli.quant import FORMATS, QuantMatrix
+from ds2cli.parallel import cores
+from ds2cli.weights import quant
+from ds2cli.weights import scales
+from ds2cli.parallel import processes as procs
+from ds2cli.weights.quant import FORMATS, QuantMatrix
 
 EPS = np.finfo(np.float32).eps
 

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 import ds2cli
-from ds2cli import cores, quant, scales
-from ds2cli import helpers as procs
+from ds2cli.parallel import cores
+from ds2cli.weights import quant
+from ds2cli.weights import scales
+from ds2cli.parallel import processes as procs
 
 pytestmark = pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes are used on Linux "
                                 "with two cores or more (and not with DS2_HELPERS=0)")
@@ -170,7 +172,7 @@ def test_a_model_loaded_on_a_thread_that_ends_keeps_its_helpers():
 
 @pytest.mark.parametrize("how", ["exit", "SIGKILL"])
 def test_helpers_never_outlive_their_process(how):
-    script = ("import sys, time, ds2cli\nfrom ds2cli import helpers as procs\n"
+    script = ("import sys, time, ds2cli\nfrom ds2cli.parallel import processes as procs\n"
               "m = ds2cli.load(quantize=8)\nm.forward([0, 74], m.new_cache(8))\n"
               "print(*[h.pid for h in procs.running().procs], flush=True)\n"
               "sys.stdin.readline()\n")            # held until the test has seen the helpers

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import ds2cli
-from ds2cli.model import Step
+from ds2cli.model.transformer import Step
 from test_serve import ROMEO, holding, logged, request, running, sse
 
-REFERENCE = Path(__file__).parent / "data" / "reference"
-REFERENCE_V3 = Path(__file__).parent / "data" / "reference_v3"
+REFERENCE = Path(__file__).parents[1] / "data" / "reference"
+REFERENCE_V3 = Path(__file__).parents[1] / "data" / "reference_v3"
 TOL = 1e-3  # the reference README: expect about 1e-4, above 1e-3 is a bug
 CASES = [REFERENCE / "lite_like_plainq_yarn", REFERENCE / "v2_like_loraq_grouplimited",
          REFERENCE_V3 / "moonlight_like"]
@@ -103,11 +103,11 @@ def test_greedy_streams_served_together_are_the_streams_served_alone(tiny):
     with running(tiny, api_key=None, parallel=1) as (port, _, _):
         alone = [chat(port, q)["choices"][0]["message"]["content"] for q in QUESTIONS]
     with running(tiny, api_key=None, parallel=4) as (port, state, _):
-        steps = state.engine.steps
+        steps = state.scheduler.steps
         with ThreadPoolExecutor(4) as pool:
             together = list(pool.map(lambda q: chat(port, q)["choices"][0]["message"]["content"], QUESTIONS))
         drafted = chat(port, QUESTIONS[0], draft=8)["choices"][0]["message"]["content"]
-        passes = state.engine.steps - steps
+        passes = state.scheduler.steps - steps
     assert together == alone and drafted == alone[0]
     assert alone[0] == "451 - 123 = 328."
     tokens = sum(len(tiny.tokenizer.encode(a)) for a in alone)
@@ -171,10 +171,10 @@ def test_a_new_prompt_is_read_in_chunks_while_others_decode(tiny, monkeypatch):
 
 def test_a_client_that_hangs_up_or_reads_nothing_does_not_hold_up_the_others(tiny):
     with running(tiny, api_key=None, parallel=2) as (port, state, lines):
-        with holding(state.engine):             # a client that reads nothing: it sits out passes
+        with holding(state.scheduler):             # a client that reads nothing: it sits out passes
             answer = chat(port, QUESTIONS[0])["choices"][0]["message"]["content"]
             assert answer == "451 - 123 = 328."
-            assert state.engine.running() == 1
+            assert state.scheduler.running() == 1
         # a client that hangs up mid-stream frees its slot at the next pass
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         body = json.dumps({"prompt": ROMEO, "max_tokens": 100000, "temperature": 0, "stream": True}).encode()
@@ -186,9 +186,9 @@ def test_a_client_that_hangs_up_or_reads_nothing_does_not_hold_up_the_others(tin
         s.close()
         assert logged(lines, "client gone")
         deadline = time.monotonic() + 30
-        while state.engine.running() and time.monotonic() < deadline:
+        while state.scheduler.running() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert state.engine.running() == 0
+        assert state.scheduler.running() == 0
         assert chat(port, QUESTIONS[1])["choices"][0]["message"]["content"]
 
 
@@ -201,13 +201,13 @@ def test_a_request_whose_logits_go_bad_fails_alone(tiny, monkeypatch):
                 for s, o in zip(steps, out)]
     monkeypatch.setattr(tiny, "forward_batch", poisoned)
     with running(tiny, api_key=None, parallel=2, budget=0) as (port, state, _):
-        real_take = state.engine.prompt_cache.take
+        real_take = state.scheduler.prompt_cache.take
 
         def take(ids):
             cache, keep = real_take(ids)
             cache.poisoned = tiny.tokenizer.decode(ids).endswith("POISON")
             return cache, keep
-        state.engine.prompt_cache.take = take
+        state.scheduler.prompt_cache.take = take
         with ThreadPoolExecutor(2) as pool:
             bad = pool.submit(request, port, "POST", "/v1/completions", {"prompt": "POISON", "max_tokens": 30})
             good = pool.submit(chat, port, QUESTIONS[0])
@@ -226,12 +226,12 @@ def test_twenty_clients_at_once_get_answers_or_503s(tiny):
         statuses = [s for s, _ in results]
         assert set(statuses) <= {200, 503} and statuses.count(200) >= 3
         assert all(p["error"]["code"] == "queue_full" for s, p in results if s == 503)
-        state.engine.wait_idle()
-        assert state.engine.running() == 0 and state.engine.waiting() == 0
+        state.scheduler.wait_idle()
+        assert state.scheduler.running() == 0 and state.scheduler.waiting() == 0
 
 
 def test_stopping_lets_every_running_request_finish(tiny):
-    from ds2cli import serve as serve_module
+    from ds2cli.cli import serve as serve_module
     from test_serve import make_server
     server, state, lines = make_server(tiny, api_key=None, parallel=3)
     port, stop = server.server_address[1], threading.Event()
@@ -240,7 +240,7 @@ def test_stopping_lets_every_running_request_finish(tiny):
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(chat, port, q) for q in QUESTIONS[:3]]
         deadline = time.monotonic() + 30
-        while state.engine.running() < 3 and time.monotonic() < deadline:
+        while state.scheduler.running() < 3 and time.monotonic() < deadline:
             time.sleep(0.005)
         stop.set()
         answers = [f.result(60)["choices"][0] for f in futures]

@@ -98,7 +98,7 @@ def test_stop_ends_a_reply_mid_stream(browser, monkeypatch):
     """ds2-tiny's answers are short: this server ignores eos and pauses between tokens, so that
     the reply is still streaming when Stop is pressed; the server sees the client go."""
     import ds2cli
-    from ds2cli import engine as engine_module
+    from ds2cli.server import scheduler as engine_module
 
     class Endless(engine_module.Generation):
         def __init__(self, *args, **kwargs):

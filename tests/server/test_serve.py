@@ -19,16 +19,16 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import engine as engine_module
-from ds2cli import serve as serve_module
-from ds2cli.api import Defaults, Job
-from ds2cli.cli import main
+from ds2cli.server import scheduler as engine_module
+from ds2cli.cli import serve as serve_module
+from ds2cli.server.api import Defaults, Job
+from ds2cli.cli.main import main
 from ds2cli.errors import GenerationError
-from ds2cli.generate import lstrip_reply, stream_generate
-from ds2cli.prompt_cache import PromptCache, common_prefix
-from ds2cli.sampling import SamplingParams, make_sampler
-from ds2cli.engine import Engine
-from ds2cli.http_server import MAX_BODY_BYTES, Server, State
+from ds2cli.generation.generate import lstrip_reply, stream_generate
+from ds2cli.server.prompt_cache import PromptCache, common_prefix
+from ds2cli.generation.sampling import SamplingParams, make_sampler
+from ds2cli.server.scheduler import Scheduler
+from ds2cli.server.http_server import MAX_BODY_BYTES, Server, State
 
 openai = pytest.importorskip("openai")   # the test extra: pip install ".[test]"
 
@@ -42,22 +42,22 @@ def model():
 
 
 def make_server(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024, params=None, system=None,
-                parallel=1, cors_origins=(), max_tokens=256, **engine):
+                parallel=1, cors_origins=(), max_tokens=256, **scheduler):
     """A server not yet serving; returns (server, state, log lines)."""
     lines = []
     params = params or SamplingParams.from_generation_config(model.generation_config)
     defaults = Defaults(params, max_tokens, ctx, system, tuple(model.eos_token_ids))
-    state = State(Engine(model, ctx, budget, max_queue, parallel=parallel, **engine), "ds2-tiny", defaults,
+    state = State(Scheduler(model, ctx, budget, max_queue, parallel=parallel, **scheduler), "ds2-tiny", defaults,
                   api_key, sink=lines.append, cors_origins=cors_origins)
     return Server(("127.0.0.1", 0), state), state, lines
 
 
 @contextmanager
-def holding(engine):
-    """The test holds one of the engine's slots, as a long request whose client reads nothing
+def holding(scheduler):
+    """The test holds one of the scheduler's slots, as a long request whose client reads nothing
     would: it sits out every pass once its backlog is full."""
-    job = Job(False, engine.model.tokenizer.encode(ROMEO), SamplingParams(temperature=0), 10 ** 6, (), True, False)
-    with engine.admit([job], lambda: False):
+    job = Job(False, scheduler.model.tokenizer.encode(ROMEO), SamplingParams(temperature=0), 10 ** 6, (), True, False)
+    with scheduler.admit([job], lambda: False):
         yield
 
 
@@ -341,7 +341,7 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
     def serve_forever(server, state):
         from threadpoolctl import threadpool_info
         seen.update(state=state, blas=[p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"],
-                    cores=ds2cli.cores.workers().n)
+                    cores=ds2cli.parallel.cores.workers().n)
         server.server_close()
 
     monkeypatch.setattr(serve_module, "serve_forever", serve_forever)
@@ -355,7 +355,7 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
     assert state.cors_origins == ("http://localhost:3000", "*")
     assert state.defaults.params.temperature == 0 and state.defaults.params.seed is None
     assert set(seen["blas"]) == {1} and seen["cores"] == 1
-    tok = state.engine.model.tokenizer
+    tok = state.scheduler.model.tokenizer
     assert tok.decode(tok.encode_chat([{"role": "user", "content": "hi"}])).endswith("[user] hi\n[assistant]")
 
 
@@ -440,7 +440,7 @@ def test_keep_alive_serves_requests_after_an_error(server):
 
 def test_internal_errors_are_one_line_without_traceback(server, monkeypatch):
     port, state, lines = server
-    model = state.engine.model
+    model = state.scheduler.model
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom\nsecond line")
@@ -488,12 +488,12 @@ def sse(port, body, path="/v1/completions"):
 def test_requests_queue_in_order_and_beyond_the_queue_get_503(model):
     with running(model, max_queue=1) as (port, state, lines):
         results = []
-        with holding(state.engine):      # the test holds the engine, as a long request would
+        with holding(state.scheduler):      # the test holds the scheduler, as a long request would
             waiter = threading.Thread(target=lambda: results.append(
                 request(port, "POST", "/v1/completions", {"prompt": "What", "max_tokens": 2, "temperature": 0})))
             waiter.start()
             deadline = time.monotonic() + 60
-            while state.engine.waiting() < 1 and time.monotonic() < deadline:
+            while state.scheduler.waiting() < 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
             status, payload, r = request(port, "POST", "/v1/completions", {"prompt": "What", "max_tokens": 2})
             assert status == 503 and payload["error"]["code"] == "queue_full" and r.getheader("Retry-After")
@@ -622,7 +622,7 @@ def test_stopping_answers_503_until_the_running_request_ends_then_closes(model):
     port, stop = server.server_address[1], threading.Event()
     stopping = threading.Thread(target=serve_module.serve_until, args=(server, state, stop))
     stopping.start()
-    with holding(state.engine):      # the test holds the engine, as a running request would
+    with holding(state.scheduler):      # the test holds the scheduler, as a running request would
         stop.set()
         assert logged(lines, "ds2 serve: stopping")
         status, body, r = request(port, "GET", "/health")
@@ -642,7 +642,7 @@ def test_stopping_answers_503_until_the_running_request_ends_then_closes(model):
 def test_abort_ends_a_stream_with_its_final_chunk_and_done(model):
     with running(model, api_key=None) as (port, state, lines):
         r = start_stream(port, 1000, temperature=0, stream_options={"include_usage": True})
-        state.engine.abort()
+        state.scheduler.abort()
         events = [e[6:] for e in ("data: " + r.read().decode()).split("\n\n") if e]
         assert events[-1] == "[DONE]"
         final, usage = json.loads(events[-3]), json.loads(events[-2])["usage"]
@@ -662,9 +662,9 @@ def test_abort_answers_a_whole_request_with_its_text_so_far(model):
             {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 1000,
              "temperature": 1.0, "seed": 0})))
         asking.start()
-        while state.engine.running() == 0 and asking.is_alive():
+        while state.scheduler.running() == 0 and asking.is_alive():
             time.sleep(0.01)
-        state.engine.abort()
+        state.scheduler.abort()
         asking.join(30)
         status, body, _ = answers[0]
         assert status == 200 and body["choices"][0]["finish_reason"] == "length"

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 import ds2cli
-from ds2cli.api import render_continuation
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.server.api import render_continuation
+from ds2cli.text.tokenizer import Tokenizer
 from test_serve import KEY, client, request, running
 
 QUESTION = [{"role": "user", "content": "What is 451 - 123?"}]
-TOKENIZERS = Path(__file__).parent / "data" / "tokenizers"   # DeepSeek's own files, copied from ../shared
+TOKENIZERS = Path(__file__).parents[1] / "data" / "tokenizers"   # DeepSeek's own files, copied from ../shared
 
 
 @pytest.fixture(scope="module")

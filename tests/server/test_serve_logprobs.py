@@ -5,10 +5,10 @@ float32 rounding bound, and lm-eval's loglikelihood requests are replayed as it 
 import numpy as np
 import pytest
 
-from ds2cli import logprobs as lp_module
-from ds2cli.generate import Generation, stream_generate
-from ds2cli.logprobs import TextOffsets, TokenLogprobs, entry
-from ds2cli.sampling import SamplingParams, make_sampler
+from ds2cli.generation import logprobs as lp_module
+from ds2cli.generation.generate import Generation, stream_generate
+from ds2cli.generation.logprobs import TextOffsets, TokenLogprobs, entry
+from ds2cli.generation.sampling import SamplingParams, make_sampler
 from test_serve import client, request, running, sse
 
 TOL = 2e-4          # float32 logits through different BLAS call shapes, then float64 log-softmax
@@ -50,7 +50,7 @@ def test_entry_is_the_raw_log_softmax_with_the_top_ones_in_order(model):
 
 
 def score_prompt(model, ids, top_n, chunk):
-    """A prompt's entries as the engine scores an echo prompt: a Generation whose prompt rows,
+    """A prompt's entries as the scheduler scores an echo prompt: a Generation whose prompt rows,
     `chunk` tokens a pass, are each reduced to the entry of the token they predict."""
     got, cache = [None], model.new_cache(len(ids))
     gen = Generation(model, ids, cache, make_sampler(SamplingParams(temperature=0)), 0,

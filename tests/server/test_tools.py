@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 
 import ds2cli
-from ds2cli import tools as tooling
-from ds2cli.sampling import SamplingParams
+from ds2cli.server import tools as tooling
+from ds2cli.generation.sampling import SamplingParams
 from test_serve import openai_client
 
 pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 V25_TEMPLATE = json.loads((DATA / "tokenizers" / "deepseek-v2.5" / "tokenizer_config.json").read_text())["chat_template"]
 OWN_TEMPLATE = (DATA / "tool_chat_template.jinja").read_text()
 
@@ -123,7 +123,7 @@ def test_parse_calls_and_the_stream_hold_back():
 
 
 def test_without_llguidance_auto_works_and_forcing_says_how_to_install(client, monkeypatch):
-    from ds2cli import grammar as grammars
+    from ds2cli.generation import grammar as grammars
 
     def missing():
         raise grammars.GrammarUnavailable(grammars.INSTALL_HINT)

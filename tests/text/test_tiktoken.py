@@ -13,13 +13,13 @@ import tiktoken.load
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import tiktoken_convert
-from ds2cli.cli import main
+from ds2cli.text import tiktoken_convert
+from ds2cli.cli.main import main
 from ds2cli.errors import TokenizerError
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.text.tokenizer import Tokenizer
 from make_moonlight_tokenizer import CROSSING_RANKS, FIXTURE, crossing_merges, ranks_from_bpe, tiktoken_model_text, tokenizer_config
 
-REFERENCE_V3 = Path(__file__).parent / "data" / "reference_v3"
+REFERENCE_V3 = Path(__file__).parents[1] / "data" / "reference_v3"
 
 # English, Chinese, Japanese, Korean, other scripts, code, emoji (ZWJ sequences, flags), whitespace
 # runs of every kind, numbers, mixed case and contractions, combining marks, special tokens in text.

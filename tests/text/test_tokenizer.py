@@ -1,4 +1,4 @@
-"""ds2cli.tokenizer against DeepSeek's real tokenizer files (V2, V2.5) and the bundled ds2-tiny's.
+"""ds2cli.text.tokenizer against DeepSeek's real tokenizer files (V2, V2.5) and the bundled ds2-tiny's.
 
 The files live in tests/data/tokenizers/ (copies of ../shared), so these tests run offline.
 """
@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds2cli.errors import TokenizerError
-from ds2cli.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
-from ds2cli.tokenizer import byte_level_alphabet
+from ds2cli.text.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
+from ds2cli.text.tokenizer import byte_level_alphabet
 
-DATA = Path(__file__).parent / "data" / "tokenizers"
+DATA = Path(__file__).parents[1] / "data" / "tokenizers"
 V2_DIR, V25_DIR, TINY_DIR = DATA / "deepseek-v2", DATA / "deepseek-v2.5", DATA / "ds2-tiny"
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

@@ -10,13 +10,14 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import calibration, scales
-from ds2cli.cli import main
-from ds2cli.config import DeepseekV2Config
-from ds2cli.linear import Dense
-from ds2cli.loader import bundled_model_dir
-from ds2cli.moe import moe
-from ds2cli.quant import FORMATS, QuantMatrix
+from ds2cli.weights import calibration
+from ds2cli.weights import scales
+from ds2cli.cli.main import main
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.model.linear import Dense
+from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.model.moe import moe
+from ds2cli.weights.quant import FORMATS, QuantMatrix
 
 TINY = bundled_model_dir()
 

@@ -18,15 +18,15 @@ from click.testing import CliRunner
 
 from conftest import REFERENCE, run_split, splits
 from gguf_writer import add_tokenizer, write_gguf
-from ds2cli.cli import main
+from ds2cli.cli.main import main
 from ds2cli.errors import CheckpointError, ConfigError, Ds2Error, TokenizerError
-from ds2cli.gguf_file import GGUFFile, find
-from ds2cli.gguf_model import open_model
-from ds2cli.gguf_tokenizer import tokenizer_from_gguf
-from ds2cli.loader import load
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.weights.gguf.file import GGUFFile, find
+from ds2cli.weights.gguf.checkpoint import open_model
+from ds2cli.weights.gguf.tokenizer import tokenizer_from_gguf
+from ds2cli.weights.loader import load
+from ds2cli.text.tokenizer import Tokenizer
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 FIXTURES = DATA / "gguf"
 F16_FIXTURE = FIXTURES / "plain_rope_tied_fp16.f16.gguf"      # convert_hf_to_gguf.py --outtype f16
 KQUANT_FIXTURE = FIXTURES / "kquant_256.Q4_K_M.gguf"           # llama-quantize Q4_K_M
@@ -167,7 +167,7 @@ def test_q8_0_blocks_load_bit_for_bit(tmp_path):
     """With --quantize exact a Q8_0 tensor becomes a q8b matrix whose integers and scales are the
     file's own: its dequantized values equal gguf's dequantization of the file exactly. Any other
     source is refused before a weight loads."""
-    from ds2cli.gguf_file import dequantize
+    from ds2cli.weights.gguf.file import dequantize
     path = write_gguf(REFERENCE / "lite_like_plainq_yarn", tmp_path / "m.gguf", "Q8_0")
     model = load(path, quantize="exact")
     gf = GGUFFile([path])
@@ -394,7 +394,7 @@ def test_open_model_is_none_for_a_safetensors_checkpoint():
                                   "blk.1.attn_output.weight", "blk.1.attn_k_b.weight", "token_embd.weight"])
 def test_chunked_dequantization_gives_ggufs_own_floats(name):
     """gguf_file.dequantize drives gguf's block math in larger chunks (Q4_K, Q6_K, Q5_K, Q5_0 here)."""
-    from ds2cli.gguf_file import dequantize
+    from ds2cli.weights.gguf.file import dequantize
     t = GGUFFile(find(KQUANT_FIXTURE)).tensors[name]
     assert np.array_equal(dequantize(t), gguf.quants.dequantize(t.data, t.tensor_type))
     if len(t.data.shape) == 3:

@@ -11,14 +11,16 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import cores, quant, scales
-from ds2cli.cli import main
-from ds2cli.linear import Dense
-from ds2cli.loader import bundled_model_dir
-from ds2cli.qcheckpoint import QuantConfig
-from ds2cli.quant import FORMATS, QuantMatrix
+from ds2cli.parallel import cores
+from ds2cli.weights import quant
+from ds2cli.weights import scales
+from ds2cli.cli.main import main
+from ds2cli.model.linear import Dense
+from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.qcheckpoint import QuantConfig
+from ds2cli.weights.quant import FORMATS, QuantMatrix
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHAPES = [(80, 256), (96, 64), (512, 384), (2, 30, 64)]   # partial last group; several groups; a stack
 
 
@@ -130,7 +132,7 @@ def assert_within_dot_rounding(got, x, w):
 
 
 def test_four_bit_needs_an_even_input_width_else_the_matrix_stays_float():
-    from ds2cli.qcheckpoint import format_for
+    from ds2cli.weights.qcheckpoint import format_for
     qc = QuantConfig.recipe(4)
     assert format_for(qc, "mlp", "experts_down", (4, 64, 31)) is None
     assert format_for(qc, "mlp", "experts_down", (4, 64, 32)).name == "q4"
@@ -178,8 +180,8 @@ def test_the_unquantized_matrices_are_stored_bfloat16(quantized):
     """w_uk, w_uv and the router gate, which no recipe quantizes, are stored bfloat16 (from a
     float32 source, rounded to nearest); ds2-tiny is a bfloat16 checkpoint, so they hold its
     values exactly. The model widens them to float32 for its products."""
-    from ds2cli import checkpoint
-    from ds2cli.qcheckpoint import UNQUANTIZED_MATRICES, stored_name
+    from ds2cli.weights import checkpoint
+    from ds2cli.weights.qcheckpoint import UNQUANTIZED_MATRICES, stored_name
     source = ds2cli.load(None)
     for bits, path in quantized.items():
         assert json.loads((path / "config.json").read_text())["quantization_config"]["unquantized"] == "bf16"
@@ -234,7 +236,8 @@ def test_every_command_takes_the_quantized_checkpoint(quantized):
 def test_sizes_match_the_files(quantized):
     """memory.weight_bytes (used by inspect, the memory check and quantize's disk check) is the
     sum of the tensors written, to the byte."""
-    from ds2cli import checkpoint, memory
+    from ds2cli.weights import checkpoint
+    from ds2cli.weights import memory
     cfg = ds2cli.DeepseekV2Config.from_file(bundled_model_dir() / "config.json")
     for bits, path in quantized.items():
         stored = sum(t.nbytes for t in checkpoint.read_headers(path).values())
@@ -410,7 +413,9 @@ def test_a_layer_loading_never_holds_its_float32_expert_stack(monkeypatch):
     loading it as float32 allocates."""
     import tracemalloc
 
-    from ds2cli import checkpoint, loader, qcheckpoint
+    from ds2cli.weights import checkpoint
+    from ds2cli.weights import loader
+    from ds2cli.weights import qcheckpoint
     monkeypatch.setattr(qcheckpoint, "EXPERT_BATCH", 1)
     path = bundled_model_dir()
     cfg = ds2cli.DeepseekV2Config.from_file(path / "config.json")
@@ -436,7 +441,7 @@ def test_a_layer_loading_never_holds_its_float32_expert_stack(monkeypatch):
 
 
 def test_an_expert_stack_names_the_experts_it_never_got_whole():
-    from ds2cli.qcheckpoint import ExpertStack
+    from ds2cli.weights.qcheckpoint import ExpertStack
     stack = ExpertStack((3, 4, 32), FORMATS["q8"])
     rng = np.random.default_rng(0)
     stack[0, slice(0, 4)] = rng.standard_normal((4, 32))
@@ -449,8 +454,9 @@ def test_the_memory_check_counts_a_few_experts_in_float32_not_the_layer():
     """memory.required's staging for quantizing at load: V2-Lite's largest float32 layer less
     its routed experts, plus two batches and one expert (0.44 GB, where a whole MoE layer is
     2.3 GB and the dense layer 0.33)."""
-    from ds2cli import memory, qcheckpoint
-    from ds2cli.bench.synthetic import lite_config
+    from ds2cli.weights import memory
+    from ds2cli.weights import qcheckpoint
+    from ds2cli.cli.bench.synthetic import lite_config
     cfg = ds2cli.DeepseekV2Config.from_dict(lite_config(27))
     expert = 3 * 1408 * 2048 * 4
     for bits in (8, 4):

@@ -12,11 +12,13 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import checkpoint, memory, qcheckpoint
-from ds2cli.cli import main
-from ds2cli.memory import MemoryCheckError
-from ds2cli.loader import bundled_model_dir
-from ds2cli.qcheckpoint import QuantConfig
+from ds2cli.weights import checkpoint
+from ds2cli.weights import memory
+from ds2cli.weights import qcheckpoint
+from ds2cli.cli.main import main
+from ds2cli.weights.memory import MemoryCheckError
+from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.qcheckpoint import QuantConfig
 
 
 def run(*args, env=None):
@@ -167,7 +169,7 @@ def test_disk_too_small_is_refused_before_writing(tmp_path, monkeypatch):
 
 
 def test_interrupted_quantize_leaves_nothing_behind(tmp_path, monkeypatch):
-    from ds2cli import quantize
+    from ds2cli.weights import quantize
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
@@ -266,7 +268,8 @@ def test_ctrl_c_in_quantize_says_nothing_was_written_and_leaves_nothing(tmp_path
     """Interrupted while writing a layer: one line says so, exit 130, and neither DST, its
     partial directory nor the parent directories made for it remain. A Ctrl-C that lands while
     the finished directory is renamed into place comes too late to undo it: the run completes."""
-    from ds2cli import files, qcheckpoint
+    from ds2cli.weights import staging as files
+    from ds2cli.weights import qcheckpoint
     dst = tmp_path / "made" / "for" / "q8"
     if at == "a layer":
         calls, real = [], qcheckpoint.write_safetensors
@@ -285,7 +288,7 @@ def test_ctrl_c_in_quantize_says_nothing_was_written_and_leaves_nothing(tmp_path
             return real_commit(*args)
         monkeypatch.setattr(files, "commit", commit)
     else:                                               # while `wrote ...` is printed: too late
-        from ds2cli import console
+        from ds2cli.cli import console
         real_info = console.info
 
         def info(message):

@@ -9,10 +9,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ds2cli
-from ds2cli import checkpoint, qcheckpoint, scales
-from ds2cli.loader import bundled_model_dir
-from ds2cli.qcheckpoint import VERSION
-from ds2cli.quant import FORMATS, QuantMatrix
+from ds2cli.weights import checkpoint
+from ds2cli.weights import qcheckpoint
+from ds2cli.weights import scales
+from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.qcheckpoint import VERSION
+from ds2cli.weights.quant import FORMATS, QuantMatrix
 
 
 def weighted_error(w, m, weight=None):
@@ -106,7 +108,7 @@ def test_a_checkpoint_quantized_before_the_search_still_loads_and_runs(tmp_path,
     this ds2's searched scales give."""
     from click.testing import CliRunner
 
-    from ds2cli.cli import main
+    from ds2cli.cli.main import main
 
     old = scales.quantize
     try:   # today's writer is this one with round to nearest and float32 unquantized matrices

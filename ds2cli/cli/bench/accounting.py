@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-from ds2cli.attention import absorbed_cost, expanded_cost
-from ds2cli.config import DeepseekV2Config
-from ds2cli.model import Model
+from ds2cli.model.attention import absorbed_cost, expanded_cost
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.model.transformer import Model
 
 
 def params_of(w) -> int:

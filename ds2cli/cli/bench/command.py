@@ -10,17 +10,18 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ds2cli import console, memory
-from ds2cli.bench.formats import compare_formats
-from ds2cli.bench.measure import run_bench
-from ds2cli.bench.report import render, render_formats, stdout_console
-from ds2cli.bench.settings import BenchError, cache_tokens, check_settings, clip_counts
-from ds2cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
-from ds2cli.config import DeepseekV2Config
-from ds2cli import gguf_model
-from ds2cli.loader import check_model_dir, read_quant_config
-from ds2cli.options import model_option, thread_limits, threads_option
-from ds2cli.qcheckpoint import QuantConfig
+from ds2cli.cli import console
+from ds2cli.weights import memory
+from ds2cli.cli.bench.formats import compare_formats
+from ds2cli.cli.bench.measure import run_bench
+from ds2cli.cli.bench.report import render, render_formats, stdout_console
+from ds2cli.cli.bench.settings import BenchError, cache_tokens, check_settings, clip_counts
+from ds2cli.cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.weights.gguf import checkpoint as gguf_model
+from ds2cli.weights.loader import check_model_dir, read_quant_config
+from ds2cli.cli.options import model_option, thread_limits, threads_option
+from ds2cli.weights.qcheckpoint import QuantConfig
 
 
 

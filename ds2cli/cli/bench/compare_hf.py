@@ -7,8 +7,8 @@ import inspect
 import time
 from pathlib import Path
 
-from ds2cli import console
-from ds2cli.bench.timing import seconds, summary
+from ds2cli.cli import console
+from ds2cli.cli.bench.timing import seconds, summary
 
 
 

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ds2cli import console, helpers, memory
-from ds2cli.bench.measure import fill_cache
-from ds2cli.bench.settings import BenchError, cache_tokens
-from ds2cli.bench.timing import seconds, summary
-from ds2cli.config import DeepseekV2Config
-from ds2cli.loader import load, read_quant_config
-from ds2cli.quantize import quantize_checkpoint
+from ds2cli.cli import console
+from ds2cli.parallel import processes as helpers
+from ds2cli.weights import memory
+from ds2cli.cli.bench.measure import fill_cache
+from ds2cli.cli.bench.settings import BenchError, cache_tokens
+from ds2cli.cli.bench.timing import seconds, summary
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.weights.loader import load, read_quant_config
+from ds2cli.weights.quantize import quantize_checkpoint
 
 
 def quantized_copy(path: Path, bench_dir: Path, bits: int) -> Path:

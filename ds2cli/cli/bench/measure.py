@@ -13,14 +13,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ds2cli import console, helpers, memory
-from ds2cli.bench.accounting import forward_weight_bytes, prefill_flops, total_params, weight_nbytes
-from ds2cli.bench.compare_hf import compare_hf
-from ds2cli.bench.probes import machine_info, probe_beside, probe_machine
-from ds2cli.bench.settings import cache_tokens
-from ds2cli.bench.timing import seconds, summary
-from ds2cli.loader import load
-from ds2cli.model import Model
+from ds2cli.cli import console
+from ds2cli.parallel import processes as helpers
+from ds2cli.weights import memory
+from ds2cli.cli.bench.accounting import forward_weight_bytes, prefill_flops, total_params, weight_nbytes
+from ds2cli.cli.bench.compare_hf import compare_hf
+from ds2cli.cli.bench.probes import machine_info, probe_beside, probe_machine
+from ds2cli.cli.bench.settings import cache_tokens
+from ds2cli.cli.bench.timing import seconds, summary
+from ds2cli.weights.loader import load
+from ds2cli.model.transformer import Model
 
 FILL_CHUNK = 512            # the decode cache is filled by prefilling this many real tokens at a time
 

@@ -9,8 +9,8 @@ import platform
 
 import numpy as np
 
-from ds2cli import console
-from ds2cli.bench.timing import seconds, summary
+from ds2cli.cli import console
+from ds2cli.cli.bench.timing import seconds, summary
 
 PROBE_RUNS = 8
 POINT_PROBE_RUNS = 4        # the probes again beside each measured point, shorter

@@ -4,7 +4,7 @@ probes (and transformers'), or the formats side by side."""
 from __future__ import annotations
 
 from rich import box
-from ds2cli import console
+from ds2cli.cli import console
 from rich.table import Table
 
 PIPED_WIDTH = 1000          # columns for a table on a pipe or in a file: past any row's width

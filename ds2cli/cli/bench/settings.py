@@ -3,7 +3,7 @@ against max_position_embeddings, the largest cache they need, and BenchError for
 
 from __future__ import annotations
 
-from ds2cli.config import DeepseekV2Config
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
 
 

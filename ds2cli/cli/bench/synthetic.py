@@ -14,11 +14,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ds2cli import checkpoint, console, files
-from ds2cli.bench.settings import BenchError
-from ds2cli.config import DeepseekV2Config
-from ds2cli.loader import bundled_model_dir
-from ds2cli.text import article
+from ds2cli.weights import checkpoint
+from ds2cli.cli import console
+from ds2cli.weights import staging as files
+from ds2cli.cli.bench.settings import BenchError
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.wording import article
 
 LITE_LAYERS = 27            # DeepSeek-V2-Lite's depth; --layers takes the first N of them
 DEFAULT_LAYERS = 4

@@ -19,12 +19,12 @@ import functools
 import json
 from pathlib import Path
 
-from ds2cli import qcheckpoint
-from ds2cli.config import DeepseekV2Config
+from ds2cli.weights import qcheckpoint
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import CheckpointError
-from ds2cli.gguf_config import config_from_gguf
-from ds2cli.gguf_file import GGUFFile, find
-from ds2cli.gguf_tensors import GGUFTensors
+from ds2cli.weights.gguf.config import config_from_gguf
+from ds2cli.weights.gguf.file import GGUFFile, find
+from ds2cli.weights.gguf.tensors import GGUFTensors
 
 # the ds2 bits a tensor type loads into by default (None: float32)
 DEFAULT_BITS = {"F32": None, "F16": None, "BF16": None, "Q8_0": 8, "Q6_K": 8, "Q5_0": 8, "Q5_1": 8,
@@ -71,13 +71,13 @@ class GGUFModel:
         return gen
 
     def tokenizer(self):
-        from ds2cli.gguf_tokenizer import tokenizer_from_gguf
+        from ds2cli.weights.gguf.tokenizer import tokenizer_from_gguf
         return tokenizer_from_gguf(self.file, self.config.vocab_size)
 
     def write_tokenizer_files(self, out: Path) -> None:
         """tokenizer.json, tokenizer_config.json and generation_config.json for `ds2 quantize`'s
         output directory, so that it loads like any Hugging Face checkpoint."""
-        from ds2cli.gguf_tokenizer import backend_from_gguf
+        from ds2cli.weights.gguf.tokenizer import backend_from_gguf
         tok = self.tokenizer()
         backend_from_gguf(self.file).save(str(out / "tokenizer.json"))
         config = {"bos_token": tok.bos_token, "eos_token": tok.eos_token,

@@ -32,9 +32,9 @@ What GGUF cannot say, and what ds2 assumes (each is what llama.cpp computes):
 
 from __future__ import annotations
 
-from ds2cli.config import DeepseekV2Config
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ConfigError
-from ds2cli.gguf_file import GGUFFile
+from ds2cli.weights.gguf.file import GGUFFile
 
 ARCHITECTURE = "deepseek2"
 GATING = {1: "softmax", 2: "sigmoid"}        # llama_expert_gating_func_type; 0: unset -> softmax

@@ -24,9 +24,9 @@ from typing import Iterator
 
 import numpy as np
 
-from ds2cli import checkpoint
-from ds2cli.config import DeepseekV2Config
-from ds2cli.gguf_file import GGUFFile, dequantize
+from ds2cli.weights import checkpoint
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.weights.gguf.file import GGUFFile, dequantize
 
 TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
        "output.weight": "lm_head.weight"}

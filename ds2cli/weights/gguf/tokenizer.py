@@ -17,8 +17,8 @@ import json
 import tokenizers
 
 from ds2cli.errors import TokenizerError
-from ds2cli.gguf_file import GGUFFile
-from ds2cli.tokenizer import Tokenizer
+from ds2cli.weights.gguf.file import GGUFFile
+from ds2cli.text.tokenizer import Tokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 

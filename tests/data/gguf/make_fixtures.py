@@ -62,8 +62,8 @@ def convert(python: str, llama_cpp: Path, src: Path, out: Path, outtype: str) ->
 
 def make_kquant_source(dst: Path) -> None:
     """Random float32 weights for KQUANT_CONFIG in the Hugging Face layout (seeded)."""
-    from ds2cli.checkpoint import expected_shapes
-    from ds2cli.config import DeepseekV2Config
+    from ds2cli.weights.checkpoint import expected_shapes
+    from ds2cli.model.config import DeepseekV2Config
     dst.mkdir(parents=True, exist_ok=True)
     cfg = DeepseekV2Config.from_dict(KQUANT_CONFIG)
     rng = np.random.default_rng(23)
@@ -81,7 +81,7 @@ def make_kquant_source(dst: Path) -> None:
 
 def float_reference(src: Path, out: Path) -> None:
     """ids and ds2's float32 logits of the float source (every row, all at once)."""
-    from ds2cli.loader import load
+    from ds2cli.weights.loader import load
     model = load(src)
     ids = np.random.default_rng(7).integers(3, KQUANT_CONFIG["vocab_size"], KQUANT_TOKENS)
     logits = model.forward(ids, model.new_cache(len(ids)), all_logits=True)

@@ -1,0 +1,14 @@
+"""The OpenAI-compatible server behind `ds2 serve`, without the click command (cli/serve.py, as
+every command's click side lives in cli/). Imports generation, text, model and the base modules; tool
+calls sit here because only requests declare them.
+
+Bottom-up:
+    tools                tool calls in DeepSeek's syntax: declarations, template, forced calls, parsing
+    api                  OpenAI requests validated into jobs (one per choice)
+    metrics              the counters of GET /metrics, in Prometheus' text format
+    prompt_cache         the pool of latent caches of recent conversations
+    scheduler            up to --parallel requests in each pass, the queue, the prompt cache
+    responses            OpenAI's response objects: choices, logprobs, tool calls, usage
+    tokenizer_endpoints  /tokenize, /detokenize and /tokenizer_info
+    http_server          routing, keys, bodies, CORS, server-sent events, the log, the chat page
+"""

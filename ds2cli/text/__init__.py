@@ -1,0 +1,7 @@
+"""Text: ids and text, both ways, and chat prompts. Stands apart from the math (the model takes ids)
+and imports only the modules below the packages (errors, json_files).
+
+Bottom-up:
+    tiktoken_convert  Moonlight's / Kimi's tiktoken.model as the same byte-level BPE, cached
+    tokenizer         tokenizer.json -> ids, chat templates (jinja2), the streaming detokenizer
+"""

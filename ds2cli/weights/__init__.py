@@ -1,0 +1,18 @@
+"""Weights: every file a model arrives in (safetensors, ds2's low-bit checkpoints, GGUF, a Hugging
+Face id), the low-bit formats and their kernels, and the loader that turns them into a Model.
+Imports model, text (a checkpoint carries its tokenizer), parallel and the base modules. GGUF sits
+inside, as `gguf/`, because its tensors become the same weights and the loader opens both kinds.
+
+Bottom-up:
+    hub          Hugging Face ids to local snapshots
+    checkpoint   safetensors shards: headers, validation, tensors
+    quant        the q8/q4/q8b/bf16 formats, dequantize, QuantMatrix and its kernels
+    scales       a float weight into a format: round to nearest and the scale search
+    calibration  activation statistics for the scale search (GPTQ-style compensation)
+    qcheckpoint  ds2's low-bit checkpoint layout: recipes, validation, memory-mapped loading
+    memory       what a model needs, the memory check
+    staging      directories built beside their target and renamed when complete
+    gguf/        GGUF files: header, config, tensors, tokenizer, the checkpoint the loader takes
+    loader       a checkpoint (or GGUF) into a Model: checks, memory check, weights, absorption
+    quantize     the streaming quantizer behind `ds2 quantize` (a library: bench uses it too)
+"""

@@ -1,0 +1,116 @@
+"""response_format through ds2 serve with the official openai client: JSON Schema, json_object,
+Lark, streamed and not, and the 400s that name the param (tests/generation/test_grammar.py tests
+the masks themselves). ds2-tiny at temperature 1 writes near-random text, so a reply that parses
+and validates shows the mask did the work."""
+
+import json
+
+import pytest
+
+import ds2cli
+from ds2cli.generation import grammar as grammars
+from ds2cli.generation.sampling import SamplingParams
+from test_serve import openai_client
+
+pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "color": {"enum": ["red", "green", "blue"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2}},
+          "required": ["name", "age", "color", "tags"]}
+NESTED = {"type": "object", "additionalProperties": False, "required": ["id", "owner"],
+          "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
+                         "owner": {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
+                                   "properties": {"name": {"type": "string", "maxLength": 6},
+                                                  "ok": {"type": "boolean"}}}}}
+LIST = {"type": "object", "additionalProperties": False, "required": ["items"],
+        "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3,
+                                 "items": {"enum": [1, 2, "three", None]}}}}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ds2cli.load()
+
+
+def running(model, temperature=1.0, max_tokens=200):
+    return openai_client(model, params=SamplingParams(temperature=temperature), max_tokens=max_tokens, max_queue=4)
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    with running(model) as c:
+        yield c
+
+
+def schema_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+# ---- ds2 serve ----
+@pytest.mark.parametrize("schema", [PERSON, NESTED, LIST], ids=["person", "nested", "list"])
+def test_json_schema_replies_validate(client, schema):
+    for seed in (1, 2):
+        r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "Describe."}],
+                                           seed=seed, response_format=schema_format(schema))
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_json_object_streamed_and_completions(client):
+    stream = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "JSON?"}],
+                                            seed=5, stream=True, response_format={"type": "json_object"})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(text), dict)
+    r = client.completions.create(model="ds2-tiny", prompt="ROMEO:", seed=5,
+                                  extra_body={"response_format": schema_format(NESTED)})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), NESTED)
+
+
+def test_cut_by_max_tokens_is_length_not_stop(client):
+    r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}], seed=1,
+                                       max_tokens=3, response_format=schema_format(PERSON))
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(r.choices[0].message.content)
+
+
+@pytest.mark.parametrize("fmt, fault", [
+    ({"type": "xml"}, "response_format must be"),
+    ({"type": "json_schema"}, "json_schema must be an object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "Invalid type: foo"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "must be a JSON Schema object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}, "strict")])
+def test_bad_response_format_is_400_naming_it(client, fmt, fault):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
+                                       response_format=fmt)
+    assert e.value.body["param"] == "response_format" and fault in e.value.body["message"]
+
+
+def test_stop_with_a_grammar_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
+                                       stop=["}"], response_format={"type": "json_object"})
+    assert e.value.body["param"] == "stop"
+
+
+def test_without_llguidance_the_400_says_how_to_install(client, monkeypatch):
+    def missing():
+        raise grammars.GrammarUnavailable(grammars.INSTALL_HINT)
+    monkeypatch.setattr(grammars, "_llg", missing)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"})
+    assert "pip install" in e.value.body["message"] and e.value.body["param"] == "response_format"
+    r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, response_format={"type": "text"})
+    assert r.choices[0].finish_reason == "length"
