@@ -10,7 +10,7 @@ import time
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ds2cli.model.cache import LatentCache
 from ds2cli.generation.generate import Chunk
@@ -74,6 +74,44 @@ class LoadProgress:
             self.task = self.bar.add_task("load", total=total)
         if self.bar is not None:
             self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+class PrefillProgress:
+    """The progress callback of a long prompt's prefill (Model.forward's `progress`): a line on
+    stderr with the tokens read, tok/s and the time left, drawn by rich on a terminal only, and
+    only for prompts of at least MIN_TOKENS (a short one is read before a bar would help).
+    `summary()` says what was read, for a Ctrl-C in the middle."""
+
+    MIN_TOKENS = 512
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self.start = time.perf_counter()
+        self.bar: Progress | None = None
+        self.task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+        if self.bar is None and total >= self.MIN_TOKENS and done < total and sys.stderr.isatty():
+            self.bar = Progress(TextColumn("reading the prompt"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total} tokens, {task.fields[rate]} tok/s"),
+                                TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("prefill", total=total, rate="-")
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, rate=f"{self.rate():.1f}")
+
+    def rate(self) -> float:
+        return self.done / max(time.perf_counter() - self.start, 1e-9)
+
+    def summary(self) -> str:
+        return (f"interrupted while reading the prompt: {self.done} of {self.total} tokens in "
+                f"{time.perf_counter() - self.start:.1f}s ({self.rate():.1f} tok/s)")
 
     def close(self) -> None:
         if self.bar is not None:

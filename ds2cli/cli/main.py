@@ -161,14 +161,26 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
     if not text and not from_bos:
         raise Ds2Error("the prompt is empty: give some text, or pass --from-bos to generate "
                        "from the bos token alone")
+    ids: list[int] = []
+
+    def plan(tokenizer, generation_config) -> int:
+        """The prompt's ids and the context they need, before any weight loads: a prompt longer
+        than the context is refused here, and the memory check counts prompt + -n tokens."""
+        ids.extend(prompt_ids(tokenizer, text, chat, system))
+        max_positions = config.max_position_embeddings
+        limit = opts["ctx"] or max_positions
+        if len(ids) > limit:
+            what = "--ctx" if opts["ctx"] else "the model's max_position_embeddings"
+            raise ContextFullError(f"the prompt is {len(ids)} tokens, more than the context of {limit} tokens "
+                                   f"({what})" + (f"; the model allows up to {max_positions}"
+                                                  if opts["ctx"] and len(ids) <= max_positions else ""))
+        return opts["ctx"] or min(len(ids) + max_new_tokens_for(generation_config, opts["max_new_tokens"]), limit)
     with thread_limits(opts["threads"]):
-        model, load_s = load_model(model_dir, quantize, opts["ctx"], not no_memory_check, chat_template)
-        run_generate(model, load_s, text, chat, system, ignore_eos, verbose_prompt, as_json, opts)
+        model, load_s = load_model(model_dir, quantize, opts["ctx"], not no_memory_check, chat_template, plan)
+        run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts)
 
 
-def run_generate(model: Model, load_s: float, text: str, chat: bool, system: str | None,
-                 ignore_eos: bool, verbose_prompt: bool, as_json: bool, opts: dict) -> None:
-    tok = model.tokenizer
+def prompt_ids(tok, text: str, chat: bool, system: str | None) -> list[int]:
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         ids = tok.encode_chat(messages, add_generation_prompt=True)
@@ -176,12 +188,16 @@ def run_generate(model: Model, load_s: float, text: str, chat: bool, system: str
         ids = tok.encode(text)
     if not ids:
         raise Ds2Error("the prompt is empty and the tokenizer adds no bos token: nothing to condition on")
+    return ids
+
+
+def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, verbose_prompt: bool,
+                 as_json: bool, chat: bool, opts: dict) -> None:
+    tok = model.tokenizer
     if verbose_prompt:
         show_prompt(tok, ids)
     max_new = max_new_tokens_for(model, opts["max_new_tokens"])
     limit = opts["ctx"] or model.config.max_position_embeddings
-    if len(ids) > limit:
-        raise ContextFullError(f"the prompt is {len(ids)} tokens, more than the context of {limit} tokens")
     cache = model.new_cache(opts["ctx"] or min(len(ids) + max_new, limit))
     room = cache.capacity - len(ids) + 1          # the last sampled token is never fed back
     if max_new > room:
@@ -189,15 +205,17 @@ def run_generate(model: Model, load_s: float, text: str, chat: bool, system: str
                      f"new tokens asked for (-n): generation stops there")
     sampler = CountingSampler(sampler_for(model, opts))      # what ran, for an interrupted --json
     stops = [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]]
+    reading = console.PrefillProgress(len(ids))
     chunks = stream_generate(model, ids, cache, sampler, max_new, stops, eos_ids=() if ignore_eos else None,
-                             draft=opts["draft"])
+                             draft=opts["draft"], progress=reading)
     if chat:
         chunks = lstrip_reply(chunks)
     pieces: list[Chunk] = []
     try:
-        last = run_generation(chunks, as_json, pieces)
+        last = run_generation(chunks, as_json, pieces, reading)
     except KeyboardInterrupt:
         chunks.close()
+        reading.close()
         # the timings of what ran: the prefill, and the decode steps up to the last chunk shown
         ran = pieces[-1] if pieces else Chunk("", prompt_tokens=len(ids))
         interrupted = dataclasses.replace(ran, text="".join(c.text for c in pieces), finish_reason="interrupted")
@@ -206,7 +224,9 @@ def run_generate(model: Model, load_s: float, text: str, chat: bool, system: str
             write_out(json.dumps(out, ensure_ascii=False) + "\n")
         else:
             write_out("\n")
-        if opts["stats"]:
+        if not pieces and reading.done:
+            console.info(reading.summary())
+        elif opts["stats"]:
             console.info(console.stats_line(load_s, interrupted, cache))
         sys.exit(130)
     if as_json:
@@ -222,10 +242,12 @@ def show_prompt(tok, ids: list[int]) -> None:
     console.info("token ids: " + " ".join(map(str, ids)))
 
 
-def run_generation(chunks, as_json: bool, pieces: list[Chunk]) -> Chunk:
+def run_generation(chunks, as_json: bool, pieces: list[Chunk], reading=None) -> Chunk:
     """Stream (or collect, for --json) the chunks into `pieces`; return the last one with the
-    full text in it."""
+    full text in it. `reading`, the prompt's progress line, goes away at the first chunk."""
     for chunk in chunks:
+        if reading is not None and not pieces:
+            reading.close()
         pieces.append(chunk)
         if not as_json:
             write_out(chunk.text)

@@ -11,6 +11,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Callable
 
 import click
 from click.core import ParameterSource
@@ -196,20 +197,29 @@ def memory_options(f):
 
 
 def load_model(model_dir: Path | None, quantize: str | None = None, context: int | None = None,
-               memory_check: bool = True, chat_template: Path | None = None) -> tuple[Model, float]:
-    """Load with a progress bar; `quantize` as --quantize gives it ("8", "4", "auto", "exact" or None)."""
+               memory_check: bool = True, chat_template: Path | None = None,
+               plan: Callable | None = None) -> tuple[Model, float]:
+    """Load with a progress bar; `quantize` as --quantize gives it ("8", "4", "auto", "exact" or None).
+    `plan(tokenizer, generation_config)` runs before any weight loads (loader.load): the chat
+    template is already in place then, so a command can tokenize its prompt, refuse one too long
+    for its context, and name the context the memory check counts."""
     t0 = time.perf_counter()
+    template = read_text_file(chat_template, "chat template") if chat_template is not None else None
+
+    def planned(tokenizer, generation_config):
+        if template is not None:
+            tokenizer.set_chat_template(template)
+        return plan(tokenizer, generation_config) if plan is not None else None
     progress = console.LoadProgress()
     bits = quantize if quantize in (None, "auto", "exact") else int(quantize)
     try:
         with naming_ds2_model():
-            model = load(model_dir, progress=progress, quantize=bits, context=context, memory_check=memory_check)
+            model = load(model_dir, progress=progress, quantize=bits, context=context, memory_check=memory_check,
+                         plan=planned)
     finally:
         progress.close()
     if quantize == "auto":
         console.info(f"--quantize auto: loaded as {memory.label(model.quantization)}")
-    if chat_template is not None:
-        model.tokenizer.set_chat_template(read_text_file(chat_template, "chat template"))
     return model, time.perf_counter() - t0
 
 
@@ -260,8 +270,10 @@ def sampler_for(model: Model, opts: dict):
     return make_sampler(sampling_params(model, opts))
 
 
-def max_new_tokens_for(model: Model, requested: int | None) -> int:
+def max_new_tokens_for(model: Model | dict, requested: int | None) -> int:
+    """-n, else generation_config.json's max_new_tokens (of a model, or the dict itself), else ds2's default."""
     if requested is not None:
         return requested
-    configured = model.generation_config.get("max_new_tokens")
+    gen = model if isinstance(model, dict) else model.generation_config
+    configured = gen.get("max_new_tokens")
     return configured if isinstance(configured, int) and configured > 0 else DEFAULT_MAX_NEW_TOKENS

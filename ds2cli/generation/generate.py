@@ -267,9 +267,15 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
                     eos_ids: Sequence[int] | None = None,
                     context: Sequence[int] = (), draft: int = 0,
                     drafts: DraftSource | None = None,
-                    finished: Callable[[], bool] | None = None) -> Iterator[Chunk]:
-    """One Generation (see there) run alone, as a generator of its chunks."""
+                    finished: Callable[[], bool] | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> Iterator[Chunk]:
+    """One Generation (see there) run alone, as a generator of its chunks. The prompt is one
+    step; the model reads a long one in passes of its memory chunk, telling `progress(done, total)`."""
     gen = Generation(model, prompt_ids, cache, sampler, max_new_tokens, stop, eos_ids, context,
                      draft, drafts, finished=finished)
     while not gen.done:
-        yield from gen.take(model.forward_batch([gen.step()])[0])
+        step = gen.step()
+        if gen.pending and progress is not None:      # the prompt, read in passes of the memory chunk
+            yield from gen.take(model.forward_batch([step], progress=progress)[0])
+        else:
+            yield from gen.take(model.forward_batch([step])[0])

@@ -44,55 +44,125 @@ def project_q(x: np.ndarray, w: dict, H: int, eps: float) -> np.ndarray:
     return q.reshape(len(x), H, -1)                                         # (T, H, d+R)
 
 
+def causal_pairs(T: int, S: int) -> int:
+    """Query-key pairs a causal pass of T new tokens over S cached positions computes: query t
+    (position S-T+t) sees S-T+t+1 keys; the blocks above the diagonal are skipped, not masked."""
+    return T * (S - T) + T * (T + 1) // 2
+
+
 def absorbed_cost(T: int, S: int, H: int, C: int, R: int, d: int, v: int) -> int:
     """Multiply-adds of attention straight against the latent (q folded through W_UK)."""
-    return H * T * (d * C + S * (2 * C + R) + C * v)
+    return H * (T * d * C + causal_pairs(T, S) * (2 * C + R) + T * C * v)
 
 
 def expanded_cost(T: int, S: int, H: int, C: int, R: int, d: int, v: int) -> int:
     """Multiply-adds of expanding the cached latent into per-head k_nope and v first."""
-    return H * S * C * (d + v) + H * T * S * (d + R + v)
+    return H * S * C * (d + v) + H * causal_pairs(T, S) * (d + R + v)
 
 
-def causal_mask(T: int, S: int) -> np.ndarray:
-    """True where query t (absolute position S-T+t) must not see cached position s."""
-    return np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]          # (T, S)
+# Bounded working memory: attention never holds more than this many bytes of scores,
+# probabilities and expanded keys at once, whatever the prompt's length (the memory check counts
+# it beside the cache). 64 MiB keeps a block's GEMMs large (512+ keys for a 1,024-token chunk of
+# V2-Lite's 16 heads) while a 16k-token prompt's whole (H, T, S) scores would take 16 GiB.
+ATTENTION_BUDGET_BYTES = 64 * 2 ** 20
+
+
+def key_block(per_key_bytes: int) -> int:
+    """How many cached positions one block takes, so that the block's arrays fit the budget."""
+    return max(16, ATTENTION_BUDGET_BYTES // max(1, per_key_bytes))
+
+
+def online_softmax(m: np.ndarray, l: np.ndarray, scores: np.ndarray):
+    """One block of keys into a running softmax (FlashAttention's recurrence, Dao et al. 2022).
+
+    For each query row, over the keys seen so far: m the running maximum of the scores, l the
+    running sum of exp(score - m), acc the running sum of exp(score - m) * value. A new block of
+    scores s_j (..., bk) updates them as
+        m' = max(m, max_j s_j)      alpha = exp(m - m')      p_j = exp(s_j - m')
+        l' = alpha * l + sum_j p_j  acc' = alpha * acc + p @ values
+    and after the last block the attention output is acc / l: exactly softmax(all scores) @ values,
+    without ever holding every key's score. Returns (m', l', p, alpha); the caller updates acc in
+    whatever orientation its product prefers. Every row must see at least one key of the block
+    (the causal loop below includes only such rows), so m' is finite."""
+    m_new = np.maximum(m, scores.max(axis=-1))                              # (...)
+    alpha = np.exp(m - m_new)                                               # (...), 0 on the first block
+    p = np.exp(scores - m_new[..., None])                                   # (..., bk)
+    return m_new, alpha * l + p.sum(axis=-1), p, alpha
+
+
+def visible(start: int, T: int, s0: int, s1: int) -> tuple[int, np.ndarray | None]:
+    """Which queries see keys [s0, s1): the first, t0 (query t, at position start+t, sees the
+    keys up to its own position, so the rows before t0 see none of the block and are skipped),
+    and the mask (T-t0, s1-s0) of keys still in their future, or None when no row has any."""
+    t0 = max(0, s0 - start)
+    if s1 - 1 <= start + t0:
+        return t0, None
+    return t0, np.arange(s0, s1)[None, :] > (start + np.arange(t0, T))[:, None]
 
 
 def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
     """q_lat = q_nope.W_UK; scores = q_lat.latent^T + q_pe.k_pe^T; ctx = (probs.latent).W_UV
 
-    The products against the cache are written cache-major (`latent @ q_lat.T`,
-    `latent.T @ probs.T`): with few query rows OpenBLAS streams the latent up to twice as fast
-    that way round, and long-context decode is mostly these two passes over the latent. The
-    softmax runs on a contiguous (H*T, S) copy: NumPy reduces a narrow axis 0 slowly."""
+    The T new queries (positions S-T..S-1, the last T of the cache) meet it a block of keys at a time
+    through the online softmax. The products against the cache are written cache-major
+    (`latent @ q_lat.T`, `latent.T @ p.T`): with few query rows OpenBLAS streams the latent up to
+    twice as fast that way round, and long-context decode is mostly these two passes over the
+    latent. The softmax runs on a contiguous (rows, keys) copy: NumPy reduces a narrow axis 0
+    slowly. Rows are query-major (t, h), so the queries a block skips are a prefix."""
     T, H, _ = q_nope.shape
-    S = len(latent)
+    S, C = latent.shape
+    start = S - T                                                           # position of query 0
     q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_uk)                      # (H, T, C)
-    q_pe = q_pe.transpose(1, 0, 2).reshape(H * T, -1)                       # (H*T, R)
-    scores = latent @ q_lat.reshape(H * T, -1).T                            # (S, H*T)
-    scores += k_pe @ q_pe.T
-    scores *= np.float32(scale)
-    if T > 1:   # query t sees no position after its own, in every head
-        future = causal_mask(T, S).T[:, None, :]                            # (S, 1, T)
-        np.copyto(scores.reshape(S, H, T), -np.inf, where=future)
-    probs = softmax(np.ascontiguousarray(scores.T))                         # (H*T, S)
-    ctx_lat = (latent.T @ probs.T).T.reshape(H, T, -1)                      # (H, T, C)
+    q_lat = q_lat.transpose(1, 0, 2).reshape(T * H, C)                      # (T*H, C)
+    q_pe = q_pe.reshape(T * H, -1)                                          # (T*H, R)
+    m = np.full(T * H, -np.inf, np.float32)                                 # running max
+    l = np.zeros(T * H, np.float32)                                         # running sum
+    acc = np.zeros((T * H, C), np.float32)                                  # running numerator
+    bk = key_block(4 * 3 * T * H)          # scores, their contiguous copy, p
+    for s0 in range(0, S, bk):
+        s1 = min(s0 + bk, S)
+        t0, future = visible(start, T, s0, s1)
+        r = slice(t0 * H, T * H)                                            # rows that see the block
+        scores = latent[s0:s1] @ q_lat[r].T                                 # (bk, rows)
+        scores += k_pe[s0:s1] @ q_pe[r].T
+        scores *= np.float32(scale)
+        scores = np.ascontiguousarray(scores.T)                             # (rows, bk)
+        if future is not None:
+            np.copyto(scores.reshape(T - t0, H, -1), -np.inf, where=future[:, None, :])
+        m[r], l[r], p, alpha = online_softmax(m[r], l[r], scores)
+        acc[r] *= alpha[:, None]
+        acc[r] += (latent[s0:s1].T @ p.T).T                                 # (rows, C)
+    ctx_lat = (acc / l[:, None]).reshape(T, H, C).transpose(1, 0, 2)        # (H, T, C)
     return np.matmul(ctx_lat, w_uv).transpose(1, 0, 2)                      # (T, H, v)
 
 
 def attend_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
-    """The original's form: k_nope and v re-expanded from the latent for every cached position."""
+    """The original's form: k_nope and v re-expanded from the latent, a block of keys at a time,
+    each block expanded once for every query that sees it."""
     T = q_nope.shape[0]
     S = len(latent)
-    k_nope = np.matmul(latent, w_uk.transpose(0, 2, 1))                     # (H, S, d)
-    value = np.matmul(latent, w_uv)                                         # (H, S, v)
-    scores = np.matmul(q_nope.transpose(1, 0, 2), k_nope.transpose(0, 2, 1))  # (H, T, S)
-    scores += np.matmul(q_pe.transpose(1, 0, 2), k_pe.T)
-    scores *= np.float32(scale)
-    if T > 1:
-        scores[:, causal_mask(T, S)] = -np.inf
-    return np.matmul(softmax(scores), value).transpose(1, 0, 2)            # (T, H, v)
+    start = S - T                                                           # position of query 0
+    H, d, _ = w_uk.shape
+    v = w_uv.shape[2]
+    q_nope, q_pe = q_nope.transpose(1, 0, 2), q_pe.transpose(1, 0, 2)       # (H, T, d), (H, T, R)
+    m = np.full((H, T), -np.inf, np.float32)
+    l = np.zeros((H, T), np.float32)
+    acc = np.zeros((H, T, v), np.float32)
+    bk = key_block(4 * H * (d + v + 3 * T))   # k_nope, value, scores, p
+    for s0 in range(0, S, bk):
+        s1 = min(s0 + bk, S)
+        t0, future = visible(start, T, s0, s1)
+        k_nope = np.matmul(latent[s0:s1], w_uk.transpose(0, 2, 1))         # (H, bk, d)
+        value = np.matmul(latent[s0:s1], w_uv)                              # (H, bk, v)
+        scores = np.matmul(q_nope[:, t0:], k_nope.transpose(0, 2, 1))       # (H, T-t0, bk)
+        scores += np.matmul(q_pe[:, t0:], k_pe[s0:s1].T)
+        scores *= np.float32(scale)
+        if future is not None:
+            scores[:, future] = -np.inf
+        m[:, t0:], l[:, t0:], p, alpha = online_softmax(m[:, t0:], l[:, t0:], scores)
+        acc[:, t0:] *= alpha[..., None]
+        acc[:, t0:] += np.matmul(p, value)                                  # (H, T-t0, v)
+    return (acc / l[..., None]).transpose(1, 0, 2)                          # (T, H, v)
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -17,6 +17,12 @@ from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.model.linear import as_weight
 from ds2cli.model.moe import moe, swiglu
+
+# The memory chunk: no pass runs more than this many tokens, so a prompt of any length is read in
+# passes whose activations, router and attention working memory stay bounded (attention.py's
+# budget covers the scores). Every caller gets it here, generate, chat, serve, bench and the
+# library alike. 1,024 keeps each product a large GEMM: prefill tok/s is flat from 512 tokens on.
+PREFILL_CHUNK = 1024
 
 
 @dataclasses.dataclass
@@ -67,16 +73,21 @@ class Model:
                                    f"refusing positions the model was never trained on")
         return LatentCache(cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
-    def forward(self, token_ids, cache: LatentCache, all_logits: bool = False, trace: list | None = None) -> np.ndarray:
+    def forward(self, token_ids, cache: LatentCache, all_logits: bool = False, trace: list | None = None,
+                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Run `token_ids` after what `cache` holds; return float32 logits for the last position
         (V,), or for every new position (T, V) with all_logits. With `trace`, each MoE layer
-        appends the expert ids its gate chose (T, k): what the forward pass read."""
-        return self.forward_batch([Step(token_ids, cache, "all" if all_logits else "last")], trace)[0]
+        appends the expert ids its gate chose (T, k): what the forward pass read. A long prompt
+        runs in passes of PREFILL_CHUNK tokens; `progress(done, total)` hears of each."""
+        return self.forward_batch([Step(token_ids, cache, "all" if all_logits else "last")], trace, progress)[0]
 
-    def forward_batch(self, steps: Sequence[Step], trace: list | None = None) -> list[np.ndarray | None]:
+    def forward_batch(self, steps: Sequence[Step], trace: list | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> list[np.ndarray | None]:
         """One pass for several sequences (B = len(steps)), each advancing its own cache by its
         own tokens: the projections, norms, router and experts run once on all their rows
-        stacked, attention per sequence against its cache. Returns each step's logits."""
+        stacked, attention per sequence against its cache. Returns each step's logits.
+        More than PREFILL_CHUNK tokens run as several passes in order; `progress(done, total)`
+        hears of each. An error or interrupt leaves every cache at the length it had."""
         ids = [self._check_ids(s.ids) for s in steps]
         if len({id(s.cache) for s in steps}) < len(steps):
             raise Ds2Error("a forward pass got the same cache twice")
@@ -84,8 +95,45 @@ class Model:
             if s.logits not in ("last", "all", "none"):
                 raise Ds2Error(f"a step's logits must be 'last', 'all' or 'none', not {s.logits!r}")
             s.cache.check_room(len(t))
-        with cores.forward_pass(low_bit=self.quantization is not None, tokens=sum(map(len, ids))):
-            return self._forward(ids, steps, trace)
+        total = sum(map(len, ids))
+        if total <= PREFILL_CHUNK:
+            with cores.forward_pass(low_bit=self.quantization is not None, tokens=total):
+                return self._forward(ids, steps, trace)
+        lengths = [s.cache.length for s in steps]
+        try:
+            return self._forward_in_chunks(ids, steps, trace, progress)
+        except BaseException:
+            for s, n in zip(steps, lengths):
+                s.cache.length = n
+            raise
+
+    def _forward_in_chunks(self, ids: list[np.ndarray], steps: Sequence[Step], trace: list | None,
+                           progress: Callable[[int, int], None] | None) -> list:
+        """Passes of at most PREFILL_CHUNK tokens, each step's tokens in order: a step's "last"
+        logits come from its final piece, its "all" logits are its pieces' rows in order."""
+        total, done = sum(map(len, ids)), 0
+        at = [0] * len(steps)
+        pieces: list[list[np.ndarray]] = [[] for _ in steps]
+        while done < total:
+            room, part = PREFILL_CHUNK, []
+            for i, (s, t) in enumerate(zip(steps, ids)):
+                n = min(len(t) - at[i], room)
+                if n > 0:
+                    final = at[i] + n == len(t)
+                    mode = "all" if s.logits == "all" else "last" if s.logits == "last" and final else "none"
+                    part.append((i, Step(t[at[i]:at[i] + n], s.cache, mode)))
+                    at[i], room = at[i] + n, room - n
+            n_part = sum(len(st.ids) for _, st in part)
+            with cores.forward_pass(low_bit=self.quantization is not None, tokens=n_part):
+                out = self._forward([st.ids for _, st in part], [st for _, st in part], trace)
+            for (i, _), logits in zip(part, out):
+                if logits is not None:
+                    pieces[i].append(logits)
+            done += n_part
+            if progress is not None:
+                progress(done, total)
+        return [None if s.logits == "none" else pieces[i][-1] if s.logits == "last" else np.concatenate(pieces[i])
+                for i, s in enumerate(steps)]
 
     def _check_ids(self, token_ids) -> np.ndarray:
         ids = np.asarray(token_ids).reshape(-1)

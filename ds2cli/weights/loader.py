@@ -227,7 +227,8 @@ def read_quant_config(model_dir: Path) -> qcheckpoint.QuantConfig | None:
 
 
 def load(path: str | Path | None = None, progress: Progress | None = None, quantize: int | str | None = None,
-         context: int | None = None, memory_check: bool = True) -> Model:
+         context: int | None = None, memory_check: bool = True,
+         plan: Callable[[Tokenizer, dict], int | None] | None = None) -> Model:
     """Load a checkpoint directory (default: the bundled ds2-tiny): config, weights with MLA
     absorption precomputed, tokenizer and generation_config.
 
@@ -236,7 +237,10 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     `"exact"`: a Q8_0 GGUF's own blocks, q8b); a
     checkpoint written by `ds2 quantize` is memory-mapped as it is stored. Before any weight is
     read, what the model will hold (with a cache of `context` tokens) is checked against the
-    memory available (memory.py); `memory_check=False` skips that."""
+    memory available (memory.py); `memory_check=False` skips that. `plan(tokenizer,
+    generation_config)`, called once the tokenizer is read and before the memory check, lets a
+    caller tokenize its prompt and refuse it, or name the context it will really use, before any
+    weight is loaded (its answer, when not None, replaces `context`)."""
     model_dir = check_model_dir(bundled_model_dir() if path is None else path)
     gguf = gguf_model.open_model(model_dir)       # None unless a GGUF: its config, tensors, tokenizer
     recipe = None                                  # the formats it loads into, when not quantize's recipe
@@ -258,12 +262,14 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     # then the weights
     tensors = gguf.tensors if gguf else \
         checkpoint.validate(cfg, model_dir) if stored is None else validate_quantized(model_dir, cfg, stored)
+    tokenizer = gguf.tokenizer() if gguf else Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
+    gen = gguf.generation_config if gguf else read_generation_config(model_dir)
+    if plan is not None:
+        context = plan(tokenizer, gen) or context
     if quantize == "auto":
         quantize = None if stored is not None else memory.choose_auto(cfg, context, path=model_dir)
     if memory_check:
         memory.check(cfg, model_dir, stored, quantize, context, recipe=recipe)
-    tokenizer = gguf.tokenizer() if gguf else Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
-    gen = gguf.generation_config if gguf else read_generation_config(model_dir)
     if stored is not None:
         weights = qcheckpoint.load_weights(cfg, stored, tensors, progress)
     else:

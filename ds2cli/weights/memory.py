@@ -21,9 +21,10 @@ import math
 import os
 from pathlib import Path
 
+from ds2cli.model import attention, transformer
+from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights import checkpoint
 from ds2cli.weights import qcheckpoint
-from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
 from ds2cli.weights.qcheckpoint import QuantConfig
 from ds2cli.wording import article
@@ -64,6 +65,22 @@ def cache_bytes(cfg: DeepseekV2Config, tokens: int) -> int:
     return tokens * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * FLOAT32
 
 
+def pass_bytes(cfg: DeepseekV2Config) -> int:
+    """The working memory of one forward pass, whatever the prompt's length: attention's budget
+    of scores and expanded keys (attention.ATTENTION_BUDGET_BYTES) and the activations of a pass
+    of PREFILL_CHUNK tokens (the memory chunk: longer prompts run as several passes), counted
+    generously per token: the hidden states and their norms, q and its RoPE'd copy, the new
+    latent, the absorbed queries and the running sums, the context, the router's scores and the
+    rows of the experts a token visits, or the dense MLP's."""
+    D, H, C, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    d, v, k = cfg.qk_nope_head_dim, cfg.v_head_dim, max(1, cfg.num_experts_per_tok or 0)
+    expert = cfg.moe_intermediate_size or 0
+    mlp = max(cfg.intermediate_size, (cfg.n_shared_experts or 0) * expert)
+    per_token = (6 * D + 2 * H * (d + R) + 2 * (C + R) + 3 * H * C + H * v + 2 * (cfg.n_routed_experts or 0)
+                 + k * (2 * D + 3 * expert) + 3 * mlp) * FLOAT32
+    return attention.ATTENTION_BUDGET_BYTES + transformer.PREFILL_CHUNK * per_token
+
+
 def staging_bytes(cfg: DeepseekV2Config, i: int, qc: QuantConfig | None) -> int:
     """The float32 bytes that exist at once while layer i is quantized as it loads: the layer but
     its routed experts, which qcheckpoint.ExpertStack quantizes as they are read, holding at most
@@ -86,8 +103,9 @@ def required(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None,
         if quantize_at_load else 0
     margin = WORKING_MARGIN_BYTES + int(WORKING_MARGIN_FRACTION * weights) + staging
     cache = cache_bytes(cfg, context)
-    return {"weights": weights, "cache": cache, "margin": margin, "context": context,
-            "total": weights + cache + margin}
+    working = pass_bytes(cfg)
+    return {"weights": weights, "cache": cache, "working": working, "margin": margin, "context": context,
+            "total": weights + cache + working + margin}
 
 
 def parse_size(text: str) -> int:
@@ -185,7 +203,7 @@ def check(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, qu
         return
     head = (f"{model_name(cfg, model_dir)} needs {gb(need['total'])} as {label(qc)} "
             f"(weights {gb(need['weights'])}, cache {gb(need['cache'])} at {need['context']} tokens, "
-            f"margin {gb(need['margin'])}) but {gb(available)} is available")
+            f"working memory {gb(need['working'])}, margin {gb(need['margin'])}) but {gb(available)} is available")
     raise MemoryCheckError(head + "; " + suggestion(cfg, model_dir, stored, quantize, context, available)
                            + "; --no-memory-check skips this check")
 

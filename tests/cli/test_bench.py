@@ -151,8 +151,9 @@ def test_prefill_flops_match_a_count_from_the_config(report, tiny):
                     * (tiny.n_shared_experts + tiny.num_experts_per_tok)))
     for point in report["prefill"]:
         T = point["tokens"]
-        # beyond the projections, scores and context cost H*T*T*(2C+R) absorbed or H*T*T*(d+R+v) expanded
-        attention = tiny.num_hidden_layers * H * T * T * min(2 * C + R, d + R + v)
+        # beyond the projections, scores and context cost H*P*(2C+R) absorbed or H*P*(d+R+v)
+        # expanded, over the P = T(T+1)/2 causal query-key pairs (no block above the diagonal runs)
+        attention = tiny.num_hidden_layers * H * (T * (T + 1) // 2) * min(2 * C + R, d + R + v)
         assert point["gflop"] * 1e9 == pytest.approx(2 * (T * per_token + attention + V * D), rel=1e-12)
 
 

@@ -280,10 +280,12 @@ def test_inspect_with_a_hostile_tokenizer_config(checkpoint_copy):
 
 
 def test_cache_too_large_for_memory_is_an_error_line(checkpoint_copy):
-    """A config that allows 10^15 positions and -n 10^13: numpy cannot allocate the cache."""
+    """A config that allows 10^15 positions and -n 10^13: the memory check counts the context
+    generate will use (prompt + -n) and refuses it; past the check, numpy cannot allocate it."""
     model_dir = checkpoint_copy(SINGLE)
     edit_json(model_dir / "config.json", setter(max_position_embeddings=10**15))
-    assert_one_error_line(cli("generate", "-m", model_dir, "hi", "-n", 10**13),
+    assert_one_error_line(cli("generate", "-m", model_dir, "hi", "-n", 10**13), ("is available",))
+    assert_one_error_line(cli("generate", "-m", model_dir, "hi", "-n", 10**13, "--no-memory-check"),
                           ("out of memory", "Unable to allocate"))
 
 

@@ -199,7 +199,7 @@ def test_required_bytes_add_up_and_match_inspect():
     for name, qc, at_load in (("float32", None, False), ("8-bit", QuantConfig.recipe(8), True),
                               ("4-bit", QuantConfig.recipe(4), True)):
         need = memory.required(TINY, qc, None, quantize_at_load=at_load)
-        assert need["total"] == need["weights"] + need["cache"] + need["margin"]
+        assert need["total"] == need["weights"] + need["cache"] + need["working"] + need["margin"]
         assert by_format[name]["ram_bytes"] == need["total"]
         assert by_format[name]["weight_bytes"] == need["weights"] == memory.weight_bytes(TINY, qc)
     assert by_format["float32"]["weight_bytes"] == 4 * report["total_params"]
