@@ -103,26 +103,41 @@ def visible(start: int, T: int, s0: int, s1: int) -> tuple[int, np.ndarray | Non
 def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
     """q_lat = q_nope.W_UK; scores = q_lat.latent^T + q_pe.k_pe^T; ctx = (probs.latent).W_UV
 
-    The T new queries (positions S-T..S-1, the last T of the cache) meet it a block of keys at a time
-    through the online softmax. The products against the cache are written cache-major
-    (`latent @ q_lat.T`, `latent.T @ p.T`): with few query rows OpenBLAS streams the latent up to
-    twice as fast that way round, and long-context decode is mostly these two passes over the
-    latent. The softmax runs on a contiguous (rows, keys) copy: NumPy reduces a narrow axis 0
-    slowly. Rows are query-major (t, h), so the queries a block skips are a prefix."""
+    The T new queries (positions S-T..S-1, the last T of the cache) meet it a block of keys at a
+    time (absorbed_sums); a few-token pass over a long cache hands each core a share of the keys
+    (cores.split_keys) and merges their running sums. Rows are query-major (t, h)."""
     T, H, _ = q_nope.shape
     S, C = latent.shape
-    start = S - T                                                           # position of query 0
     q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_uk)                      # (H, T, C)
     q_lat = q_lat.transpose(1, 0, 2).reshape(T * H, C)                      # (T*H, C)
     q_pe = q_pe.reshape(T * H, -1)                                          # (T*H, R)
-    m = np.full(T * H, -np.inf, np.float32)                                 # running max
-    l = np.zeros(T * H, np.float32)                                         # running sum
-    acc = np.zeros((T * H, C), np.float32)                                  # running numerator
-    bk = key_block(4 * 3 * T * H)          # scores, their contiguous copy, p
-    for s0 in range(0, S, bk):
-        s1 = min(s0 + bk, S)
+    parts = cores.spread(lambda keys: absorbed_sums(q_lat, q_pe, latent, k_pe, scale, H, keys),
+                         cores.split_keys(S, T))
+    _, l, acc = merge_sums(parts)
+    ctx_lat = (acc / l[:, None]).reshape(T, H, C).transpose(1, 0, 2)        # (H, T, C)
+    return np.matmul(ctx_lat, w_uv).transpose(1, 0, 2)                      # (T, H, v)
+
+
+def absorbed_sums(q_lat, q_pe, latent, k_pe, scale, H: int, keys: slice):
+    """The online softmax's (m, l, acc) of the rows q_lat (T*H, C), q_pe (T*H, R) over the cached
+    positions `keys`, a block at a time. The products against the cache are written cache-major
+    (`latent @ q_lat.T`, `latent.T @ p.T`): with few query rows OpenBLAS streams the latent up to
+    twice as fast that way round, and long-context decode is mostly these two passes over the
+    latent. The softmax runs on a contiguous (rows, keys) copy: NumPy reduces a narrow axis 0
+    slowly. A row that sees none of the keys keeps m = -inf, l = 0 (merge_sums weighs it 0)."""
+    rows, C = q_lat.shape
+    T, S = rows // H, len(latent)
+    start = S - T                                                           # position of query 0
+    m = np.full(rows, -np.inf, np.float32)                                  # running max
+    l = np.zeros(rows, np.float32)                                          # running sum
+    acc = np.zeros((rows, C), np.float32)                                   # running numerator
+    bk = key_block(4 * 3 * rows)           # scores, their contiguous copy, p
+    for s0 in range(keys.start, keys.stop, bk):
+        s1 = min(s0 + bk, keys.stop)
         t0, future = visible(start, T, s0, s1)
-        r = slice(t0 * H, T * H)                                            # rows that see the block
+        if t0 >= T:
+            break                                                           # no row sees these keys
+        r = slice(t0 * H, rows)                                             # rows that see the block
         scores = latent[s0:s1] @ q_lat[r].T                                 # (bk, rows)
         scores += k_pe[s0:s1] @ q_pe[r].T
         scores *= np.float32(scale)
@@ -132,8 +147,20 @@ def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray
         m[r], l[r], p, alpha = online_softmax(m[r], l[r], scores)
         acc[r] *= alpha[:, None]
         acc[r] += (latent[s0:s1].T @ p.T).T                                 # (rows, C)
-    ctx_lat = (acc / l[:, None]).reshape(T, H, C).transpose(1, 0, 2)        # (H, T, C)
-    return np.matmul(ctx_lat, w_uv).transpose(1, 0, 2)                      # (T, H, v)
+    return m, l, acc
+
+
+def merge_sums(parts: list) -> tuple:
+    """Running sums over disjoint key ranges into the sums over their union: each part's l and
+    acc rescaled to the common maximum, exp(m_i - m), as one more step of the online softmax."""
+    if len(parts) == 1:
+        return parts[0]
+    m = np.max([p[0] for p in parts], axis=0)                               # (rows,)
+    l, acc = 0, 0
+    for m_i, l_i, acc_i in parts:
+        w = np.exp(m_i - m)                                                 # 0 where a part saw nothing
+        l, acc = l + w * l_i, acc + w[:, None] * acc_i
+    return m, l, acc
 
 
 def attend_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:

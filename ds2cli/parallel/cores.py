@@ -1,8 +1,10 @@
 """The cores a pass runs on: the worker pool, BLAS thread control, and splitting work.
 
-The model's math asks this module two things and nothing else (attention.py, moe.py):
+The model's math asks this module these things and nothing else (attention.py, moe.py):
   split(n, tokens)         [0, n) as slices that the cores may run at once (independent heads)
   map(fn, items, cost)     [fn(item) for item in items], the items shared across the cores
+  split_keys(S, tokens)    a long cache's positions [0, S) as one slice a core, for a few-token pass
+  spread(fn, items)        [fn(item) for item in items], each item on a core of its own, now
 Whether sharing pays is decided here, not in the math: only while a low-bit forward pass holds
 BLAS at one thread (`forward_pass`), and not in a pass of few tokens whose products the helper
 processes (parallel/processes.py) already split; the costliest items go first, so the cores finish together.
@@ -25,6 +27,10 @@ import numpy as np
 # with 2..FEW_TOKENS rows takes the few-token kernel (quant.QuantMatrix.matmul_few); a longer
 # pass shares whole items (experts, heads) across the cores instead.
 FEW_TOKENS = 64
+
+# A few-token pass (a decode step) attends to a cache of at least this many positions a share of
+# the keys a core: below it, handing the halves to a thread costs more than streaming them alone.
+SHARED_KEYS = 2048
 
 
 class Workers:
@@ -221,6 +227,27 @@ def split(n: int, tokens: int) -> list[slice]:
     low-bit prefill (Workers.lanes), else the whole (a decode step's attention is too small to be
     worth splitting, and a few-token pass splits its products instead)."""
     return [slice(a, b) for a, b in split_rows(n, workers().lanes if tokens > 1 else 1, 1)]
+
+
+def split_keys(S: int, tokens: int) -> list[slice]:
+    """[0, S) cached positions as consecutive slices for `spread`: one a core when a pass of few
+    tokens attends to a long cache (its products are split across the cores already, and its
+    attention, a stream over the whole latent, would otherwise run on one), else the whole."""
+    parts = workers().n if tokens <= FEW_TOKENS and S >= SHARED_KEYS and not workers().inside else 1
+    return [slice(a, b) for a, b in split_rows(S, parts, 1)]
+
+
+def spread(fn, items) -> list:
+    """[fn(item) for item in items], the first on this thread and each other on a core of its
+    own, BLAS at one thread meanwhile (Workers.run): for items that split one piece of work
+    evenly, such as split_keys' slices."""
+    items = list(items)
+    out = [None] * len(items)
+
+    def one(k: int, _stop: int) -> None:
+        out[k] = fn(items[k])
+    workers().run(one, [(k, k + 1) for k in range(len(items))])
+    return out
 
 
 def map(fn, items, cost=None) -> list:  # noqa: A001 - the execution interface's own map

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import ds2cli
 from ds2cli.model import attention, transformer
 from ds2cli.model.transformer import Step
+from ds2cli.parallel import cores
 from ds2cli.weights import memory
 
 LONG = Path(__file__).parents[1] / "data" / "long" / "long_yarn_3k"
@@ -76,9 +77,10 @@ def direct_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale):
 
 @settings(max_examples=40, deadline=None)
 @given(T=st.integers(1, 40), past=st.integers(0, 60), H=st.integers(1, 4), budget=st.integers(1, 20_000),
-       seed=st.integers(0, 2 ** 32 - 1))
-def test_blockwise_attention_against_float64(T, past, H, budget, seed):
-    """Both forms, with blocks as small as the budget makes them, against float64 attention."""
+       shared=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
+def test_blockwise_attention_against_float64(T, past, H, budget, shared, seed):
+    """Both forms, with blocks as small as the budget makes them (and, `shared`, the keys split
+    across the cores as a decode step over a long cache splits them), against float64 attention."""
     rng = np.random.default_rng(seed)
     S, C, R, d, v = past + T, 24, 8, 16, 12
     q_nope, q_pe = rng.standard_normal((T, H, d), np.float32), rng.standard_normal((T, H, R), np.float32)
@@ -86,8 +88,8 @@ def test_blockwise_attention_against_float64(T, past, H, budget, seed):
     w_uk = rng.standard_normal((H, d, C), np.float32) * 0.3
     w_uv = rng.standard_normal((H, C, v), np.float32) * 0.3
     want = direct_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, 0.2)
-    old = attention.ATTENTION_BUDGET_BYTES
-    attention.ATTENTION_BUDGET_BYTES = budget
+    old, old_shared = attention.ATTENTION_BUDGET_BYTES, cores.SHARED_KEYS
+    attention.ATTENTION_BUDGET_BYTES, cores.SHARED_KEYS = budget, 1 if shared else old_shared
     try:
         for form in (attention.attend_absorbed, attention.attend_expanded):
             got = form(q_nope, q_pe, latent, k_pe, w_uk, w_uv, 0.2)
@@ -97,7 +99,25 @@ def test_blockwise_attention_against_float64(T, past, H, budget, seed):
             assert got.dtype == np.float32 and got.shape == (T, H, v)
             assert np.abs(got - want).max() <= bound, form.__name__
     finally:
-        attention.ATTENTION_BUDGET_BYTES = old
+        attention.ATTENTION_BUDGET_BYTES, cores.SHARED_KEYS = old, old_shared
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 12), past=st.integers(0, 80), cuts=st.lists(st.integers(1, 91), max_size=5),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_sums_over_any_split_of_the_keys_merge_to_the_whole(T, past, cuts, seed):
+    """absorbed_sums over disjoint key ranges, merged, equal the sums over all keys (whatever the
+    number of cores: the split is made here), rows that see none of a range included."""
+    rng = np.random.default_rng(seed)
+    S, H, C, R = past + T, 2, 16, 4
+    q_lat, q_pe = rng.standard_normal((T * H, C), np.float32), rng.standard_normal((T * H, R), np.float32)
+    latent, k_pe = rng.standard_normal((S, C), np.float32), rng.standard_normal((S, R), np.float32)
+    _, l, acc = attention.absorbed_sums(q_lat, q_pe, latent, k_pe, 0.3, H, slice(0, S))
+    edges = sorted({0, S, *(k for k in cuts if k < S)})
+    parts = [attention.absorbed_sums(q_lat, q_pe, latent, k_pe, 0.3, H, slice(a, b)) for a, b in zip(edges, edges[1:])]
+    _, l2, acc2 = attention.merge_sums(parts)
+    whole, merged = acc / l[:, None], acc2 / l2[:, None]
+    assert np.abs(merged - whole).max() <= 64 * np.finfo(np.float32).eps * np.abs(latent).max() * np.sqrt(S)
 
 
 @settings(max_examples=60, deadline=None)
