@@ -174,11 +174,18 @@ class Repl:
         self.draft = draft
         self.interactive = sys.stdin.isatty()
         self.unsaved = False          # the conversation has turns no /save or --load holds
+        self.session_file = None      # --session: the conversation is saved there on leaving
         self.turns = self.failed = 0
 
     def resume(self, messages: list[dict], path: Path) -> None:
         self.session.load(messages)
-        console.info(f"(resumed {plural(len(messages), 'message')} from {path})")
+        self.show_resumed(messages, path)
+
+    def show_resumed(self, messages: list[dict], path: Path, cached: int | None = None) -> None:
+        """Say what was resumed (and, from a session file, how many tokens need no reading), then
+        the last exchange."""
+        read = "" if cached is None else f", {plural(cached, 'token')} already read"
+        console.info(f"(resumed {plural(len(messages), 'message')} from {path}{read})")
         last_user = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), None)
         if last_user is not None:
             for m in messages[last_user:]:
@@ -202,7 +209,7 @@ class Repl:
                     console.info("")
         finally:
             editor.close()
-        if self.interactive and self.unsaved:
+        if self.interactive and self.unsaved and self.session_file is None:
             console.info("(leaving with unsaved turns: /save PATH keeps a conversation)")
         return not self.interactive and self.turns > 0 and self.failed == self.turns
 
@@ -258,15 +265,20 @@ class Repl:
 
 
 def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop, draft: int = 0) -> Chunk | None:
-    chunks = session.reply(text, sampler, max_new, stop, draft=draft)
+    reading = console.PrefillProgress(0)     # a long message (a pasted document) shows its reading
+    chunks = session.reply(text, sampler, max_new, stop, draft=draft, progress=reading)
     last = None
     try:
         for chunk in chunks:
+            reading.close()
             write_out(chunk.text)
             last = chunk
     except KeyboardInterrupt:
         chunks.close()
+        reading.close()
         write_out("\n")
+        if last is None and reading.done:
+            console.info(reading.summary())
         console.info("(reply interrupted; the conversation is kept)")
         return None
     write_out("\n")

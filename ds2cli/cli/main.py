@@ -19,6 +19,7 @@ from ds2cli.cli import console
 from ds2cli.weights.gguf import file as gguf_file
 from ds2cli.weights import memory
 from ds2cli.cli.bench import bench
+from ds2cli.generation import saved_cache
 from ds2cli.generation.conversation import ChatSession, read_messages
 from ds2cli.cli.console import quiet_broken_pipe, write_out
 from ds2cli.cli.inspect_report import describe
@@ -142,9 +143,12 @@ GENERATE_CTX_HELP = ("Cache capacity in tokens. Default: prompt + max-new-tokens
 @click.option("--verbose-prompt", is_flag=True, help="Print the prompt as the model sees it, and its token ids, on stderr.")
 @generation_options(GENERATE_CTX_HELP)
 @memory_options
+@click.option("--prompt-cache", "prompt_cache", type=click.Path(path_type=Path),
+              help="Reuse the part of the prompt that FILE holds (its latent cache) and save this prompt's "
+                   "to it: a long document is read once across runs (llama-cli's option).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, system, chat_template, from_bos,
-             ignore_eos, verbose_prompt, as_json, quantize, no_memory_check, **opts):
+             ignore_eos, verbose_prompt, prompt_cache, as_json, quantize, no_memory_check, **opts):
     """Generate a completion of PROMPT (or of stdin when PROMPT is omitted or "-").
 
     An empty prompt is refused unless --from-bos asks to start from the bos token alone.
@@ -157,6 +161,8 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
         raise click.UsageError("--from-bos is for raw completion: a chat prompt is never empty")
     model_dir, config = model_config(model_dir)
     check_ctx(config, opts["ctx"])
+    if prompt_cache is not None and prompt_cache.is_dir():
+        raise Ds2Error(f"--prompt-cache {prompt_cache} is a directory, not a prompt cache file")
     text = read_prompt(prompt if prompt_option is None else prompt_option, prompt_file, encoding)
     if not text and not from_bos:
         raise Ds2Error("the prompt is empty: give some text, or pass --from-bos to generate "
@@ -177,7 +183,7 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
         return opts["ctx"] or min(len(ids) + max_new_tokens_for(generation_config, opts["max_new_tokens"]), limit)
     with thread_limits(opts["threads"]):
         model, load_s = load_model(model_dir, quantize, opts["ctx"], not no_memory_check, chat_template, plan)
-        run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts)
+        run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts, prompt_cache)
 
 
 def prompt_ids(tok, text: str, chat: bool, system: str | None) -> list[int]:
@@ -192,22 +198,27 @@ def prompt_ids(tok, text: str, chat: bool, system: str | None) -> list[int]:
 
 
 def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, verbose_prompt: bool,
-                 as_json: bool, chat: bool, opts: dict) -> None:
+                 as_json: bool, chat: bool, opts: dict, prompt_cache: Path | None = None) -> None:
     tok = model.tokenizer
     if verbose_prompt:
         show_prompt(tok, ids)
     max_new = max_new_tokens_for(model, opts["max_new_tokens"])
     limit = opts["ctx"] or model.config.max_position_embeddings
-    cache = model.new_cache(opts["ctx"] or min(len(ids) + max_new, limit))
+    capacity = opts["ctx"] or min(len(ids) + max_new, limit)
+    cache, keep = model.new_cache(capacity), 0
+    if prompt_cache is not None and prompt_cache.exists():
+        cache, kept, _ = saved_cache.load(prompt_cache, model, capacity, match=ids)
+        keep = len(kept)
+        console.info(f"(prompt cache {prompt_cache}: {keep} of the prompt's {plural(len(ids), 'token')} already read)")
     room = cache.capacity - len(ids) + 1          # the last sampled token is never fed back
     if max_new > room:
         console.warn(f"the context of {cache.capacity} tokens leaves room for {room} of the {max_new} "
                      f"new tokens asked for (-n): generation stops there")
     sampler = CountingSampler(sampler_for(model, opts))      # what ran, for an interrupted --json
     stops = [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]]
-    reading = console.PrefillProgress(len(ids))
-    chunks = stream_generate(model, ids, cache, sampler, max_new, stops, eos_ids=() if ignore_eos else None,
-                             draft=opts["draft"], progress=reading)
+    reading = console.PrefillProgress(len(ids) - keep)
+    chunks = stream_generate(model, ids[keep:], cache, sampler, max_new, stops, eos_ids=() if ignore_eos else None,
+                             context=ids[:keep], draft=opts["draft"], progress=reading)
     if chat:
         chunks = lstrip_reply(chunks)
     pieces: list[Chunk] = []
@@ -216,6 +227,8 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
     except KeyboardInterrupt:
         chunks.close()
         reading.close()
+        if prompt_cache is not None and cache.length >= len(ids):    # the prompt was read: keep it
+            saved_cache.save(prompt_cache, model, cache, ids)
         # the timings of what ran: the prefill, and the decode steps up to the last chunk shown
         ran = pieces[-1] if pieces else Chunk("", prompt_tokens=len(ids))
         interrupted = dataclasses.replace(ran, text="".join(c.text for c in pieces), finish_reason="interrupted")
@@ -229,6 +242,8 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
         elif opts["stats"]:
             console.info(console.stats_line(load_s, interrupted, cache))
         sys.exit(130)
+    if prompt_cache is not None:
+        saved_cache.save(prompt_cache, model, cache, ids)
     if as_json:
         write_out(json.dumps(generation_json(last, load_s, opts["draft"]), ensure_ascii=False) + "\n")
     if opts["stats"]:
@@ -275,11 +290,14 @@ CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation. Default
 @model_option
 @click.option("--system", help="A system message.")
 @click.option("--load", "load_path", type=click.Path(path_type=Path, dir_okay=False),
-              help="Resume a conversation saved with /save.")
+              help="Resume a conversation saved with /save (its transcript: it is read again).")
+@click.option("--session", "session_path", type=click.Path(path_type=Path),
+              help="Keep the conversation in FILE: resumed from it at start without reading it again "
+                   "(its latent cache is in the file), saved to it on leaving.")
 @chat_template_option()
 @generation_options(CHAT_CTX_HELP)
 @memory_options
-def chat(model_dir, system, load_path, chat_template, quantize, no_memory_check, **opts):
+def chat(model_dir, system, load_path, session_path, chat_template, quantize, no_memory_check, **opts):
     """Chat with the model in a REPL.
 
     On a terminal: line editing and history, multi-line messages between two lines of \""",
@@ -289,6 +307,10 @@ def chat(model_dir, system, load_path, chat_template, quantize, no_memory_check,
     system = argument_text(system, "--system argument")
     model_dir, config = model_config(model_dir)
     check_ctx(config, opts["ctx"])
+    if load_path is not None and session_path is not None:
+        raise click.UsageError("--load rereads a transcript and --session resumes a saved session: give one")
+    if session_path is not None and session_path.is_dir():
+        raise Ds2Error(f"--session {session_path} is a directory, not a session file")
     messages = read_messages(load_path) if load_path is not None else None
     with thread_limits(opts["threads"]):
         model, load_s = load_model(model_dir, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
@@ -300,11 +322,21 @@ def chat(model_dir, system, load_path, chat_template, quantize, no_memory_check,
                     opts["draft"])
         if messages is not None:
             repl.resume(messages, load_path)
+        if session_path is not None and session_path.exists():
+            session.resume_session(session_path)
+            repl.show_resumed(session.messages, session_path, len(session.cached_ids))
+        repl.session_file = session_path
         if system:
             session.set_system(system)
         if opts["stats"]:
             console.info(f"[load {load_s:.2f}s]")
-        failed_everything = repl.run()
+        try:
+            failed_everything = repl.run()
+        finally:
+            if session_path is not None:
+                session.save_session(session_path)
+                console.info(f"(session saved to {session_path}: {plural(len(session.messages), 'message')}, "
+                             f"{plural(len(session.cached_ids), 'token')} cached)")
     if failed_everything:
         sys.exit(1)
 

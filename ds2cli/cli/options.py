@@ -21,6 +21,7 @@ from ds2cli.weights.gguf import checkpoint as gguf_model
 from ds2cli.weights import memory
 from ds2cli.parallel.cores import kernel_threads
 from ds2cli.generation.draft import MAX_DRAFT
+from ds2cli.generation.generate import check_stops
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
 from ds2cli.weights.loader import bundled_model_dir, check_model_dir, load
@@ -111,10 +112,17 @@ draft_option = click.option(
          "tokens occurred before) and verify them in one pass; the output is the same as without. 0 = off.")
 
 
+def checked_stops(stops: tuple[str, ...]) -> tuple[str, ...]:
+    fault = check_stops(stops)
+    if fault is not None:
+        raise click.BadParameter(fault, param_hint="'--stop'")
+    return stops
+
+
 def generation_options(ctx_help: str):
     """generate's and chat's: the sampling options, then --stop, --ctx, --draft and --stats."""
     options = [
-        click.option("--stop", multiple=True,
+        click.option("--stop", multiple=True, callback=lambda ctx, param, value: checked_stops(value),
                      help="Stop at this string (repeatable; not printed). Understands the escapes "
                           "\\n \\t \\r \\\\ \\\" \\' and \\xNN, as llama-cli does."),
         click.option("--ctx", type=click.IntRange(min=1), help=ctx_help),

@@ -15,18 +15,11 @@ from ds2cli.json_files import JSON_ERRORS, json_error
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generation.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.model.transformer import Model
+from ds2cli.generation import saved_cache
 from ds2cli.generation.sampling import Sampler
+from ds2cli.model.cache import common_prefix
 
 ROLES = ("system", "user", "assistant")
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -54,6 +47,10 @@ def read_messages(path: Path) -> list[dict]:
         raise Ds2Error(f"conversation file {path} is not valid JSON: {json_error(e)}") from None
     except OSError as e:
         raise Ds2Error(f"cannot read conversation {path}: {e.strerror}") from None
+    return checked_messages(data, path)
+
+
+def checked_messages(data, path: Path) -> list[dict]:
     messages = data.get("messages") if isinstance(data, dict) else data
     ok = isinstance(messages, list) and all(
         isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
@@ -94,6 +91,17 @@ class ChatSession:
         except OSError as e:
             raise Ds2Error(f"cannot save the conversation to {path}: {e.strerror}") from None
 
+    def save_session(self, path: Path) -> None:
+        """The conversation and the latent cache of what it has read (saved_cache.py): resuming it
+        reads nothing again."""
+        saved_cache.save(path, self.model, self.cache, self.cached_ids, {"messages": self.messages})
+
+    def resume_session(self, path: Path) -> None:
+        """The conversation `save_session` wrote, its cache as it was."""
+        cache, ids, state = saved_cache.load(path, self.model, self.cache.capacity)
+        self.messages = checked_messages(state, path)
+        self.cache, self.cached_ids = cache, ids
+
     def _fit(self, reserve: int) -> list[int]:
         """Render the history with the generation prompt, dropping the oldest whole turns
         (never the system message) until it leaves `reserve` free positions."""
@@ -115,7 +123,8 @@ class ChatSession:
                       f"{'s' * (dropped > 1)}) to make room")
 
     def reply(self, text: str, sampler: Sampler, max_new_tokens: int,
-              stop: tuple[str, ...] = (), draft: int = 0) -> Iterator[Chunk]:
+              stop: tuple[str, ...] = (), draft: int = 0,
+              progress: Callable[[int, int], None] | None = None) -> Iterator[Chunk]:
         """Add a user message and stream the assistant's reply. The reply (even a cut-off one)
         joins the history; the cache keeps every token it processed."""
         self.messages.append({"role": "user", "content": text})
@@ -132,7 +141,8 @@ class ChatSession:
         pieces, generated = [], []
         try:
             for chunk in lstrip_reply(stream_generate(self.model, ids[keep:], self.cache, sampler,
-                                                      max_new_tokens, stop, context=ids[:keep], draft=draft)):
+                                                      max_new_tokens, stop, context=ids[:keep], draft=draft,
+                                                      progress=progress)):
                 pieces.append(chunk.text)
                 if chunk.finish_reason:
                     generated = chunk.tokens

@@ -44,28 +44,82 @@ class Chunk:
         return steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
+# Stop strings together may hold at most this many characters (the server answers 400, the CLI a
+# usage error): the matcher's automaton is built from them once per request.
+MAX_STOP_CHARS = 16_384
+
+
+def check_stops(stops: Sequence[str]) -> str | None:
+    """Why these stop strings are refused, or None."""
+    total = sum(len(s) for s in stops)
+    if total > MAX_STOP_CHARS:
+        return f"the stop strings hold {total} characters together, more than the {MAX_STOP_CHARS} allowed"
+    return None
+
+
 class StopMatcher:
-    """Holds back text that could be the start of a stop string, and cuts at the first stop."""
+    """Holds back text that could be the start of a stop string, and cuts at the first stop.
+
+    An Aho-Corasick automaton over the stop strings: each character of the generated text moves
+    one state (a failure link per mismatch, amortized constant), so a token costs its length
+    whatever the stops' lengths, never their square. The state's depth is the longest tail of
+    the text that begins some stop string: exactly what must be held back. A stop is cut at the
+    first position where one ends (the longest of those ending there)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
+        self.goto: list[dict[str, int]] = [{}]       # the trie of the stops' prefixes
+        self.depth = [0]                             # each state's prefix length
+        self.match = [0]                             # the longest stop ending at each state, 0 if none
+        for s in self.stops:
+            node = 0
+            for ch in s:
+                nxt = self.goto[node].get(ch)
+                if nxt is None:
+                    nxt = self.goto[node][ch] = len(self.goto)
+                    self.goto.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    self.match.append(0)
+                node = nxt
+            self.match[node] = len(s)
+        self.fail = self._failure_links()
+        self.state = 0
         self.pending = ""
+
+    def _failure_links(self) -> list[int]:
+        """Breadth first: a state's failure is the longest proper suffix of its prefix that is
+        also a prefix in the trie; a stop ending at the failure ends here too."""
+        fail = [0] * len(self.goto)
+        queue = list(self.goto[0].values())
+        for node in queue:
+            for ch, child in self.goto[node].items():
+                f = fail[node]
+                while f and ch not in self.goto[f]:
+                    f = fail[f]
+                fail[child] = self.goto[f].get(ch, 0) if self.goto[f].get(ch) != child else 0
+                self.match[child] = max(self.match[child], self.match[fail[child]])
+                queue.append(child)
+        return fail
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, whether a stop string was hit)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        hold = max((k for s in self.stops for k in range(1, len(s))
-                    if self.pending.endswith(s[:k])), default=0)
-        out = self.pending[:len(self.pending) - hold]
-        self.pending = self.pending[len(out):]
-        return out, False
+        state = self.state
+        for i, ch in enumerate(text):
+            while state and ch not in self.goto[state]:
+                state = self.fail[state]
+            state = self.goto[state].get(ch, 0)
+            if self.match[state]:
+                seen = self.pending + text[:i + 1]
+                self.pending, self.state = "", 0
+                return seen[:len(seen) - self.match[state]], True
+        self.state = state
+        seen = self.pending + text
+        hold = self.depth[state]
+        self.pending = seen[len(seen) - hold:] if hold else ""
+        return seen[:len(seen) - hold], False
 
     def flush(self) -> str:
-        out, self.pending = self.pending, ""
+        out, self.pending, self.state = self.pending, "", 0
         return out
 
 

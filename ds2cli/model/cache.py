@@ -7,6 +7,15 @@ import numpy as np
 from ds2cli.errors import ContextFullError, Ds2Error
 
 
+def common_prefix(a, b) -> int:
+    """How many leading token ids a and b share: what a cache holding a's latents can keep for b
+    (vectorised: the server's pool compares a prompt with hundreds of entries)."""
+    a, b = np.asarray(a), np.asarray(b)
+    n = min(len(a), len(b))
+    same = a[:n] == b[:n]                                                 # (n,)
+    return n if same.all() else int(np.argmin(same))
+
+
 class LatentCache:
     """Per layer, slot 0 is the kv_a_layernorm'd latent and slot 1 the RoPE'd single-head k_pe.
 

@@ -13,6 +13,7 @@ from typing import Any
 from ds2cli.generation import grammar as grammars
 from ds2cli.server import tools as tooling
 from ds2cli.generation.draft import MAX_DRAFT
+from ds2cli.generation.generate import check_stops
 from ds2cli.errors import Ds2Error
 from ds2cli.generation.logprobs import MAX_TOP
 from ds2cli.generation.sampling import SamplingError, SamplingParams
@@ -177,6 +178,9 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise ApiError(400, "stop must be a string or a list of strings", param="stop")
     if len(stops) > MAX_STOPS:
         raise ApiError(400, f"at most {MAX_STOPS} stop strings, got {len(stops)}", param="stop")
+    fault = check_stops(stops)
+    if fault is not None:
+        raise ApiError(400, fault, param="stop")
     return tuple(stops)
 
 

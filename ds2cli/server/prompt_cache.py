@@ -14,20 +14,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ds2cli.model.cache import LatentCache
+from ds2cli.model.cache import LatentCache, common_prefix
 
 
 @dataclasses.dataclass(eq=False)   # entries are told apart by identity (list.remove)
 class Entry:
     ids: np.ndarray         # (n,) int64: the tokens whose latents cache[:n] holds
     cache: LatentCache
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading tokens a and b share (vectorised: a pool can hold hundreds of entries)."""
-    n = min(len(a), len(b))
-    same = a[:n] == b[:n]                                                 # (n,)
-    return n if same.all() else int(np.argmin(same))
 
 
 class PromptCache:

@@ -36,7 +36,8 @@ from ds2cli.server.api import ABORTED, Job
 from ds2cli.generation.generate import Chunk, Generation, ReplyStart
 from ds2cli.generation.logprobs import PROMPT_CHUNK, ObservedSampler, TokenLogprobs, entry
 from ds2cli.model.transformer import Model
-from ds2cli.server.prompt_cache import PromptCache, common_prefix, copy_prefix
+from ds2cli.model.cache import common_prefix
+from ds2cli.server.prompt_cache import PromptCache, copy_prefix
 from ds2cli.generation.sampling import make_sampler
 
 DEFAULT_PARALLEL = 4

@@ -12,6 +12,7 @@ Bottom-up:
     qcheckpoint  ds2's low-bit checkpoint layout: recipes, validation, memory-mapped loading
     memory       what a model needs, the memory check
     staging      directories built beside their target and renamed when complete
+    fingerprint  what a model is (config, headers, sizes, load form), for files that belong to it
     gguf/        GGUF files: header, config, tensors, tokenizer, the checkpoint the loader takes
     loader       a checkpoint (or GGUF) into a Model: checks, memory check, weights, absorption
     quantize     the streaming quantizer behind `ds2 quantize` (a library: bench uses it too)

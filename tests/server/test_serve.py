@@ -25,7 +25,8 @@ from ds2cli.server.api import Defaults, Job
 from ds2cli.cli.main import main
 from ds2cli.errors import GenerationError
 from ds2cli.generation.generate import lstrip_reply, stream_generate
-from ds2cli.server.prompt_cache import PromptCache, common_prefix
+from ds2cli.model.cache import common_prefix
+from ds2cli.server.prompt_cache import PromptCache
 from ds2cli.generation.sampling import SamplingParams, make_sampler
 from ds2cli.server.scheduler import Scheduler
 from ds2cli.server.http_server import MAX_BODY_BYTES, Server, State
