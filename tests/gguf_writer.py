@@ -159,11 +159,15 @@ def quantized(name: str, x: np.ndarray, qtype: str):
 
 
 def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", layout: str = "split",
-               drop: tuple[str, ...] = (), split_max_tensors: int = 0, pre: str = "deepseek-llm") -> Path:
+               drop: tuple[str, ...] = (), split_max_tensors: int = 0, pre: str = "deepseek-llm",
+               metadata=None) -> Path:
+    """`metadata(writer)`, when given, adds or replaces keys after the converter's own."""
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
     w = gguf.GGUFWriter(out, "deepseek2", split_max_tensors=split_max_tensors)
     add_metadata(w, cfg, layout)
     add_tokenizer(w, model_dir, cfg.vocab_size, pre)
+    if metadata is not None:
+        metadata(w)
     for name, x in gguf_tensors(model_dir, cfg, layout).items():
         if name in drop:
             continue

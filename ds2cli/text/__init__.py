@@ -3,5 +3,6 @@ and imports only the modules below the packages (errors, json_files).
 
 Bottom-up:
     tiktoken_convert  Moonlight's / Kimi's tiktoken.model as the same byte-level BPE, cached
-    tokenizer         tokenizer.json -> ids, chat templates (jinja2), the streaming detokenizer
+    chat_template     Jinja chat templates in a sandbox, with a budget on steps and sizes
+    tokenizer         tokenizer.json -> ids, chat prompts, the streaming detokenizer
 """

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import codecs
 import json
-import traceback
 from pathlib import Path
 from typing import Any, Iterable
 
-import jinja2
-import jinja2.ext
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ds2cli.json_files import read_json_object
 from ds2cli.errors import TokenizerError
+from ds2cli.text.chat_template import compile_template, one_line, render
 from ds2cli.text.tiktoken_convert import byte_level_alphabet, has_tiktoken
 from ds2cli.text.tiktoken_convert import load_backend as tiktoken_backend
 
@@ -46,9 +43,6 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
-# jinja2 names the frames of a template compiled from a string like this in tracebacks.
-TEMPLATE_FRAME_FILENAME = "<template>"
-
 # What a lossy UTF-8 decode writes for bytes that do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -67,7 +61,7 @@ class Tokenizer:
         self._eos_id = _token_id(backend, eos_token, "eos_token")
         # Whether encode() starts with bos: the config asks for it, or tokenizer.json adds it itself.
         self._add_bos = self._bos_id is not None and (add_bos_token or self._post_processor_adds_bos())
-        self._template = _compile_template(chat_template or FALLBACK_CHAT_TEMPLATE)
+        self._template = compile_template(chat_template or FALLBACK_CHAT_TEMPLATE)
         # Byte-level BPE (GPT-2 style, as DeepSeek's): each token is a run of raw bytes.
         self.byte_level = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
         self._alphabet = byte_level_alphabet() if self.byte_level else {}
@@ -154,7 +148,7 @@ class Tokenizer:
             variables["bos_token"] = self.bos_token
         if self.eos_token is not None:
             variables["eos_token"] = self.eos_token
-        return _render(self._template, variables)
+        return render(self._template, variables)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
@@ -163,7 +157,7 @@ class Tokenizer:
 
     def set_chat_template(self, source: str) -> None:
         """Replace the checkpoint's chat template (compiled now, so a syntax error shows at once)."""
-        self._template = _compile_template(source)
+        self._template = compile_template(source)
         self.chat_template = source
 
     def stream_decoder(self) -> "StreamDecoder":
@@ -229,7 +223,7 @@ def _read_backend(path: Path) -> tokenizers.Tokenizer:
     try:
         return tokenizers.Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust loader raises a bare Exception for every kind of bad file
-        raise TokenizerError(f"{path} is not a valid tokenizer.json: {_one_line(str(exc))}") from exc
+        raise TokenizerError(f"{path} is not a valid tokenizer.json: {one_line(str(exc))}") from exc
 
 
 def _read_config(path: Path) -> dict:
@@ -251,7 +245,7 @@ def _special_token(config: dict, field: str, backend: tokenizers.Tokenizer,
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     raise TokenizerError(f"{TOKENIZER_CONFIG_FILE}: {field} must be a string or an AddedToken object,"
-                         f" got {_one_line(json.dumps(value))}")
+                         f" got {one_line(json.dumps(value))}")
 
 
 def _token_id(backend: tokenizers.Tokenizer, token: str | None, field: str) -> int | None:
@@ -294,49 +288,6 @@ def _check_messages(messages: Any) -> None:
                              f"not {type(messages).__name__}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise TokenizerError(f"chat message {i} must be a dict with a string \"role\", got {_one_line(repr(m))[:80]}")
+            raise TokenizerError(f"chat message {i} must be a dict with a string \"role\", got {one_line(repr(m))[:80]}")
 
 
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile once at load, in the same sandboxed environment Hugging Face uses."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise TokenizerError(f"chat template line {exc.lineno}: {_one_line(exc.message or '')}") from exc
-
-
-def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:
-    try:
-        return template.render(**variables)
-    except Exception as exc:  # a template is user code: any failure in it is a template error
-        line = _template_line(exc)
-        where = f"chat template line {line}" if line is not None else "chat template"
-        raise TokenizerError(f"{where}: {_one_line(str(exc)) or type(exc).__name__}") from exc
-
-
-def _template_line(exc: BaseException) -> int | None:
-    """jinja2 rewrites tracebacks so that template frames carry the template's own line numbers."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if f.filename == TEMPLATE_FRAME_FILENAME]
-    return frames[-1].lineno if frames else None
-
-
-def _raise_exception(message: str) -> None:
-    """The `raise_exception` templates call to reject a conversation (e.g. roles out of order)."""
-    raise TokenizerError(str(message))
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # HF's version: jinja2's own tojson HTML-escapes, which would corrupt prompts.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
-
-
-def _one_line(message: str) -> str:
-    """Error messages are printed as a single line; collapse any whitespace runs in foreign text."""
-    return " ".join(message.split())

@@ -186,7 +186,7 @@ def test_chat_session_resumes_without_reading_again(tmp_path):
     assert "resumed 2 messages" in two.stderr and "already read" in two.stderr
     both = ds2("chat", "--temperature", "0", "-n", "20", stdin="What is 12 + 30?\nWhat is 451 - 123?\n")
     assert one.stdout + two.stdout == both.stdout
-    state = saved_cache.load(session, ds2cli.load(), 4096)
+    state = saved_cache.load(session, ds2cli.load(), 1024)
     assert [m["role"] for m in state[2]["messages"]] == ["user", "assistant", "user", "assistant"]
 
 

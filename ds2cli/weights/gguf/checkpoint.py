@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ds2cli.weights import qcheckpoint
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.errors import CheckpointError
+from ds2cli.errors import CheckpointError, ConfigError
 from ds2cli.weights.gguf.config import config_from_gguf
 from ds2cli.weights.gguf.file import GGUFFile, find
 from ds2cli.weights.gguf.tensors import GGUFTensors
@@ -49,7 +49,7 @@ class GGUFModel:
             if not name.startswith("blk.") or len(t.shape) < 2:
                 continue
             by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
-        return max(by_type, key=by_type.get)
+        return max(by_type, key=by_type.get) if by_type else "F32"    # no decoder matrix: nothing to quantize
 
     @property
     def default_bits(self) -> int | None:
@@ -65,7 +65,14 @@ class GGUFModel:
 
     @property
     def generation_config(self) -> dict:
-        gen = {key: round(self.file.fields[name], 6) for name, key in SAMPLING.items() if name in self.file.fields}
+        gen = {}
+        for name, key in SAMPLING.items():
+            value = self.file.fields.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{self.file.name}: GGUF metadata {name} should be a number, got {value!r}")
+            gen[key] = round(value, 6)
         if "temperature" in gen:
             gen["do_sample"] = gen["temperature"] > 0
         return gen

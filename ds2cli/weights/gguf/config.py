@@ -80,12 +80,16 @@ def config_from_gguf(gf: GGUFFile) -> DeepseekV2Config:
     m, req = Metadata(gf), ConfigError
     layers = m.get("block_count", req) - m.get("nextn_predict_layers", 0)
     D, H = m.get("embedding_length", req), m.get("attention.head_count", req)
+    for key, value in (("embedding_length", D), ("attention.head_count", H)):
+        if value < 1:
+            raise ConfigError(f"{gf.name}: GGUF metadata {ARCHITECTURE}.{key} is {value}; it must be at least 1")
     C, R = m.get("attention.kv_lora_rank", req), m.get("rope.dimension_count", req)
     if m.get("attention.key_length_mla") is not None:
         k_len, v_len = m.get("attention.key_length_mla"), m.get("attention.value_length_mla", req)
     else:   # the older layout: key/value lengths are the per-head sizes
         k_len, v_len = m.get("attention.key_length", D // H), m.get("attention.value_length", D // H)
     experts = m.get("expert_count", 0)
+    check_expert_count(gf, experts)
     gating = GATING.get(m.get("expert_gating_func", 0) or 1)   # 0 / absent: softmax, as llama.cpp
     if gating is None:
         raise ConfigError(f"{gf.name}: expert_gating_func {m.get('expert_gating_func')} is not softmax (1) "
@@ -129,6 +133,16 @@ def config_from_gguf(gf: GGUFFile) -> DeepseekV2Config:
     if v3:
         d.update(V3_FIELDS)
     return DeepseekV2Config.from_dict({k: v for k, v in d.items() if v is not None or k == "q_lora_rank"})
+
+
+def check_expert_count(gf: GGUFFile, experts: int) -> None:
+    """The expert count must be what the stacked expert tensors hold: the loader and the checks
+    build a name per expert and layer, so a count far beyond the tensors must stop here."""
+    stacked = {int(t.shape[-1]) for n, t in gf.tensors.items() if n.endswith("_exps.weight") and len(t.shape) == 3}
+    if experts < 0 or (experts and stacked != {experts}):
+        held = f"the expert tensors hold {', '.join(map(str, sorted(stacked)))}" if stacked else \
+            "the file holds no expert tensors"
+        raise ConfigError(f"{gf.name}: GGUF metadata {ARCHITECTURE}.expert_count is {experts}, but {held}")
 
 
 # config.json fields a V3 config may not omit, with the values DeepSeek-V3's own config holds

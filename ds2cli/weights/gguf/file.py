@@ -10,6 +10,7 @@ cannot read are errors that name the file and the tensor.
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 import sys
@@ -26,6 +27,7 @@ SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.ggu
 
 # The tensor types ds2 reads: the float types and the block types llama.cpp's common files use
 # (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K and Q8_0). gguf.quants dequantizes each in NumPy.
+MAX_DIMS = 4                 # GGML_MAX_DIMS
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -97,6 +99,9 @@ def _reader_class():
             return arr.view(arr.dtype.newbyteorder(order))
 
         def _build_tensors(self, start_offs: int, fields: list) -> None:
+            """Every tensor's dimensions, type, alignment and bytes checked against the file and
+            each other before the reader views any of them (Python ints: no overflow)."""
+            spans = []
             for field in fields:
                 _, name_data, _, dims, raw_dtype, offset = field.parts
                 name = bytes(name_data).decode("utf-8", "replace")
@@ -105,12 +110,29 @@ def _reader_class():
                 except ValueError:
                     raise GGUFError(f"tensor {name} has GGML type {int(raw_dtype[0])}, which gguf "
                                     f"does not know") from None
+                shape = [int(d) for d in dims]                     # innermost first, as stored
+                if not 1 <= len(shape) <= MAX_DIMS:
+                    raise GGUFError(f"tensor {name} has {len(shape)} dimensions (GGUF allows 1 to {MAX_DIMS})")
+                if min(shape) < 1:
+                    raise GGUFError(f"tensor {name} has a dimension of 0 in {shape}: it holds nothing")
                 block, size = gguf.GGML_QUANT_SIZES[kind]
-                n = int(np.prod(dims.astype(np.uint64)))
-                end = start_offs + int(offset[0]) + n * size // block
+                if shape[0] % block:
+                    raise GGUFError(f"tensor {name} is {kind.name}, whose blocks of {block} values do not "
+                                    f"fit its rows of {shape[0]}")
+                rel = int(offset[0])
+                if rel % self.alignment:
+                    raise GGUFError(f"tensor {name} starts at data offset {rel}, not a multiple of the "
+                                    f"file's alignment ({self.alignment})")
+                start = start_offs + rel
+                end = start + math.prod(shape) // block * size
                 if end > len(self.data):
                     raise GGUFError(f"tensor {name} ends at byte {end}, past the end of the file "
                                     f"({len(self.data)} bytes): the file is truncated")
+                spans.append((start, end, name))
+            spans.sort()
+            for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+                if start < end:
+                    raise GGUFError(f"tensors {a} and {b} overlap in the file (bytes {start} to {end})")
             super()._build_tensors(start_offs, fields)
 
     return Reader
@@ -131,7 +153,8 @@ class GGUFFile:
                 reader = Reader(path)
             except GGUFError as e:
                 raise GGUFError(f"{path.name}: {e}") from None
-            except (ValueError, IndexError, OverflowError, TypeError, UnicodeDecodeError) as e:
+            except (ValueError, IndexError, OverflowError, TypeError, UnicodeDecodeError, KeyError) as e:
+                # KeyError: gguf's reader on a duplicate metadata key
                 raise GGUFError(f"{path.name} is not a readable GGUF file (truncated or corrupt header: {e})") from None
             except OSError as e:
                 raise GGUFError(f"cannot read {path}: {e.strerror or e}") from None

@@ -58,7 +58,11 @@ def backend_from_gguf(gf: GGUFFile) -> tokenizers.Tokenizer:
     tokens, merges = f.get("tokenizer.ggml.tokens"), f.get("tokenizer.ggml.merges")
     if not isinstance(tokens, list) or not isinstance(merges, list):
         raise TokenizerError(f"{gf.name}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
+    if not all(isinstance(t, str) for t in tokens) or not all(isinstance(m, str) for m in merges):
+        raise TokenizerError(f"{gf.name}: tokenizer.ggml.tokens and tokenizer.ggml.merges must be lists of strings")
     types = f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if not isinstance(types, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in types):
+        raise TokenizerError(f"{gf.name}: tokenizer.ggml.token_type must be a list of integers")
     if len(types) != len(tokens):
         raise TokenizerError(f"{gf.name}: {len(tokens)} tokens but {len(types)} token types")
     spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [
