@@ -43,11 +43,26 @@ PIPE_CLOSED_EXIT = 0     # every command, when the reader of stdout goes away (`
 
 
 class Ds2Group(click.Group):
-    """Turns every ds2 error into one red line on stderr and exit code 1."""
+    """Turns every ds2 error into one red line on stderr and exit code 1, and click's usage
+    errors (three lines ending in "Error: ...") into one line too, with exit code 2."""
 
-    def main(self, *args, **kwargs):
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
         console.utf8_streams()
-        return super().main(*args, **kwargs)
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            console.error(e.format_message() + hint)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            console.error(e.format_message())
+            sys.exit(e.exit_code)
+        except click.Abort:             # Ctrl-C or EOF at one of click's own prompts
+            console.info("")
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Each command's first sentence in full (click would cut it at the terminal's width)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import heapq
 import json
 import os
 import tempfile
@@ -66,6 +67,11 @@ UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]
 # Part of the cache key: bump it when the conversion's output changes for the same input.
 CONVERTER_VERSION = 1
 
+# What a line of tiktoken.model may hold: real vocabularies have tokens of at most a few hundred
+# bytes and ranks of six digits.
+MAX_TOKEN_BYTES = 4096
+MAX_RANK_DIGITS = 12
+
 
 def byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, char -> byte: printable bytes stand for themselves, the
@@ -87,18 +93,24 @@ def has_tiktoken(model_dir: Path) -> bool:
 
 
 def load_backend(model_dir: Path) -> tokenizers.Tokenizer:
-    """The converted tokenizer of `model_dir`/tiktoken.model, from the cache when it was built before."""
+    """The converted tokenizer of `model_dir`/tiktoken.model, from the cache when it was built
+    before. The cache is read as untrusted: an entry that does not load (truncated, edited) is
+    converted again and replaced."""
     path = cached_tokenizer_json(model_dir)
     if path is None:        # no writable cache: convert in memory, every time
         return convert(model_dir)
-    return tokenizers.Tokenizer.from_file(str(path))
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception:       # tokenizers raises its own Exception type for a corrupt file
+        path = cached_tokenizer_json(model_dir, rebuild=True)
+        return convert(model_dir) if path is None else tokenizers.Tokenizer.from_file(str(path))
 
 
-def cached_tokenizer_json(model_dir: Path) -> Path | None:
-    """Where the converted tokenizer.json is kept (written now if it is not yet), or None when
-    no cache directory is writable."""
+def cached_tokenizer_json(model_dir: Path, rebuild: bool = False) -> Path | None:
+    """Where the converted tokenizer.json is kept (written now if it is not yet, or again with
+    `rebuild`), or None when no cache directory is writable."""
     path = cache_dir() / f"{cache_key(model_dir)}.json"
-    if path.is_file():
+    if path.is_file() and not rebuild:
         return path         # the same bytes were checked and converted before
     backend = convert(model_dir)
     try:
@@ -167,9 +179,15 @@ def parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
             raise TokenizerError(f"{path} line {number}: {_shown(fields[0])} is not valid base64") from None
         if not fields[1].isdigit():
             raise TokenizerError(f"{path} line {number}: rank {_shown(fields[1])} is not a non-negative integer")
+        if len(fields[1]) > MAX_RANK_DIGITS:
+            raise TokenizerError(f"{path} line {number}: rank {_shown(fields[1])} has more digits than any "
+                                 f"vocabulary needs")
         rank = int(fields[1])
         if not token:
             raise TokenizerError(f"{path} line {number}: the token is empty")
+        if len(token) > MAX_TOKEN_BYTES:
+            raise TokenizerError(f"{path} line {number}: a token of {len(token)} bytes; tokens are at most "
+                                 f"{MAX_TOKEN_BYTES} bytes")
         if token in ranks:
             raise TokenizerError(f"{path} line {number}: token {token!r} already has rank {ranks[token]}")
         if rank in line_of_rank:
@@ -198,14 +216,21 @@ def special_tokens(config: dict, n_base: int) -> dict[int, str]:
     if not isinstance(decoder, dict):
         raise TokenizerError(f"{TOKENIZER_CONFIG_FILE}: added_tokens_decoder must be an object of id -> token")
     named = {}
+    # the reserved range, or as far as the entries themselves could reach: ids beyond it would
+    # make the converter build every id up to them
+    limit = n_base + max(NUM_RESERVED_SPECIAL_TOKENS, len(decoder))
     for key, entry in decoder.items():
         content = entry.get("content") if isinstance(entry, dict) else None
-        if not (key.isdigit() and isinstance(content, str) and content):
+        if not (key.isascii() and key.isdigit() and len(key) <= MAX_RANK_DIGITS
+                and isinstance(content, str) and content):
             raise TokenizerError(f"{TOKENIZER_CONFIG_FILE}: added_tokens_decoder entry {_shown(key)} needs a "
-                                 f"numeric id and a non-empty string 'content'")
+                                 f"numeric id (ASCII digits) and a non-empty string 'content'")
         if int(key) < n_base:
             raise TokenizerError(f"{TOKENIZER_CONFIG_FILE}: added token {content!r} has id {key}, inside "
                                  f"tiktoken.model's {n_base} ranks: special tokens come after them")
+        if int(key) >= limit:
+            raise TokenizerError(f"{TOKENIZER_CONFIG_FILE}: added token {content!r} has id {key}, beyond the "
+                                 f"{limit - n_base} ids reserved after tiktoken.model's {n_base} ranks")
         named[int(key)] = content
     end = max(n_base + NUM_RESERVED_SPECIAL_TOKENS, max(named, default=0) + 1)
     return {i: named.get(i, f"<|reserved_token_{i}|>") for i in range(n_base, end)}
@@ -214,19 +239,46 @@ def special_tokens(config: dict, n_base: int) -> dict[int, str]:
 def merge_pair(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes] | None:
     """The two tokens tiktoken joins into `token`: its merge loop run over the token's own bytes,
     up to the last step. None when that loop never reaches `token` (tiktoken then produces it
-    only for a piece that is the whole token)."""
-    parts = [token[i:i + 1] for i in range(len(token))]
-    while len(parts) > 2:
-        best = None                                 # (rank, index) of the pair to merge
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and (best is None or rank < best[0]):
-                best = (rank, i)
-        if best is None:
+    only for a piece that is the whole token).
+
+    tiktoken's loop merges the adjacent pair of lowest rank (the leftmost of equals) until none
+    is a token; rescanning every pair each step is quadratic in the token's length, so the pairs
+    wait in a heap by (rank, position), parts are linked to their neighbours, and an entry whose
+    parts have since changed is skipped: O(L log L)."""
+    n = len(token)
+    if n < 2:
+        return None
+    parts = [token[i:i + 1] for i in range(n)]
+    nxt, prv, alive = list(range(1, n)) + [-1], list(range(-1, n - 1)), [True] * n
+    heap: list[tuple[int, int, bytes, bytes]] = []
+
+    def push(i: int) -> None:
+        j = nxt[i]
+        if i >= 0 and j >= 0:
+            rank = ranks.get(parts[i] + parts[j])
+            if rank is not None:
+                heapq.heappush(heap, (rank, i, parts[i], parts[j]))
+
+    for i in range(n - 1):
+        push(i)
+    left = n
+    while left > 2:
+        while heap:
+            _, i, a, b = heapq.heappop(heap)
+            if alive[i] and nxt[i] >= 0 and parts[i] == a and parts[nxt[i]] == b:
+                break
+        else:
             return None
-        i = best[1]
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-    return (parts[0], parts[1]) if len(parts) == 2 and parts[0] + parts[1] in ranks else None
+        j = nxt[i]
+        parts[i], alive[j], nxt[i] = a + b, False, nxt[j]
+        if nxt[j] >= 0:
+            prv[nxt[j]] = i
+        left -= 1
+        push(prv[i])
+        push(i)
+    first = alive.index(True)
+    a, b = parts[first], parts[nxt[first]]
+    return (a, b) if a + b in ranks else None
 
 
 def build(ranks: dict[bytes, int], specials: dict[int, str],

@@ -11,6 +11,8 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+from ds2cli.errors import Ds2Error
+
 
 def check_free_disk(directory: Path, needed: int, what: str, error: type[Exception], hint: str = "") -> None:
     """Raise `error`, naming both figures, if `directory`'s file system has fewer than `needed`
@@ -56,15 +58,19 @@ def building(target: Path, replace: bool) -> Iterator[Path]:
     it: nothing is left behind. A Ctrl-C during the final renames is too late to stop them, and
     is not raised: the build is complete."""
     made = [p for p in [target.parent, *target.parent.parents] if not p.exists()]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(target)
     partial = target.parent / f".{target.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
     try:
-        yield partial
-        with interrupts_deferred():
-            commit(partial, target, replace)
+        with terminate_as_exit():
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                remove_stale_partials(target)
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir()
+            except OSError as e:     # a name too long for the file system, a read-only disk ...
+                raise Ds2Error(f"cannot create {target}: {e.strerror or e}") from None
+            yield partial
+            with interrupts_deferred():
+                commit(partial, target, replace)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         for directory in made:                   # deepest first; only if still empty
@@ -84,6 +90,24 @@ def commit(partial: Path, target: Path, replace: bool) -> None:
     partial.rename(target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def terminate_as_exit():
+    """SIGTERM (a `kill`, a service manager stopping the job) unwinds like Ctrl-C for the block,
+    so the partial build is removed, and the process then exits 143 (128 + SIGTERM) as a killed
+    one would. On the main thread; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise SystemExit(128 + signal.SIGTERM)
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

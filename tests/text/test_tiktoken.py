@@ -1,13 +1,17 @@
 """Moonlight / Kimi tiktoken tokenizers: ds2's converted BPE against tiktoken itself, the cache,
 bad files, and a Moonlight-like checkpoint with no tokenizer.json through generate, chat, inspect."""
 
+import base64
 import json
 import random
 import shutil
+import tracemalloc
 import unicodedata
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import tiktoken
 import tiktoken.load
 from click.testing import CliRunner
@@ -307,3 +311,85 @@ def test_streaming_the_converted_tokenizer_never_splits_a_character(full_vocab):
     stream = tok.stream_decoder()
     pieces = [stream.push(i) for i in ids] + [stream.flush()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+# ---- inputs at a bounded cost ----
+
+@pytest.mark.parametrize("text, says", [
+    ("IQ== " + "9" * 5000 + "\n", "has more digits than any vocabulary needs"),
+    (base64.b64encode(b"x" * 40_000).decode() + " 0\n", "a token of 40000 bytes"),
+])
+def test_lines_beyond_any_vocabulary_are_refused_by_their_length(tmp_path, text, says):
+    (tmp_path / "tiktoken.model").write_text(text)
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.load(tmp_path)
+    assert says in str(e.value) and "line 1" in str(e.value)
+
+
+@pytest.mark.parametrize("key, says", [("²", "ASCII digits"), ("1" + "0" * 11, "beyond the 256 ids reserved")])
+def test_added_token_ids_are_bounded_by_the_reserved_range(tmp_path, key, says):
+    shutil.copy(FIXTURE / "tiktoken.model", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {key: {"content": "<|x|>"}}}))
+    tracemalloc.start()
+    try:
+        with pytest.raises(TokenizerError, match=says):
+            Tokenizer.load(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 << 20              # no list of every id up to 10^11
+
+
+class CountingRanks(dict):
+    lookups = 0
+
+    def get(self, key, default=None):
+        CountingRanks.lookups += 1
+        return super().get(key, default)
+
+
+def naive_merge_pair(ranks, token):
+    """tiktoken's own loop, rescanning every pair at each merge (what ds2 did before the heap)."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best = None
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and (best is None or rank < best[0]):
+                best = (rank, i)
+        if best is None:
+            return None
+        i = best[1]
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return (parts[0], parts[1]) if len(parts) == 2 and parts[0] + parts[1] in ranks else None
+
+
+@settings(max_examples=200, deadline=None)
+@given(vocab=st.lists(st.text(alphabet="ab", min_size=2, max_size=6), max_size=30, unique=True),
+       token=st.text(alphabet="ab", min_size=2, max_size=12))
+def test_the_heap_merges_as_tiktokens_loop_does(vocab, token):
+    ranks = {b"a": 0, b"b": 1}
+    for piece in [*vocab, token]:
+        ranks.setdefault(piece.encode(), len(ranks))
+    assert tiktoken_convert.merge_pair(ranks, token.encode()) == naive_merge_pair(ranks, token.encode())
+
+
+def test_merge_recovery_is_not_quadratic_in_the_tokens_length():
+    """Every run of a's up to 4,096 is a token: the naive loop rescans all pairs at each of the
+    4,095 merges (millions of lookups); the heap looks up a few pairs a merge."""
+    token = b"a" * 4096
+    ranks = CountingRanks({token[:k]: k - 1 for k in range(1, len(token) + 1)})
+    CountingRanks.lookups = 0
+    got = tiktoken_convert.merge_pair(ranks, token)
+    assert CountingRanks.lookups <= 3 * len(token)
+    assert got is not None and got[0] + got[1] == token
+
+
+def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DS2_TOKENIZER_CACHE", str(cache))
+    want = Tokenizer.load(FIXTURE).encode("Hello 世界")
+    (entry,) = cache.iterdir()
+    entry.write_bytes(entry.read_bytes()[:1000])                 # truncated by a full disk, say
+    assert Tokenizer.load(FIXTURE).encode("Hello 世界") == want
+    assert json.loads(entry.read_text())["model"]["type"] == "BPE"   # written whole again

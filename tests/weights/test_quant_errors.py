@@ -304,3 +304,28 @@ def test_ctrl_c_in_quantize_says_nothing_was_written_and_leaves_nothing(tmp_path
     else:
         assert r.exit_code == 0 and "wrote" in r.stderr
         assert (dst / "config.json").is_file() and leftovers(dst.parent) == ["q8"]
+
+
+def test_sigterm_in_quantize_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A `kill` while a layer is written: the partial directory and the parents made for it go,
+    as on Ctrl-C, and the process ends as a terminated one (143)."""
+    from ds2cli.weights import qcheckpoint
+    dst = tmp_path / "made" / "for" / "q8"
+    calls, real = [], qcheckpoint.write_safetensors
+
+    def write(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)         # a real SIGTERM, handled at the next bytecode
+        return real(*args, **kwargs)
+    monkeypatch.setattr(qcheckpoint, "write_safetensors", write)
+    r = run("quantize", bundled_model_dir(), dst, "--bits", "8")
+    assert r.exit_code == 143 and "wrote" not in r.stderr and "Traceback" not in r.stderr
+    assert leftovers(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL     # the handler is the command's alone
+
+
+def test_a_destination_name_too_long_for_the_file_system_is_one_error_line(tmp_path):
+    line = one_error_line(run("quantize", bundled_model_dir(), tmp_path / ("q" * 300), "--bits", "8"))
+    assert "cannot create" in line and "too long" in line.lower()
+    assert leftovers(tmp_path) == []
