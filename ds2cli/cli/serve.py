@@ -34,7 +34,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve_forever(server: Server, state: State) -> None:
+def serve_forever(server: Server, state: State, thread: threading.Thread | None = None) -> None:
     """serve_until() a first SIGINT/SIGTERM; a second one aborts the running requests. Signals
     that come after are ignored: the work is done, and a late Ctrl-C arriving while Python shuts
     down (where it would kill the process with the signal) must not turn a clean stop into a failure."""
@@ -47,7 +47,7 @@ def serve_forever(server: Server, state: State) -> None:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        serve_until(server, state, stop)
+        serve_until(server, state, stop, thread)
     except BaseException:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -56,15 +56,18 @@ def serve_forever(server: Server, state: State) -> None:
         signal.signal(s, signal.SIG_IGN)
 
 
-def serve_until(server: Server, state: State, stop: threading.Event) -> None:
-    """Serve until `stop` is set; then refuse new requests (503, /health too) and send waiting
-    ones away while the running ones finish, still accepting connections to say so; then close
-    the listening socket, let the handlers write their last answers, and return."""
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
-    thread.start()
+def serve_until(server: Server, state: State, stop: threading.Event, thread: threading.Thread | None = None) -> None:
+    """Serve until `stop` is set (on `thread`, already serving, or a new one); then refuse new
+    requests (503, /health too) and send waiting ones away while the running ones finish, still
+    accepting connections to say so; then close the listening socket, let the handlers write
+    their last answers, and return."""
+    if thread is None:
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+        thread.start()
     while not stop.wait(0.2):   # a timeout, so that the main thread runs its signal handlers
         pass
-    state.log("ds2 serve: stopping (a second Ctrl-C ends the running requests at their next token)")
+    state.log("ds2 serve: stopping (a second signal, Ctrl-C or SIGTERM, ends the running requests at their "
+              "next token)")
     state.scheduler.close()
     state.scheduler.wait_idle()
     server.shutdown()
@@ -113,26 +116,38 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
     path, config = model_config(model_dir)          # config.json only: --ctx is checked before any load
     check_ctx(config, ctx)
     ctx = ctx or min(config.max_position_embeddings, DEFAULT_CTX)
+    model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
+    # the port first: a taken one is an error at once, not after minutes of loading; meanwhile
+    # /health answers 503 "loading" and the API 503 with Retry-After
+    state = State(None, model_id, None, api_key or None, cors_origins=cors_origins)
+    server = listen(host, port, state, max_queue + parallel)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+    thread.start()
+    try:
+        with thread_limits(opts["threads"]):
+            # the memory check counts the --parallel caches the running requests use at once
+            model, load_s = load_model(path, quantize, ctx * parallel, not no_memory_check, chat_template)
+            defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
+                                ctx, system, tuple(model.eos_token_ids))
+            scheduler = Scheduler(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue, parallel, prefill_chunk,
+                                  draft)
+            state.defaults, state.scheduler = defaults, scheduler      # the scheduler last: it opens the API
+    except BaseException:
+        server.shutdown()
+        server.server_close()
+        raise
     with thread_limits(opts["threads"]):
-        # the memory check counts the --parallel caches the running requests use at once
-        model, load_s = load_model(path, quantize, ctx * parallel, not no_memory_check, chat_template)
-        defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
-                            ctx, system, tuple(model.eos_token_ids))
-        scheduler = Scheduler(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue, parallel, prefill_chunk, draft)
         if grammars.available():    # llguidance's view of the vocabulary (1.5 s, 80 MB for DeepSeek's 100k
             # tokens), built off the first constrained request's path; that request waits for it if need be
             threading.Thread(target=grammars.warm, daemon=True,
                              args=(model.tokenizer, model.config.vocab_size, defaults.eos_ids)).start()
-        model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
-        state = State(scheduler, model_id, defaults, api_key or None, cors_origins=cors_origins)
-        server = listen(host, port, state)
         slots = scheduler.prompt_cache.slots
         cache_mb = model.new_cache(1).bytes_per_token * ctx / 2 ** 20
         state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
                   f"request{'s' * (parallel != 1)} at once ({cache_mb:.0f} MB of cache each) | prompt cache "
                   f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)}, the running ones included "
                   f"| queue {max_queue}")
-        serve_forever(server, state)
+        serve_forever(server, state, thread)
     state.log("ds2 serve: stopped")
 
 
@@ -145,9 +160,9 @@ def check_origins(origins: tuple[str, ...]) -> tuple[str, ...]:
     return origins
 
 
-def listen(host: str, port: int, state: State) -> Server:
+def listen(host: str, port: int, state: State, holds: int | None = None) -> Server:
     try:
-        server = Server((host, port), state)
+        server = Server((host, port), state, holds)
     except OSError as e:
         raise Ds2Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     if state.api_key is None and not is_loopback(server.server_address[0]):

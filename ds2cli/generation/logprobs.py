@@ -71,10 +71,12 @@ class TokenLogprobs:
     each chunk takes every entry observed since the previous one: a token whose text is held
     back (a possible stop string, half a character) has its entry sent with the chunk of its own
     step or a later one, never twice and never out of order. The eos token is not part of the
-    reply: its entry is dropped, as its text is."""
+    reply: its entry is dropped, as its text is, except under echo (`keep_eos`), where a scorer
+    such as lm-eval takes the last entry for the generated token and the prompt's for the rest:
+    without the eos entry it would drop a prompt token's instead."""
 
-    def __init__(self, top_n: int):
-        self.top_n = top_n
+    def __init__(self, top_n: int, keep_eos: bool = False):
+        self.top_n, self.keep_eos = top_n, keep_eos
         self.pending: list[Entry] = []
 
     def observe(self, row: np.ndarray, token: int) -> None:
@@ -82,7 +84,7 @@ class TokenLogprobs:
 
     def attach(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
         for chunk in chunks:
-            if chunk.finish_reason == "eos" and self.pending:
+            if chunk.finish_reason == "eos" and self.pending and not self.keep_eos:
                 self.pending.pop()
             chunk.logprobs, self.pending = self.pending, []
             yield chunk

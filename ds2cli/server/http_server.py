@@ -10,6 +10,9 @@ the connections need only blocking threads, not an event loop; and ds2 gains no 
 from __future__ import annotations
 
 import hmac
+import re
+import struct
+import zlib
 import json
 import select
 import socket
@@ -35,15 +38,20 @@ IDLE_TIMEOUT_S = 120                # a connection that sends nothing for this l
 LINGER_S = 1.0                      # after a 413, how long to swallow the unread body before closing
 CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"
 CORS_MAX_AGE_S = 600                # how long a browser may reuse a preflight's answer
-OPEN_PATHS = ("/health", "/")       # no API key needed: the probe, and the chat page (which asks for the key)
+# RFC 9110's token: what a header name may hold; a preflight's list is echoed only if made of them
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+MAX_ASKED_HEADERS = 64
+OPEN_PATHS = ("/health", "/", "/favicon.ico")       # no API key needed: the probe, and the chat page (which asks for the key)
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
              "/tokenize", "/detokenize", "/tokenizer_info")   # the /metrics labels; other paths count as "other"
 
 
 class State:
-    """What every handler thread shares: the scheduler and the server's settings."""
+    """What every handler thread shares: the scheduler and the server's settings. `scheduler`
+    (and `defaults`) are None while the model loads: the port is bound first, so a taken port is
+    known at once, and /health answers 503 "loading" meanwhile."""
 
-    def __init__(self, scheduler: Scheduler, model_id: str, defaults: Defaults, api_key: str | None,
+    def __init__(self, scheduler: Scheduler | None, model_id: str, defaults: Defaults | None, api_key: str | None,
                  sink=None, cors_origins: tuple[str, ...] = ()):
         self.scheduler, self.model_id, self.defaults, self.api_key = scheduler, model_id, defaults, api_key
         self.sink = sink                    # where log lines go (tests collect them); default stderr
@@ -73,9 +81,15 @@ class State:
 class Server(ThreadingHTTPServer):
     daemon_threads = True   # idle keep-alive connections must not hold up the exit
 
-    def __init__(self, address, state: State):
+    def __init__(self, address, state: State, holds: int | None = None):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.state = state
+        # socketserver's backlog is 5: a burst of clients got TCP resets instead of a 503 with
+        # Retry-After. Room for every request the scheduler can hold (`holds`: --queue +
+        # --parallel), capped by the system's.
+        if holds is None:
+            holds = state.scheduler.max_queue + state.scheduler.parallel
+        self.request_queue_size = min(max(128, holds), somaxconn())
         super().__init__(address, Handler)
 
     def handle_error(self, request, client_address):
@@ -85,6 +99,28 @@ class Server(ThreadingHTTPServer):
         if isinstance(e, (ConnectionError, TimeoutError)):
             return
         self.state.log(f"{client_address[0]} connection error: {type(e).__name__}: {' '.join(str(e).split())}")
+
+
+def somaxconn() -> int:
+    """The kernel's cap on a listen backlog (Linux); listen() silently truncates to it."""
+    try:
+        return max(1, int(Path("/proc/sys/net/core/somaxconn").read_text()))
+    except (OSError, ValueError):
+        return socket.SOMAXCONN
+
+
+def png(size: int, rgba: tuple[int, int, int, int]) -> bytes:
+    """A square PNG of one colour with a lighter border: the favicon, made without a file."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    light = bytes(min(255, c + 80) if i < 3 else c for i, c in enumerate(rgba))
+    rows = b"".join(b"\0" + b"".join(light if x in (0, size - 1) or y in (0, size - 1) else bytes(rgba)
+                                     for x in range(size)) for y in range(size))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", size, size, 8, 6, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+FAVICON = png(16, (40, 90, 200, 255))
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -122,7 +158,7 @@ class Handler(BaseHTTPRequestHandler):
                   "/v1/completions": ("POST", self.completions), "/health": ("GET", self.health),
                   "/": ("GET", self.page), "/metrics": ("GET", self.metrics),
                   "/tokenize": ("POST", self.tokenize), "/detokenize": ("POST", self.detokenize),
-                  "/tokenizer_info": ("GET", self.tokenizer_info)}
+                  "/tokenizer_info": ("GET", self.tokenizer_info), "/favicon.ico": ("GET", self.favicon)}
         if path in ("/models", "/chat/completions", "/completions"):
             path = "/v1" + path
         if path.startswith("/v1/models/"):
@@ -151,6 +187,8 @@ class Handler(BaseHTTPRequestHandler):
             path, handler = self.route(method, path.rstrip("/") or "/")
             if path not in OPEN_PATHS:
                 self.check_key()
+            if state.scheduler is None and path not in OPEN_PATHS:
+                raise ApiError(503, "the model is still loading; retry in a moment", code="loading")
             handler()
         except ApiError as e:
             self.fail(e)
@@ -201,11 +239,17 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header("Vary", "Origin")
 
     def preflight(self) -> None:
+        """An allowed origin may send the headers it asks for (the openai JS SDK sends its own
+        X-Stainless-* headers, and browsers ask before sending them), if they are header names."""
+        asked = self.headers.get("Access-Control-Request-Headers", "")
+        names = [n.strip() for n in asked.split(",") if n.strip()]
+        allowed = ["Authorization", "Content-Type"] + [n for n in names if HEADER_NAME.fullmatch(n)
+                                                        and n.lower() not in ("authorization", "content-type")]
         self.status = 204
         self.send_response(204)
         self.cors_headers()
         self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Allow-Headers", ", ".join(dict.fromkeys(allowed[:MAX_ASKED_HEADERS])))
         self.send_header("Access-Control-Max-Age", str(CORS_MAX_AGE_S))
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -214,6 +258,11 @@ class Handler(BaseHTTPRequestHandler):
     def page(self) -> None:
         """The chat page: one static file in the package."""
         self.send_body(200, CHAT_PAGE.read_bytes(), "text/html; charset=utf-8")
+
+    def favicon(self) -> None:
+        """The icon browsers ask for with every page: a small PNG drawn at import (no file, no 404)."""
+        self.extra_headers["Cache-Control"] = "max-age=86400"
+        self.send_body(200, FAVICON, "image/png")
 
     def metrics(self) -> None:
         scheduler = self.server.state.scheduler
@@ -233,11 +282,21 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, tokenizer_info(model.tokenizer, model.path, self.server.state.defaults.ctx))
 
     def health(self) -> None:
+        """The probe: 200 while serving, 503 while stopping. `running` stays the boolean it
+        always was; `requests_running` and `requests_waiting` are the counts."""
         scheduler = self.server.state.scheduler
+        if scheduler is None:
+            self.extra_headers["Retry-After"] = "1"
+            self.send_json(503, {"status": "loading", "model": self.server.state.model_id, "running": False,
+                                 "waiting": 0, "requests_running": 0, "requests_waiting": 0})
+            return
         status = 503 if scheduler.closing else 200
+        running, waiting = scheduler.running(), scheduler.waiting()
         self.send_json(status, {"status": "shutting down" if scheduler.closing else "ok",
                                 "model": self.server.state.model_id,
-                                "running": scheduler.running() > 0, "waiting": scheduler.waiting()})
+                                "running": running > 0, "waiting": waiting,
+                                "requests_running": running, "requests_waiting": waiting,
+                                "slots": scheduler.parallel, "queue": scheduler.max_queue})
 
     def models(self) -> None:
         self.send_json(200, {"object": "list", "data": [self.model_object()]})
@@ -263,6 +322,11 @@ class Handler(BaseHTTPRequestHandler):
         scheduler, model = state.scheduler, state.scheduler.model
         scheduler.check_open()     # while stopping, 503 before the body is read
         jobs = parse_jobs(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
+        most = scheduler.max_queue + scheduler.parallel
+        if len(jobs) > most:     # never admissible, however long the client waits: not a 503
+            raise ApiError(400, f"n is {len(jobs)} (with best_of), more choices than this server can ever hold "
+                                f"at once ({scheduler.parallel} running + {scheduler.max_queue} waiting: "
+                                f"--parallel and --queue)", param="n")
         prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
         self.note = f"prompt {prompt} tok" + (f", {len(jobs)} choices" if len(jobs) > 1 else "")
         response = Response(jobs, state.model_id, model.tokenizer)
@@ -370,8 +434,11 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def body_pending(self) -> bool:
-        length = self.headers.get("Content-Length") if self.headers else None
-        return not self.body_read and (bool(self.headers.get("Transfer-Encoding")) or
+        headers = getattr(self, "headers", None)    # unset when the request line or headers were bad
+        if headers is None:
+            return False
+        length = headers.get("Content-Length")
+        return not self.body_read and (bool(headers.get("Transfer-Encoding")) or
                                        (length is not None and length.strip() not in ("", "0")))
 
     def swallow_body(self) -> None:
@@ -391,7 +458,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_body(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
 
     def send_body(self, status: int, data: bytes, content_type: str) -> None:
-        if self.body_pending() or self.server.state.scheduler.closing:
+        scheduler = self.server.state.scheduler
+        if self.body_pending() or (scheduler is not None and scheduler.closing):
             self.close_connection = True   # an unread body would be parsed as the next request
         self.status = status
         self.send_response(status)
@@ -408,7 +476,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def fail(self, e: ApiError) -> None:
         self.note = f"error: {e.message}"
-        if e.status == 503 and e.code == "queue_full":
+        if e.status == 503 and e.code in ("queue_full", "loading"):
             self.extra_headers["Retry-After"] = "1"
         if self.status:  # a response has started; nothing more can be said
             self.close_connection = True
@@ -419,7 +487,11 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def send_error(self, code, message=None, explain=None):
-        """http.server's own errors (bad request line, unsupported method, ...) in OpenAI's format."""
+        """http.server's own errors (bad request line, unsupported method, a URI or header too
+        long, too many headers) in OpenAI's format, with a status line: a garbage line parses
+        as HTTP/0.9, which has none, and ds2 never speaks 0.9."""
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
+            self.request_version = "HTTP/1.1"
         self.t0 = time.perf_counter()
         self.extra_headers, self.body_read, self.close_connection = {}, True, True
         self.status, self.note = 0, ""

@@ -248,7 +248,7 @@ class Scheduler:
                 constraint = job.constraint()      # grammar hook: None, or this sequence's grammar state
                 sampler = make_sampler(job.params, constraint)
                 if job.logprobs is not None:
-                    request.logprobs = TokenLogprobs(job.logprobs)
+                    request.logprobs = TokenLogprobs(job.logprobs, keep_eos=job.echo)
                     sampler = ObservedSampler(sampler, request.logprobs)
                 request.gen = Generation(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
                                          context=job.ids[:keep],

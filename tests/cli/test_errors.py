@@ -54,10 +54,12 @@ def assert_one_error_line(result, contains=(), exit_code=1):
 
 
 def assert_usage_error(result, contains=()):
-    """click's usage errors: exit 2, an `Error:` line on stderr, nothing on stdout."""
+    """Usage errors: exit 2, one `error: ...` line on stderr as every other error (not click's
+    three lines ending in `Error:`), naming the command's --help, and nothing on stdout."""
     assert isinstance(result.exception, SystemExit) and result.exit_code == 2, result.stderr
     assert result.stdout == "" and "Traceback" not in result.stderr
-    assert "Error:" in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], result.stderr
     for text in (contains,) if isinstance(contains, str) else contains:
         assert text in result.stderr
 

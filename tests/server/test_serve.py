@@ -339,10 +339,11 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
                         "[assistant]")
     seen = {}
 
-    def serve_forever(server, state):
+    def serve_forever(server, state, thread=None):
         from threadpoolctl import threadpool_info
         seen.update(state=state, blas=[p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"],
                     cores=ds2cli.parallel.cores.workers().n)
+        server.shutdown()            # the port was bound, and served, before the model loaded
         server.server_close()
 
     monkeypatch.setattr(serve_module, "serve_forever", serve_forever)
