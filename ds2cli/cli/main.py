@@ -98,6 +98,10 @@ class Ds2Group(click.Group):
         except MemoryError as e:  # numpy says how much it could not allocate, e.g. for a huge --ctx
             console.error(f"out of memory: {e}")
             ctx.exit(1)
+        except OSError as e:      # a file or the system failed where no ds2 error names it: still one line
+            where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+            console.error(f"{e.strerror or type(e).__name__}{where}")
+            ctx.exit(1)
 
 
 @click.group(cls=Ds2Group, context_settings={"help_option_names": ["-h", "--help"]})

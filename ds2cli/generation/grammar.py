@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import threading
 from typing import Any, Sequence
 
@@ -87,7 +88,7 @@ class Grammar:
 
 def _checked(source: str, kind: str) -> Grammar:
     llg = _llg()
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(source)
+    is_error, messages = _library(llg.LLMatcher.validate_grammar_with_warnings, source)
     if is_error:
         raise GrammarError(_first_line(messages[0]) if messages else "the grammar is invalid")
     return Grammar(source, kind)
@@ -103,10 +104,7 @@ def json_schema_grammar(schema: Any) -> Grammar:
     if not isinstance(schema, dict):
         raise GrammarError(f"the schema must be a JSON object, not {type(schema).__name__}")
     llg = _llg()
-    try:
-        source = llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-    except (ValueError, TypeError) as e:
-        raise GrammarError(_first_line(str(e))) from None
+    source = _library(llg.LLMatcher.grammar_from_json_schema, schema, defaults=_JSON_OPTIONS)
     return _checked(source, "json_schema")
 
 
@@ -116,7 +114,7 @@ def json_object_grammar() -> Grammar:
 
 
 def lark_grammar(lark: str) -> Grammar:
-    return _checked(_llg().LLMatcher.grammar_from_lark(lark), "lark")
+    return _checked(_library(_llg().LLMatcher.grammar_from_lark, lark), "lark")
 
 
 def lark_json(schema: dict) -> str:
@@ -130,7 +128,26 @@ def lark_literal(text: str) -> str:
 
 
 def _first_line(message: str) -> str:
-    return " ".join(message.split())[:400]
+    """The library's own message, when it is one: its first line, without a parser state dump, a
+    Rust source path or a panic's backtrace (which say nothing to a client and leak a build)."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    line = line.split("<state>")[0]
+    line = re.sub(r"\S*/\S*\.rs\S*", "", line)
+    line = " ".join(line.split())
+    if not line or len(line) > 200 or "panicked" in line or "NoExtensionBias" in line:
+        return "the grammar library cannot use it (a recursive or too large schema or grammar)"
+    return line
+
+
+def _library(call, *args, **kwargs):
+    """A call into llguidance, whose failures (exceptions, and Rust panics, which Python sees as a
+    BaseException) become a GrammarError of one short line."""
+    try:
+        return call(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit, GrammarError):
+        raise
+    except BaseException as e:      # pyo3's PanicException is a BaseException
+        raise GrammarError(_first_line(str(e))) from None
 
 
 # ---- the tokenizer, as llguidance sees it ----
@@ -178,7 +195,7 @@ class Constraint:
     def __init__(self, grammar: Grammar, vocab):
         llg = _llg()
         self.grammar, self.vocab_size = grammar, vocab.vocab_size
-        self._matcher = llg.LLMatcher(vocab, grammar.source, log_level=0)
+        self._matcher = _library(llg.LLMatcher, vocab, grammar.source, log_level=0)
         self._check()
         self._bitmask = llg.numpy.allocate_token_bitmask(1, self.vocab_size)   # (1, ceil(V/32)) int32
         self._fill = llg.numpy.fill_next_token_bitmask

@@ -457,6 +457,10 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     vocab = None
     if grammar is not None:
         vocab = grammars.vocabulary(tokenizer, vocab_size, defaults.eos_ids or tokenizer.eos_token_ids)
+        param = "tool_choice" if toolset is not None and toolset.forced else "response_format"
+        # the matcher fails on some schemas that compile (a recursive $ref) when it computes its
+        # first mask: found now, as a 400 naming the param, not later in the scheduler as a 500
+        _compile(lambda: grammars.Constraint(grammar, vocab).allowed_mask(), param)
     offered = toolset if toolset is not None and toolset.offered else None
     jobs = []
     for p, ids in enumerate(prompts):

@@ -28,6 +28,7 @@ from ds2cli.server.api import ApiError, Defaults, parse_jobs
 from ds2cli.json_files import JSON_ERRORS, json_error
 from ds2cli.server.scheduler import ClientGone, Scheduler, Refused
 from ds2cli.errors import Ds2Error
+from ds2cli.generation.grammar import GrammarError
 from ds2cli.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from ds2cli.server.metrics import Metrics
 from ds2cli.server.responses import Response
@@ -99,6 +100,27 @@ class Server(ThreadingHTTPServer):
         if isinstance(e, (ConnectionError, TimeoutError)):
             return
         self.state.log(f"{client_address[0]} connection error: {type(e).__name__}: {' '.join(str(e).split())}")
+
+
+def lone_surrogate(body) -> str | None:
+    """Where (as a param path, `messages[0].content`) the first string holding a lone surrogate
+    sits in a parsed JSON body, keys included; None when there is none. Iterative: a body is at
+    most MAX_BODY_BYTES, and its nesting is what json.loads accepted."""
+    stack = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if any("\ud800" <= c <= "\udfff" for c in value):
+                return path or "the body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                here = f"{path}.{k}" if path else k
+                if any("\ud800" <= c <= "\udfff" for c in k):
+                    return (path or "the body") + " (a key)"
+                stack.append((here, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
 
 
 def somaxconn() -> int:
@@ -194,6 +216,8 @@ class Handler(BaseHTTPRequestHandler):
             self.fail(e)
         except Refused as e:    # the queue is full, or the server is stopping
             self.fail(ApiError(503, str(e), code=e.code))
+        except GrammarError as e:  # the request's grammar failed while generating (a schema that loops)
+            self.fail(ApiError(400, f"the constrained output cannot continue: {e}", param="response_format"))
         except Ds2Error as e:  # the model failed mid-request (e.g. non-finite logits)
             self.fail(ApiError(500, str(e)))
         except (ClientGone, ConnectionError, TimeoutError):  # BrokenPipeError is a ConnectionError
@@ -431,6 +455,10 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"the body is not valid JSON: {json_error(e)}") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
+        where = lone_surrogate(body)
+        if where is not None:      # JSON's \ud800 escapes decode to text no tokenizer can encode
+            raise ApiError(400, f"{where} holds a lone surrogate (\\ud800-\\udfff without its pair): "
+                                f"not valid Unicode", param=where.split(".")[0].split("[")[0] or None)
         return body
 
     def body_pending(self) -> bool:

@@ -40,6 +40,15 @@ class QuantizeError(Ds2Error):
 
 
 def check_destination(src: Path, dst: Path, force: bool) -> None:
+    """Before anything is read: a destination that is a file, not empty, inside or around the
+    source, or that the file system cannot name, is refused."""
+    try:
+        _check_destination(src, dst, force)
+    except OSError as e:       # a name too long for the file system, a component that is a file ...
+        raise QuantizeError(f"cannot use {dst} as the destination: {e.strerror or e}") from None
+
+
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
     if dst.exists() and not dst.is_dir():
         raise QuantizeError(f"{dst} exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()) and not force:

@@ -114,3 +114,19 @@ def test_without_llguidance_the_400_says_how_to_install(client, monkeypatch):
     r = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
                                        max_tokens=2, response_format={"type": "text"})
     assert r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/loop"}}, "required": ["a"],
+     "$defs": {"loop": {"allOf": [{"$ref": "#/$defs/loop"}]}}},
+], ids=["self_ref", "allof_loop"])
+def test_a_schema_the_grammar_library_cannot_use_is_a_short_400(client, schema):
+    """Never the library's parser state, a panic or a build path: one short line naming the param."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
+                                       response_format=schema_format(schema))
+    body = e.value.body
+    assert body["param"] == "response_format" and len(body["message"]) < 300
+    for leak in ("<state>", ".rs", "panicked", "Parser:", "\n"):
+        assert leak not in body["message"]

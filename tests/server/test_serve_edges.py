@@ -146,3 +146,15 @@ def test_a_taken_port_is_an_error_before_any_weight_loads(no_loading):
         r = CliRunner().invoke(main, ["serve", "--port", str(taken.getsockname()[1])])
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: cannot listen on 127.0.0.1:")
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "x", "messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages"),
+    (b'{"model": "x", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+     b'"function": {"name": "f\\udfff", "parameters": {}}}]}', "tools"),
+    (b'{"model": "x", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud83d"]}', "stop"),
+], ids=["content", "tool_name", "stop"])
+def test_lone_surrogates_anywhere_are_a_400_naming_the_param(server, body, param):
+    status, answer, _ = request(server[0], "POST", "/v1/chat/completions", raw=body,
+                                headers={"Content-Type": "application/json"})
+    assert status == 400 and answer["error"]["param"] == param and "surrogate" in answer["error"]["message"]

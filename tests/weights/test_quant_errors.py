@@ -327,5 +327,5 @@ def test_sigterm_in_quantize_leaves_nothing_behind(tmp_path, monkeypatch):
 
 def test_a_destination_name_too_long_for_the_file_system_is_one_error_line(tmp_path):
     line = one_error_line(run("quantize", bundled_model_dir(), tmp_path / ("q" * 300), "--bits", "8"))
-    assert "cannot create" in line and "too long" in line.lower()
+    assert "destination" in line and "too long" in line.lower()
     assert leftovers(tmp_path) == []
