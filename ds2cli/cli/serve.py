@@ -8,6 +8,7 @@ import ipaddress
 import re
 import signal
 import threading
+from pathlib import Path
 
 import click
 
@@ -17,6 +18,7 @@ from ds2cli.server.api import Defaults
 from ds2cli.server.scheduler import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, Scheduler
 from ds2cli.errors import Ds2Error
 from ds2cli.server.http_server import Server, State
+from ds2cli.server.prompt_disk import DiskPool
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
                             max_new_tokens_for, memory_options, model_config, model_option, sampling_options,
                             sampling_params, thread_limits)
@@ -25,6 +27,7 @@ from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, 
 DEFAULT_CTX = 4096                  # per-request context (cache capacity), as ds2 chat
 DEFAULT_QUEUE = 16                  # requests that may wait for a slot
 DEFAULT_PROMPT_CACHE_MB = 1024
+DEFAULT_PROMPT_CACHE_DIR_MB = 8192
 
 
 def is_loopback(host: str) -> bool:
@@ -70,6 +73,7 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
               "next token)")
     state.scheduler.close()
     state.scheduler.wait_idle()
+    state.scheduler.prompt_cache.flush()      # with --prompt-cache-dir: every conversation to disk
     server.shutdown()
     server.server_close()       # the listening socket: new connections are refused from now on
     state.wait_handlers()
@@ -87,6 +91,12 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 @click.option("--api-key", envvar="DS2_API_KEY", help="Require Authorization: Bearer KEY (or set DS2_API_KEY).")
 @click.option("--prompt-cache-mb", default=DEFAULT_PROMPT_CACHE_MB, show_default=True, type=click.IntRange(min=0),
               help="Memory for latent caches of recent conversations (0 = no reuse).")
+@click.option("--prompt-cache-dir", "prompt_cache_dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Keep conversations the prompt cache evicts, and all of them at a stop, in DIR: a later "
+                   "request (or server) that continues one reads only what is new.")
+@click.option("--prompt-cache-dir-mb", default=DEFAULT_PROMPT_CACHE_DIR_MB, show_default=True,
+              type=click.IntRange(min=1), help="Disk for --prompt-cache-dir, in MiB (as --prompt-cache-mb); "
+              "the conversations used longest ago go first.")
 @click.option("--queue", "max_queue", default=DEFAULT_QUEUE, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait while one runs; beyond, 503.")
 @click.option("--parallel", default=DEFAULT_PARALLEL, show_default=True, type=click.IntRange(1, 64),
@@ -104,7 +114,8 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 @chat_template_option()
 @sampling_options
 @memory_options
-def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue, parallel, prefill_chunk,
+def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_cache_dir, prompt_cache_dir_mb,
+          max_queue, parallel, prefill_chunk,
           draft, cors_origins, system, chat_template, quantize, no_memory_check, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
@@ -129,8 +140,10 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, max_queue
             model, load_s = load_model(path, quantize, ctx * parallel, not no_memory_check, chat_template)
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                                 ctx, system, tuple(model.eos_token_ids))
+            disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * 1024 * 1024, model) \
+                if prompt_cache_dir is not None else None
             scheduler = Scheduler(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue, parallel, prefill_chunk,
-                                  draft)
+                                  draft, disk)
             state.defaults, state.scheduler = defaults, scheduler      # the scheduler last: it opens the API
     except BaseException:
         server.shutdown()

@@ -84,6 +84,31 @@ def load(path: Path, model: Model, capacity: int, match: list[int] | None = None
     """A new cache of `capacity` positions holding the saved ones, with the saved tokens and state.
     With `match` (a new prompt), only the saved tokens it begins with are kept, at most all but
     its last (which must run to give logits): llama-cli's --prompt-cache."""
+    cache = model.new_cache(capacity)
+    tokens, state = load_into(path, model, cache, match)
+    return cache, tokens, state
+
+
+def peek(path: Path, model: Model) -> list[int]:
+    """The tokens a saved cache holds, its header checked against `model`; the arrays unread."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(len(MAGIC) + 4)
+            if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
+                raise SavedCacheError(f"{path} is not a ds2 saved cache")
+            n_head = struct.unpack("<I", head[len(MAGIC):])[0]
+            if n_head > min(HEADER_LIMIT, size - len(head)):
+                raise SavedCacheError(f"{path} is truncated or corrupt: its header claims {n_head} bytes")
+            return parse_header(path, f.read(n_head), model)["tokens"]
+    except OSError as e:
+        raise SavedCacheError(f"cannot read {path}: {e.strerror}") from None
+
+
+def load_into(path: Path, model: Model, cache: LatentCache, match: list[int] | None = None) -> tuple[list[int], dict]:
+    """`load`, into a cache the caller has (the server's pool hands out its own)."""
+    capacity = cache.capacity
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -113,10 +138,9 @@ def load(path: Path, model: Model, capacity: int, match: list[int] | None = None
     if keep > capacity:
         raise SavedCacheError(f"{path} holds {keep} tokens, more than the context of {capacity} tokens; "
                               f"a larger --ctx holds it")
-    cache = model.new_cache(capacity)
     cache.latent[:, :keep], cache.k_pe[:, :keep] = latent[:, :keep], k_pe[:, :keep]
     cache.length = keep
-    return cache, header["tokens"][:keep], header["state"]
+    return header["tokens"][:keep], header["state"]
 
 
 def parse_header(path: Path, raw: bytes, model: Model) -> dict:

@@ -6,6 +6,7 @@ Bottom-up:
     tools                tool calls in DeepSeek's syntax: declarations, template, forced calls, parsing
     api                  OpenAI requests validated into jobs (one per choice)
     metrics              the counters of GET /metrics, in Prometheus' text format
+    prompt_disk          the pool's second tier on disk (--prompt-cache-dir)
     prompt_cache         the pool of latent caches of recent conversations
     scheduler            up to --parallel requests in each pass, the queue, the prompt cache
     responses            OpenAI's response objects: choices, logprobs, tool calls, usage

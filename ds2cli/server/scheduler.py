@@ -75,12 +75,12 @@ class Scheduler:
     """The model and its prompt cache, shared by up to `parallel` requests in each pass."""
 
     def __init__(self, model: Model, ctx: int, cache_budget_bytes: int, max_queue: int,
-                 parallel: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: int = 0):
+                 parallel: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: int = 0, disk=None):
         self.model, self.ctx, self.max_queue = model, ctx, max_queue
         self.parallel, self.prefill_chunk, self.draft = parallel, prefill_chunk, draft
         cache_bytes = model.new_cache(1).bytes_per_token * ctx
         self.prompt_cache = PromptCache(lambda: model.new_cache(ctx), cache_bytes,
-                                        max(cache_budget_bytes, parallel * cache_bytes))
+                                        max(cache_budget_bytes, parallel * cache_bytes), disk)
         self.waiting_line: collections.deque[Request] = collections.deque()
         self.batch: list[Request] = []
         self.cond = threading.Condition()
