@@ -457,8 +457,8 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
         where = lone_surrogate(body)
         if where is not None:      # JSON's \ud800 escapes decode to text no tokenizer can encode
-            raise ApiError(400, f"{where} holds a lone surrogate (\\ud800-\\udfff without its pair): "
-                                f"not valid Unicode", param=where.split(".")[0].split("[")[0] or None)
+            raise ApiError(400, f"{where} is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff "
+                                f"without its pair)", param=where.split(".")[0].split("[")[0] or None)
         return body
 
     def body_pending(self) -> bool:

@@ -34,6 +34,7 @@ def small_probes(mp):
     """Probe matrices of a few MB: the tests check the accounting, not this machine."""
     mp.setattr(probes_module, "MATVEC_N", 1024)
     mp.setattr(probes_module, "GEMM_SHAPES", {"prefill": (64, 256, 256), "expert": (8, 256, 352)})
+    mp.setattr(probes_module, "CEILING_VALUES", 1 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,7 @@ def test_piped_table_keeps_every_row_on_one_line(monkeypatch):
     result = run_bench(*[a for a in TINY_ARGS if a != "--json"])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert len(rows) == 11      # probes 3, load, prefill 2, decode 2, passes 2, peak RSS
+    assert len(rows) == 12      # probes 3, the numpy ceiling, load, prefill 2, decode 2, passes 2, peak RSS
     for row in rows:
         cells = r"\s+".join(re.escape(cell) for cell in row if cell)
         assert any(re.search(cells, line) for line in lines), row
@@ -367,3 +368,19 @@ def test_side_by_side_pairs_samples_of_every_format_in_one_process(report, tmp_p
     monkeypatch.setattr(formats.memory, "available_bytes", lambda: 10**6)
     loaded.clear()
     assert formats.side_by_side(targets, 3, [8], [8], 2) is None and loaded == []
+
+
+def test_decode_is_held_against_numpys_own_ceiling(report, tiny):
+    """The ceiling probe's rates by format, and each decode point's ceiling: the step's weights
+    (every matrix but the embedding, top-k routed experts) over those rates, and decode's share."""
+    rates = report["probes"]["ceiling"]["g_weights_per_s"]
+    assert set(rates) == {"f32", "bf16", "q8", "q4"} and all(r["median"] > 0 for r in rates.values())
+    D, V = tiny.hidden_size, tiny.vocab_size
+    for d in report["decode"]:
+        values = d["weights_by_format"]
+        assert set(values) == {"f32"}                     # the bundled model is float32
+        matrices = sum(n for n in values.values())
+        assert matrices > V * D                           # lm_head and every layer's matrices
+        beside = d["probes"]["ceiling_g_weights_per_s"]
+        assert d["ceiling_tok_per_s"] == pytest.approx(1e9 * beside["f32"]["median"] / matrices, rel=1e-9)
+        assert d["ceiling_share"] == pytest.approx(d["tok_per_s"]["median"] / d["ceiling_tok_per_s"], rel=1e-9)

@@ -57,6 +57,35 @@ def forward_weight_bytes(model: Model, routed_experts: float, tokens: int = 1) -
     return fixed + routed_experts * sum(w.nbytes for w in routed_expert(model))
 
 
+def storage_format(w) -> str:
+    """How a weight is stored, in the ceiling probe's names: a low-bit QuantMatrix's format (q8b
+    counts as q8: int8 values, a scale per 32), bfloat16 arrays as bf16, the rest f32."""
+    f = getattr(w, "f", None)
+    if f is not None:
+        return "q8" if f.name == "q8b" else f.name
+    dtype = getattr(getattr(w, "w", w), "dtype", None)
+    return "bf16" if dtype is not None and dtype.name == "bfloat16" else "f32"
+
+
+def forward_values_by_format(model: Model, routed_experts: float) -> dict[str, float]:
+    """Weights one decode step widens and multiplies, by storage format (the embedding row and
+    the norms aside: a lookup and vectors): what the ceiling probe's rates divide."""
+    out: dict[str, float] = {}
+    fixed = [model.lm_head] + [w for layer in model.layers for w in layer_weights(layer) if len(w.shape) >= 2]
+    for w in fixed:
+        out[storage_format(w)] = out.get(storage_format(w), 0.0) + params_of(w)
+    for w in routed_expert(model):
+        out[storage_format(w)] = out.get(storage_format(w), 0.0) + routed_experts * params_of(w)
+    return out
+
+
+def ceiling_tok_per_s(values: dict[str, float], rates: dict) -> float:
+    """The decode tok/s NumPy's own widen-and-multiply allows for these weights: the time each
+    format's values take at its probed rate (G weights/s, median), summed."""
+    seconds = sum(n / (rates[f]["median"] * 1e9) for f, n in values.items())
+    return 1.0 / seconds if seconds > 0 else float("inf")
+
+
 def attention_macs(cfg: DeepseekV2Config, tokens: int) -> int:
     """Multiply-adds of one layer's attention over `tokens` new tokens into an empty cache, in the
     form the engine picks, less the kv_b_proj work the parameter count already holds."""

@@ -16,7 +16,8 @@ import numpy as np
 from ds2cli.cli import console
 from ds2cli.parallel import processes as helpers
 from ds2cli.weights import memory
-from ds2cli.cli.bench.accounting import forward_weight_bytes, prefill_flops, total_params, weight_nbytes
+from ds2cli.cli.bench.accounting import (ceiling_tok_per_s, forward_values_by_format, forward_weight_bytes,
+                                         prefill_flops, total_params, weight_nbytes)
 from ds2cli.cli.bench.compare_hf import compare_hf
 from ds2cli.cli.bench.probes import machine_info, probe_beside, probe_machine
 from ds2cli.cli.bench.settings import cache_tokens
@@ -110,7 +111,11 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
     cache_bytes = cache.bytes_per_token * (context + (steps + 1) / 2)  # step j reads context + j + 1
     tok_per_s = summary(samples)
     gb_per_s = (weight_bytes + cache_bytes) * tok_per_s["median"] / 1e9
+    values = forward_values_by_format(model, routed)
+    ceiling = ceiling_tok_per_s(values, probes["ceiling_g_weights_per_s"])
     return {"context": context, "tok_per_s": tok_per_s, "routed_experts_per_step": routed,
+            "weights_by_format": values, "ceiling_tok_per_s": ceiling,
+            "ceiling_share": tok_per_s["median"] / ceiling,
             "weight_bytes_per_token": weight_bytes, "cache_bytes_per_token": cache_bytes,
             "bytes_per_token": weight_bytes + cache_bytes, "gb_per_s": gb_per_s,
             "probes": probes, "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"]}

@@ -38,11 +38,82 @@ def probe_gemm(m: int, k: int, n: int, runs: int) -> dict:
     return summary([2 * m * k * n / seconds(lambda: a @ b.T) / 1e9 for _ in range(runs)])
 
 
+# The ceiling probe: plain NumPy's rate of widening each storage format to float32 and
+# multiplying by one token, every core at once, over a matrix past the caches. It is what a
+# decode step's products could reach in NumPy at best; ds2's kernels do the same work plus their
+# own bookkeeping, so decode's share of this ceiling is how much of NumPy's speed ds2 keeps.
+CEILING_VALUES = 64 << 20       # weights in each probe matrix: 64M, past any CPU cache in every format
+CEILING_ROW = 4096              # values a row
+CEILING_BLOCK_ROWS = 16         # rows widened at once: 16 x 4096 float32 = 256 KB, L2-sized
+CEILING_FORMATS = ("f32", "bf16", "q8", "q4")
+
+
+def _ceiling_matrix(fmt: str, rows: int) -> np.ndarray:
+    """A matrix of the format, every page written (the values do not change the speed)."""
+    if fmt == "f32":
+        return np.full((rows, CEILING_ROW), 0.5, np.float32)
+    if fmt == "bf16":
+        return np.full((rows, CEILING_ROW), 0x3f00, np.uint16)                      # 0.5 as bfloat16
+    if fmt == "q8":
+        return np.full((rows, CEILING_ROW), 3, np.int8)
+    return np.full((rows, CEILING_ROW // 2), 0x9a, np.uint8)                        # q4: two a byte
+
+
+def _widen_and_multiply(fmt: str, block: np.ndarray, x: np.ndarray, buf: np.ndarray, tmp: np.ndarray) -> None:
+    """The plainest NumPy for one block: widen to float32 (buf), then one gemv."""
+    if fmt == "f32":
+        block @ x
+        return
+    if fmt == "bf16":
+        u32 = buf.view(np.uint32)
+        np.copyto(u32, block)
+        u32 <<= 16                         # bfloat16 is the top half of a float32
+    elif fmt == "q8":
+        np.copyto(buf, block)              # int8 -> float32
+    else:
+        half = block.shape[1]
+        np.bitwise_and(block, 15, out=tmp)
+        np.copyto(buf[:, :half], tmp)
+        np.right_shift(block, 4, out=tmp)
+        np.copyto(buf[:, half:], tmp)
+        buf -= 8.0
+    buf @ x
+
+
+def probe_ceiling(runs: int) -> dict:
+    """G weights/s a format's plain NumPy widen-and-multiply reaches on every core (threads over
+    row blocks, BLAS at one thread each), per format: the ceiling of a decode step's products."""
+    from concurrent.futures import ThreadPoolExecutor
+    from ds2cli.parallel import cores
+    n = cores.workers().n
+    rows = CEILING_VALUES // CEILING_ROW
+    x = np.ones(CEILING_ROW, np.float32)
+    out = {}
+    with ThreadPoolExecutor(n) as pool, cores.blas_threads(1):
+        for fmt in CEILING_FORMATS:
+            w = _ceiling_matrix(fmt, rows)
+            spans = [(k * rows // n, (k + 1) * rows // n) for k in range(n)]
+
+            def lane(span, fmt=fmt, w=w) -> None:
+                buf = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW), np.float32)
+                tmp = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW // 2), np.uint8)
+                for r in range(span[0], span[1], CEILING_BLOCK_ROWS):
+                    _widen_and_multiply(fmt, w[r:r + CEILING_BLOCK_ROWS], x, buf, tmp)
+
+            def one_pass() -> None:
+                list(pool.map(lane, spans))
+            one_pass()                              # pages and threads warm, outside the timing
+            out[fmt] = summary([CEILING_VALUES / seconds(one_pass) / 1e9 for _ in range(runs)])
+            del w
+    return out
+
+
 def probe_beside() -> dict:
     """Both probes again, right before a measurement: on a shared machine the speed drifts within
     a run, and a ratio only means something against a probe taken at the same time."""
     return {"matvec_gb_per_s": probe_matvec(POINT_PROBE_RUNS),
-            "gemm_gflop_per_s": probe_gemm(*GEMM_SHAPES["prefill"], POINT_PROBE_RUNS)}
+            "gemm_gflop_per_s": probe_gemm(*GEMM_SHAPES["prefill"], POINT_PROBE_RUNS),
+            "ceiling_g_weights_per_s": probe_ceiling(2)}
 
 
 def machine_info() -> dict:
@@ -60,7 +131,8 @@ def machine_info() -> dict:
 
 
 def probe_machine() -> dict:
-    console.info("probing memory bandwidth and GEMM throughput")
+    console.info("probing memory bandwidth, GEMM throughput and NumPy's widening ceiling")
     return {"matvec": {"shape": [MATVEC_N, MATVEC_N], "gb_per_s": probe_matvec(PROBE_RUNS)},
             "gemm": {name: {"shape": list(shape), "gflop_per_s": probe_gemm(*shape, PROBE_RUNS)}
-                     for name, shape in GEMM_SHAPES.items()}}
+                     for name, shape in GEMM_SHAPES.items()},
+            "ceiling": {"values": CEILING_VALUES, "g_weights_per_s": probe_ceiling(POINT_PROBE_RUNS)}}

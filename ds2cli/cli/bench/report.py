@@ -45,9 +45,16 @@ def table_rows(report: dict) -> list[list[str]]:
               f"{r['gemm_ratio']:.0%} of {r['probes']['gemm_gflop_per_s']['median']:.0f} GFLOP/s, "
               f"{r['matvec_ratio']:.0%} of {r['probes']['matvec_gb_per_s']['median']:.1f} GB/s"]
              for r in report["prefill"]]
+    ceiling = p.get("ceiling")
+    if ceiling:
+        rows.append(["numpy ceiling G w/s", "", "", ", ".join(f"{f} {s['median']:.1f}"
+                                                              for f, s in ceiling["g_weights_per_s"].items()),
+                     "widen + multiply, all cores"])
     rows += [[f"tg @ {r['context']} tok/s", *stat_cells(r["tok_per_s"], ".2f"),
               f"{r['bytes_per_token'] / 1e6:.0f} MB/tok, {r['gb_per_s']:.1f} GB/s",
-              f"{r['matvec_ratio']:.0%} of {r['probes']['matvec_gb_per_s']['median']:.1f} GB/s"]
+              f"{r['matvec_ratio']:.0%} of {r['probes']['matvec_gb_per_s']['median']:.1f} GB/s"
+              + (f"; {r['ceiling_share']:.0%} of ceiling {r['ceiling_tok_per_s']:.2f} tok/s"
+                 if "ceiling_share" in r else "")]
              for r in report["decode"]]
     rows += [[f"pass of {r['tokens']} @ {r['context']} ms", *stat_cells({k: 1e3 * r["seconds"][k] for k in ("median", "min")}, ".1f"),
               f"{r['step_ratio']['median']:.2f}x a decode step ({r['step_ratio']['min']:.2f}-{r['step_ratio']['max']:.2f})",
