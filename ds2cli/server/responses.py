@@ -77,9 +77,10 @@ class Response:
                 ents = None if ents is None or job.logprobs is None else [*job.prompt_logprobs, *ents]
             finish, calls = finish_reason(lasts[index]), None
             if job.tools is not None:
-                text, calls = tooling.parse_calls(text)
+                text, calls, complete = tooling.parse_calls(text)
                 if calls:
-                    text, finish = text or None, "tool_calls"
+                    text = text or None
+                    finish = "tool_calls" if complete else finish
             choices.append(self._choice(index, text, finish, delta=False, calls=calls,
                                         logprobs=self._logprobs(index, ents, echoed=job.echo)))
         return self._wrap(choices, self.object, usage=self.usage(lasts))
@@ -108,12 +109,12 @@ class Response:
         chunk that carries its finish_reason."""
         out, finish = [], finish_reason(last)
         if self.calls is not None:
-            rest, calls = self.calls[index].finish()
+            rest, calls, complete = self.calls[index].finish()
             if rest:
                 out.append(self.chunk(rest, index=index))
             if calls:
                 out.append(self.chunk(None, index=index, calls=calls))
-                finish = "tool_calls"
+                finish = "tool_calls" if complete else finish
         out.append(self.chunk(None if self.job.chat else "", finish, index=index))
         return out
 

@@ -230,25 +230,41 @@ def call_grammar(tools: tuple[Tool, ...], tokenizer, many: bool) -> grammars.Gra
     for i, t in enumerate(tools):
         rules += [f"fn_{i}: {grammars.lark_literal(t.name + chr(10) + '```json' + chr(10))} args_{i} "
                   f"{grammars.lark_literal(chr(10) + '```')} {mark(CALL_END)}",
-                  f"args_{i}: {grammars.lark_json(t.parameters)}"]
+                  f"args_{i}: {grammars.lark_json(closed(t.parameters))}"]
     return grammars.lark_grammar("\n".join(rules))
 
 
+def closed(schema: Any) -> Any:
+    """A JSON Schema whose objects admit no keys beyond their properties unless they say
+    `additionalProperties` themselves, as OpenAI's strict mode reads tool parameters: else a
+    forced call may open a key the schema never names, and never close it."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "not", "prefixItems") else
+               {n: closed(s) for n, s in v.items()} if k in ("properties", "$defs", "definitions")
+               and isinstance(v, dict) else v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 # ---- the output ----
-def parse_calls(text: str) -> tuple[str, list[dict] | None]:
-    """The reply split into (content, tool_calls in OpenAI's shape), or (text, None) without a
-    complete block of calls (e.g. cut by max_tokens: the text is returned as it is)."""
+def parse_calls(text: str) -> tuple[str, list[dict] | None, bool]:
+    """The reply split into (content, tool_calls in OpenAI's shape, whether the block of calls is
+    complete). The content never holds the call markers: a block cut short (by max_tokens) gives
+    the calls it completed, or None, and False, so that its finish_reason stays "length"."""
     start = text.find(CALLS_BEGIN)
     if start < 0:
-        return text, None
+        return text, None, True
     end = text.find(CALLS_END, start)
     block = text[start + len(CALLS_BEGIN): end if end >= 0 else len(text)]
     calls = [m for m in CALL_RE.finditer(block)]
-    if not calls or (end < 0 and not block.rstrip().endswith(CALL_END)):
-        return text, None
+    complete = bool(calls) and (end >= 0 or block.rstrip().endswith(CALL_END))
     out = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": m["name"], "arguments": m["args"]}} for m in calls]
-    return text[:start].rstrip(), out
+    return text[:start].rstrip(), out or None, complete
 
 
 class CallStream:
@@ -269,9 +285,7 @@ class CallStream:
         out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
         return out
 
-    def finish(self) -> tuple[str, list[dict] | None]:
-        """(the content not yet sent, the calls) once the reply is complete."""
-        content, calls = parse_calls(self.text)
-        if calls is None:
-            return self.text[self.sent:], None
-        return content[self.sent:], calls
+    def finish(self) -> tuple[str, list[dict] | None, bool]:
+        """(the content not yet sent, the calls, whether their block was complete) at the end."""
+        content, calls, complete = parse_calls(self.text)
+        return content[self.sent:], calls, complete

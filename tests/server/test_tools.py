@@ -110,16 +110,22 @@ def test_rendering_puts_declarations_where_the_template_reads_them():
 def test_parse_calls_and_the_stream_hold_back():
     call = (f"{tooling.CALL_BEGIN}function{tooling.SEP}get_time\n```json\n{{\"zone\": 2}}\n```{tooling.CALL_END}")
     text = f"Let me look.{tooling.CALLS_BEGIN}{call}\n{call}{tooling.CALLS_END}"
-    content, calls = tooling.parse_calls(text)
+    content, calls, complete = tooling.parse_calls(text)
     assert content == "Let me look." and [c["function"]["arguments"] for c in calls] == ['{"zone": 2}'] * 2
-    assert tooling.parse_calls(text[:-30]) == (text[:-30], None)        # cut short: the text as it is
+    assert complete
+    # cut short by max_tokens inside the second call: no markers in the content, the first call
+    # (complete) kept, and the block marked incomplete, so finish_reason stays "length"
+    content, calls, complete = tooling.parse_calls(text[:-30])
+    assert content == "Let me look." and len(calls) == 1 and not complete
+    content, calls, complete = tooling.parse_calls(text[:len("Let me look.") + 40])     # inside the first
+    assert content == "Let me look." and calls is None and not complete
     stream, sent = tooling.CallStream(), []
     for i in range(0, len(text), 3):
         sent.append(stream.feed(text[i:i + 3]))
     assert "".join(sent) == "Let me look."
     assert stream.finish()[0] == "" and len(stream.finish()[1]) == 2
     plain = tooling.CallStream()
-    assert plain.feed("a <｜tool") == "a " and plain.feed("ing") == "<｜tooling" and plain.finish() == ("", None)
+    assert plain.feed("a <｜tool") == "a " and plain.feed("ing") == "<｜tooling" and plain.finish() == ("", None, True)
 
 
 def test_without_llguidance_auto_works_and_forcing_says_how_to_install(client, monkeypatch):
@@ -164,3 +170,16 @@ def test_a_template_without_tools_is_400_saying_so(model):
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(model="ds2-tiny", prompt="x", extra_body={"tools": TOOLS})
         assert e.value.body["param"] == "tools"
+
+
+def test_forced_calls_close_objects_that_do_not_say_otherwise():
+    schema = {"type": "object", "properties": {"where": {"type": "object", "properties": {"city": {"type": "string"}}},
+                                               "tags": {"type": "array", "items": {"type": "object"}}},
+              "$defs": {"d": {"properties": {"x": {"type": "integer"}}}}}
+    got = tooling.closed(schema)
+    assert got["additionalProperties"] is False and got["properties"]["where"]["additionalProperties"] is False
+    assert got["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert got["$defs"]["d"]["additionalProperties"] is False
+    assert tooling.closed({"type": "object", "additionalProperties": True}) == {"type": "object",
+                                                                               "additionalProperties": True}
+    assert "additionalProperties" not in schema                # the request's own schema is untouched

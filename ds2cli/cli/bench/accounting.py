@@ -81,8 +81,8 @@ def forward_values_by_format(model: Model, routed_experts: float) -> dict[str, f
 
 def ceiling_tok_per_s(values: dict[str, float], rates: dict) -> float:
     """The decode tok/s NumPy's own widen-and-multiply allows for these weights: the time each
-    format's values take at its probed rate (G weights/s, median), summed."""
-    seconds = sum(n / (rates[f]["median"] * 1e9) for f, n in values.items())
+    format's values take at its ceiling rate (G weights/s), summed."""
+    seconds = sum(n / (rates[f] * 1e9) for f, n in values.items())
     return 1.0 / seconds if seconds > 0 else float("inf")
 
 

@@ -112,7 +112,7 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
     tok_per_s = summary(samples)
     gb_per_s = (weight_bytes + cache_bytes) * tok_per_s["median"] / 1e9
     values = forward_values_by_format(model, routed)
-    ceiling = ceiling_tok_per_s(values, probes["ceiling_g_weights_per_s"])
+    ceiling = ceiling_tok_per_s(values, probes["ceiling"]["g_weights_per_s"])
     return {"context": context, "tok_per_s": tok_per_s, "routed_experts_per_step": routed,
             "weights_by_format": values, "ceiling_tok_per_s": ceiling,
             "ceiling_share": tok_per_s["median"] / ceiling,

@@ -39,13 +39,17 @@ def probe_gemm(m: int, k: int, n: int, runs: int) -> dict:
 
 
 # The ceiling probe: plain NumPy's rate of widening each storage format to float32 and
-# multiplying by one token, every core at once, over a matrix past the caches. It is what a
-# decode step's products could reach in NumPy at best; ds2's kernels do the same work plus their
-# own bookkeeping, so decode's share of this ceiling is how much of NumPy's speed ds2 keeps.
+# multiplying by one token, over a matrix past the caches. Measured on one core (this thread,
+# BLAS at one thread) and scaled by the cores, capped by what memory can deliver of that format
+# (the matvec probe's GB/s over its bytes a value): what a decode step's products could reach
+# in NumPy at best. Threads measured together fall short of it (the GIL between their short
+# calls: 1.5x on 2 cores for int8), which is why ds2 hands decode's rows to processes. ds2's
+# kernels do the same work plus their own bookkeeping, so decode's share of this ceiling is how
+# much of NumPy's speed ds2 keeps.
 CEILING_VALUES = 64 << 20       # weights in each probe matrix: 64M, past any CPU cache in every format
 CEILING_ROW = 4096              # values a row
-CEILING_BLOCK_ROWS = 16         # rows widened at once: 16 x 4096 float32 = 256 KB, L2-sized
-CEILING_FORMATS = ("f32", "bf16", "q8", "q4")
+CEILING_BLOCK_ROWS = 64         # rows widened at once: 1 MB of float32, the fastest of 16-128 here
+BYTES_PER_VALUE = {"f32": 4.0, "bf16": 2.0, "q8": 1.0, "q4": 0.5}
 
 
 def _ceiling_matrix(fmt: str, rows: int) -> np.ndarray:
@@ -64,6 +68,7 @@ def _widen_and_multiply(fmt: str, block: np.ndarray, x: np.ndarray, buf: np.ndar
     if fmt == "f32":
         block @ x
         return
+    buf = buf[:len(block)]
     if fmt == "bf16":
         u32 = buf.view(np.uint32)
         np.copyto(u32, block)
@@ -71,7 +76,7 @@ def _widen_and_multiply(fmt: str, block: np.ndarray, x: np.ndarray, buf: np.ndar
     elif fmt == "q8":
         np.copyto(buf, block)              # int8 -> float32
     else:
-        half = block.shape[1]
+        half, tmp = block.shape[1], tmp[:len(block)]
         np.bitwise_and(block, 15, out=tmp)
         np.copyto(buf[:, :half], tmp)
         np.right_shift(block, 4, out=tmp)
@@ -80,40 +85,37 @@ def _widen_and_multiply(fmt: str, block: np.ndarray, x: np.ndarray, buf: np.ndar
     buf @ x
 
 
-def probe_ceiling(runs: int) -> dict:
-    """G weights/s a format's plain NumPy widen-and-multiply reaches on every core (threads over
-    row blocks, BLAS at one thread each), per format: the ceiling of a decode step's products."""
-    from concurrent.futures import ThreadPoolExecutor
+def probe_ceiling(runs: int, matvec_gb_per_s: float) -> dict:
+    """Per format: one core's G weights/s of plain NumPy widen-and-multiply ("core"), and the
+    ceiling of all the cores, min(cores x that, memory GB/s / bytes a value) ("g_weights_per_s")."""
     from ds2cli.parallel import cores
     n = cores.workers().n
     rows = CEILING_VALUES // CEILING_ROW
     x = np.ones(CEILING_ROW, np.float32)
-    out = {}
-    with ThreadPoolExecutor(n) as pool, cores.blas_threads(1):
-        for fmt in CEILING_FORMATS:
+    buf = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW), np.float32)
+    tmp = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW // 2), np.uint8)
+    core, ceiling = {}, {}
+    with cores.blas_threads(1):
+        for fmt in BYTES_PER_VALUE:
             w = _ceiling_matrix(fmt, rows)
-            spans = [(k * rows // n, (k + 1) * rows // n) for k in range(n)]
 
-            def lane(span, fmt=fmt, w=w) -> None:
-                buf = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW), np.float32)
-                tmp = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW // 2), np.uint8)
-                for r in range(span[0], span[1], CEILING_BLOCK_ROWS):
+            def one_pass(fmt=fmt, w=w) -> None:
+                for r in range(0, rows, CEILING_BLOCK_ROWS):
                     _widen_and_multiply(fmt, w[r:r + CEILING_BLOCK_ROWS], x, buf, tmp)
-
-            def one_pass() -> None:
-                list(pool.map(lane, spans))
-            one_pass()                              # pages and threads warm, outside the timing
-            out[fmt] = summary([CEILING_VALUES / seconds(one_pass) / 1e9 for _ in range(runs)])
+            one_pass()                              # pages warm, outside the timing
+            core[fmt] = summary([CEILING_VALUES / seconds(one_pass) / 1e9 for _ in range(runs)])
+            ceiling[fmt] = min(n * core[fmt]["median"], matvec_gb_per_s / BYTES_PER_VALUE[fmt])
             del w
-    return out
+    return {"cores": n, "core": core, "g_weights_per_s": ceiling}
 
 
 def probe_beside() -> dict:
     """Both probes again, right before a measurement: on a shared machine the speed drifts within
     a run, and a ratio only means something against a probe taken at the same time."""
-    return {"matvec_gb_per_s": probe_matvec(POINT_PROBE_RUNS),
+    matvec = probe_matvec(POINT_PROBE_RUNS)
+    return {"matvec_gb_per_s": matvec,
             "gemm_gflop_per_s": probe_gemm(*GEMM_SHAPES["prefill"], POINT_PROBE_RUNS),
-            "ceiling_g_weights_per_s": probe_ceiling(2)}
+            "ceiling": probe_ceiling(2, matvec["median"])}
 
 
 def machine_info() -> dict:
@@ -132,7 +134,8 @@ def machine_info() -> dict:
 
 def probe_machine() -> dict:
     console.info("probing memory bandwidth, GEMM throughput and NumPy's widening ceiling")
-    return {"matvec": {"shape": [MATVEC_N, MATVEC_N], "gb_per_s": probe_matvec(PROBE_RUNS)},
+    matvec = probe_matvec(PROBE_RUNS)
+    return {"matvec": {"shape": [MATVEC_N, MATVEC_N], "gb_per_s": matvec},
             "gemm": {name: {"shape": list(shape), "gflop_per_s": probe_gemm(*shape, PROBE_RUNS)}
                      for name, shape in GEMM_SHAPES.items()},
-            "ceiling": {"values": CEILING_VALUES, "g_weights_per_s": probe_ceiling(POINT_PROBE_RUNS)}}
+            "ceiling": {"values": CEILING_VALUES, **probe_ceiling(POINT_PROBE_RUNS, matvec["median"])}}

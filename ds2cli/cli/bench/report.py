@@ -47,9 +47,9 @@ def table_rows(report: dict) -> list[list[str]]:
              for r in report["prefill"]]
     ceiling = p.get("ceiling")
     if ceiling:
-        rows.append(["numpy ceiling G w/s", "", "", ", ".join(f"{f} {s['median']:.1f}"
+        rows.append(["numpy ceiling G w/s", "", "", ", ".join(f"{f} {s:.1f}"
                                                               for f, s in ceiling["g_weights_per_s"].items()),
-                     "widen + multiply, all cores"])
+                     f"widen + multiply: one core x {ceiling['cores']}, at most memory's"])
     rows += [[f"tg @ {r['context']} tok/s", *stat_cells(r["tok_per_s"], ".2f"),
               f"{r['bytes_per_token'] / 1e6:.0f} MB/tok, {r['gb_per_s']:.1f} GB/s",
               f"{r['matvec_ratio']:.0%} of {r['probes']['matvec_gb_per_s']['median']:.1f} GB/s"
