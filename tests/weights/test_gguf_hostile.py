@@ -109,9 +109,11 @@ def meta(**kv):
 @pytest.mark.parametrize("metadata, message", [
     (meta(**{"deepseek2.expert_count": ("uint32", 10 ** 9)}), "expert_count is 1000000000"),
     (meta(**{"deepseek2.attention.head_count": ("uint32", 0)}), "head_count is 0"),
+    (meta(**{"deepseek2.block_count": ("uint32", 100_000)}), "block_count is 100000"),
     (meta(**{"general.sampling.temp": ("string", "hot")}), "general.sampling.temp should be a number"),
     (meta(**{"tokenizer.ggml.token_type": ("array", ["1"] * 4)}), "token_type must be a list of integers"),
-], ids=["expert_count_beyond_tensors", "zero_heads", "sampling_type", "token_type_type"])
+], ids=["expert_count_beyond_tensors", "zero_heads", "block_count_beyond_tensors", "sampling_type",
+        "token_type_type"])
 def test_metadata_that_lies_is_an_error_naming_the_key(tmp_path, metadata, message):
     path = write_gguf(CASE, tmp_path / "m.gguf", "F32", metadata=metadata)
     got, peak = opened(path)

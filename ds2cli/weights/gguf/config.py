@@ -79,6 +79,7 @@ def config_from_gguf(gf: GGUFFile) -> DeepseekV2Config:
     check_architecture(gf)
     m, req = Metadata(gf), ConfigError
     layers = m.get("block_count", req) - m.get("nextn_predict_layers", 0)
+    check_block_count(gf, m.get("block_count", req))
     D, H = m.get("embedding_length", req), m.get("attention.head_count", req)
     for key, value in (("embedding_length", D), ("attention.head_count", H)):
         if value < 1:
@@ -133,6 +134,16 @@ def config_from_gguf(gf: GGUFFile) -> DeepseekV2Config:
     if v3:
         d.update(V3_FIELDS)
     return DeepseekV2Config.from_dict({k: v for k, v in d.items() if v is not None or k == "q_lora_rank"})
+
+
+def check_block_count(gf: GGUFFile, blocks: int) -> None:
+    """The layer count must be what the tensors hold (blk.0 .. blk.N-1): the checks and the loader
+    build names per layer, so a count far beyond the tensors must stop here."""
+    found = {int(n.split(".")[1]) for n in gf.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if blocks < 1 or (found and blocks > max(found) + 1) or (not found and gf.tensors):
+        held = f"tensors for blk.0 to blk.{max(found)}" if found else "no blk.* tensors"
+        raise ConfigError(f"{gf.name}: GGUF metadata {ARCHITECTURE}.block_count is {blocks}, but the file "
+                          f"holds {held}")
 
 
 def check_expert_count(gf: GGUFFile, experts: int) -> None:
