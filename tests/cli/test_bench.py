@@ -387,3 +387,24 @@ def test_decode_is_held_against_numpys_own_ceiling(report, tiny):
         beside = d["probes"]["ceiling"]["g_weights_per_s"]
         assert d["ceiling_tok_per_s"] == pytest.approx(1e9 * beside["f32"] / matrices, rel=1e-9)
         assert d["ceiling_share"] == pytest.approx(d["tok_per_s"]["median"] / d["ceiling_tok_per_s"], rel=1e-9)
+
+
+def test_profile_accounts_for_the_whole_step(monkeypatch):
+    """--profile: the step split into products (by format), attention, the router and the rest,
+    each exclusive of what it calls, summing to the step's measured time; the engine's classes
+    and functions are as they were afterwards."""
+    from ds2cli.model import linear, moe, transformer
+    originals = (linear.Dense.matmul, transformer.mla, moe.route)
+    small_probes(monkeypatch)
+    result = run_bench(*TINY_ARGS, "--profile")
+    assert result.exit_code == 0, result.output
+    p = json.loads(result.stdout)["profile"]
+    whats = [r["what"] for r in p["rows"]]
+    assert {"attention (latent cache, heads)", "products f32 (1 token)", "router"} <= set(whats)
+    assert whats[-1].startswith("the rest")
+    assert sum(r["seconds_per_step"] for r in p["rows"]) == pytest.approx(p["step_seconds"], rel=1e-9)
+    assert all(r["seconds_per_step"] >= 0 for r in p["rows"][:-1])
+    tiny = DeepseekV2Config.from_file(bundled_model_dir() / "config.json")
+    router = next(r for r in p["rows"] if r["what"] == "router")
+    assert router["calls_per_step"] == len(tiny.moe_layers)      # one route a MoE layer a step
+    assert (linear.Dense.matmul, transformer.mla, moe.route) == originals

@@ -7,6 +7,7 @@ Bottom-up:
     report      the tables (rich) drawn from a report
     probes      matvec bandwidth and GEMM throughput: the machine's ceilings
     accounting  bytes and FLOPs a forward needs, from the loaded model
+    profile     --profile: where a decode step's time goes (products, attention, router, the rest)
     synthetic   the DeepSeek-V2-Lite-shaped checkpoint with random weights
     compare_hf  --compare-hf: the same runs through Hugging Face transformers
     measure     timing the model: load, prefill and decode runs, their repeats, peak RSS

@@ -98,10 +98,13 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
                    "every format once, in turn, each in its own process (load, memory and the figures); "
                    "then, where they fit in memory together, one process holds them all and times -r "
                    "samples of each, interleaved, for the speed ratios.")
+@click.option("--profile", is_flag=True,
+              help="Also split a decode step after the smallest context: products by format, attention, "
+                   "the router and the Python between them, summed to the step's time.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
 def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, passes,
-          compare_hf, quantize, formats, as_json):
+          compare_hf, quantize, formats, profile, as_json):
     """Measure load, prefill and decode speed, and compare them with what this machine's memory
     bandwidth and float32 GEMM can do.
 
@@ -137,7 +140,7 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
                                      threads)
         else:
             report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
-                               int(quantize) if quantize else None, passes)
+                               int(quantize) if quantize else None, passes, profile)
     if as_json:
         click.echo(json.dumps(report))
     else:

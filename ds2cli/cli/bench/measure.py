@@ -19,6 +19,7 @@ from ds2cli.weights import memory
 from ds2cli.cli.bench.accounting import (ceiling_tok_per_s, forward_values_by_format, forward_weight_bytes,
                                          prefill_flops, total_params, weight_nbytes)
 from ds2cli.cli.bench.compare_hf import compare_hf
+from ds2cli.cli.bench.profile import profile_decode
 from ds2cli.cli.bench.probes import machine_info, probe_beside, probe_machine
 from ds2cli.cli.bench.settings import cache_tokens
 from ds2cli.cli.bench.timing import seconds, summary
@@ -191,7 +192,8 @@ def memory_section(model: Model, cache_tokens: int) -> dict:
 
 
 def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[int], contexts: list[int],
-              steps: int, hf: bool, quantize: int | None = None, passes: list[int] = ()) -> dict:
+              steps: int, hf: bool, quantize: int | None = None, passes: list[int] = (),
+              profile: bool = False) -> dict:
     rng = np.random.default_rng(0)
     probes = outside_peak(probe_machine)
     model, load_s = time_load(path, repeats, quantize, context=cache_tokens(prompt_lengths, contexts, steps))
@@ -200,6 +202,12 @@ def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[in
     prefill = [bench_prefill(model, tokens, repeats, rng) for tokens in prompt_lengths]
     decode = bench_decode(model, contexts, steps, repeats, rng)
     pass_points = bench_passes(model, list(passes), min(contexts), repeats, rng)
+    profiled = None
+    if profile:
+        console.info(f"profile {steps * repeats} decode steps after {min(contexts)}")
+        cache = model.new_cache(min(contexts) + steps)
+        fill_cache(model, cache, rng.integers(model.config.vocab_size, size=min(contexts)))
+        profiled = profile_decode(model, cache, min(contexts), steps * repeats, rng)
     cfg = model.config
     report = {
         "model": {"path": str(path), "synthetic": synthetic, "num_hidden_layers": cfg.num_hidden_layers,
@@ -212,6 +220,8 @@ def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[in
         "probes": probes, "load_s": load_s, "prefill": prefill, "decode": decode, "passes": pass_points,
         "memory": memory_section(model, cache_tokens(prompt_lengths, contexts, steps)),
     }
+    if profiled is not None:
+        report["profile"] = profiled
     if hf:
         del model  # transformers' copy must not sit beside ours
         gc.collect()

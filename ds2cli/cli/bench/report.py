@@ -27,6 +27,20 @@ def render(report: dict, out) -> None:
     for row in table_rows(report):
         table.add_row(*row)
     out.print(table)
+    if report.get("profile"):
+        render_profile(report["profile"], out)
+
+
+def render_profile(p: dict, out) -> None:
+    """--profile: a decode step's time by where it goes, summing to the step."""
+    table = Table(title=f"a decode step after {p['context']} tokens: {1e3 * p['step_seconds']:.1f} ms "
+                        f"(mean of {p['steps']} steps)", box=box.SIMPLE_HEAD)
+    for name in ("where", "ms", "share", "calls"):
+        table.add_column(name, justify="left" if name == "where" else "right")
+    for r in p["rows"]:
+        table.add_row(r["what"], f"{1e3 * r['seconds_per_step']:.2f}", f"{r['share']:.0%}",
+                      "" if r["calls_per_step"] is None else f"{r['calls_per_step']:.0f}")
+    out.print(table)
 
 
 def stat_cells(s: dict, fmt: str) -> list[str]:
