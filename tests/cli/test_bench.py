@@ -396,7 +396,7 @@ def test_profile_accounts_for_the_whole_step(monkeypatch):
     from ds2cli.model import linear, moe, transformer
     originals = (linear.Dense.matmul, transformer.mla, moe.route)
     small_probes(monkeypatch)
-    result = run_bench(*TINY_ARGS, "--profile")
+    result = run_bench(*TINY_ARGS, "--profile", "-r", "2")        # 2 repeats: steps x 2 in one cache
     assert result.exit_code == 0, result.output
     p = json.loads(result.stdout)["profile"]
     whats = [r["what"] for r in p["rows"]]

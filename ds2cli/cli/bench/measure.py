@@ -205,7 +205,7 @@ def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[in
     profiled = None
     if profile:
         console.info(f"profile {steps * repeats} decode steps after {min(contexts)}")
-        cache = model.new_cache(min(contexts) + steps)
+        cache = model.new_cache(min(contexts) + steps * repeats)
         fill_cache(model, cache, rng.integers(model.config.vocab_size, size=min(contexts)))
         profiled = profile_decode(model, cache, min(contexts), steps * repeats, rng)
     cfg = model.config
