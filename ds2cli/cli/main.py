@@ -252,7 +252,7 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
         ran = pieces[-1] if pieces else Chunk("", prompt_tokens=len(ids))
         interrupted = dataclasses.replace(ran, text="".join(c.text for c in pieces), finish_reason="interrupted")
         if as_json:   # every token sampled counts, those held back (a partial stop string) too
-            out = {**generation_json(interrupted, load_s, opts["draft"]), "generated_tokens": sampler.count}
+            out = {**generation_json(interrupted, load_s, opts["draft"]), "completion_tokens": sampler.count}
             write_out(json.dumps(out, ensure_ascii=False) + "\n")
         else:
             write_out("\n")
@@ -293,7 +293,7 @@ def run_generation(chunks, as_json: bool, pieces: list[Chunk], reading=None) -> 
 
 def generation_json(last: Chunk, load_s: float, draft: int = 0) -> dict:
     out = {"text": last.text, "prompt_tokens": last.prompt_tokens,
-           "generated_tokens": last.generated_tokens, "finish_reason": last.finish_reason,
+           "completion_tokens": last.generated_tokens, "finish_reason": last.finish_reason,
            "timings": {"load_s": round(load_s, 4), "prefill_tok_per_s": round(last.prefill_tok_per_s, 2),
                        "decode_tok_per_s": round(last.decode_tok_per_s, 2)}}
     if draft:

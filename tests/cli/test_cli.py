@@ -76,7 +76,7 @@ def test_generate_json_fields():
     out = json.loads(r.stdout)
     assert out["text"] == "451 - 123 = 328."
     assert out["finish_reason"] == "eos"
-    assert out["prompt_tokens"] == 19 and out["generated_tokens"] == 16  # 15 text tokens + eos
+    assert out["prompt_tokens"] == 19 and out["completion_tokens"] == 16  # 15 text tokens + eos
     assert set(out["timings"]) == {"load_s", "prefill_tok_per_s", "decode_tok_per_s"}
     assert all(v > 0 for v in out["timings"].values())
 
@@ -84,7 +84,7 @@ def test_generate_json_fields():
 def test_generate_length_and_stop():
     r = run("generate", "ROMEO:\n", "--temperature", "0", "-n", "5", "--json")
     out = json.loads(r.stdout)
-    assert out["finish_reason"] == "length" and out["generated_tokens"] == 5
+    assert out["finish_reason"] == "length" and out["completion_tokens"] == 5
     r = run("generate", "--chat", "Count from 3 to 9.", "--temperature", "0", "--stop", "6", "--json")
     out = json.loads(r.stdout)
     assert out["text"] == "3, 4, 5, " and out["finish_reason"] == "stop"
@@ -188,7 +188,7 @@ def test_ignore_eos_generates_to_the_limit():
     assert json.loads(r.stdout)["finish_reason"] == "eos"
     r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--json", "--ignore-eos", "-n", "30")
     out = json.loads(r.stdout)
-    assert out["finish_reason"] == "length" and out["generated_tokens"] == 30
+    assert out["finish_reason"] == "length" and out["completion_tokens"] == 30
     assert out["text"].startswith("2 + 2 = 4.<｜end▁of▁sentence｜>")   # eos is just a token now
 
 
@@ -261,7 +261,7 @@ def test_empty_prompt_needs_from_bos():
     assert r.exit_code == 1 and "the prompt is empty" in r.stderr
     r = run("generate", "", "--from-bos", "-n", "4", "--temp", "0", "--json")
     out = json.loads(r.stdout)
-    assert r.exit_code == 0 and out["prompt_tokens"] == 1 and out["generated_tokens"] == 4
+    assert r.exit_code == 0 and out["prompt_tokens"] == 1 and out["completion_tokens"] == 4
     r = run("generate", "", "--from-bos", "--chat")
     assert r.exit_code == 2 and "--from-bos is for raw completion" in r.stderr
 
@@ -281,11 +281,11 @@ def test_context_clipping_max_new_tokens_is_said_once():
     r = run("generate", "ROMEO:", "--temp", "0", "--ctx", "12", "-n", "50", "--json", "--ignore-eos")
     out = json.loads(r.stdout)
     room = 12 - len(ids) + 1
-    assert out["finish_reason"] == "length" and out["generated_tokens"] == room
+    assert out["finish_reason"] == "length" and out["completion_tokens"] == room
     assert r.stderr == (f"warning: the context of 12 tokens leaves room for {room} of the 50 new tokens "
                         f"asked for (-n): generation stops there\n")
     r = run("generate", "ROMEO:", "--temp", "0", "--ctx", "12", "-n", str(room), "--json", "--ignore-eos")
-    assert r.stderr == "" and json.loads(r.stdout)["generated_tokens"] == room
+    assert r.stderr == "" and json.loads(r.stdout)["completion_tokens"] == room
 
 
 @pytest.mark.parametrize("as_json", [True, False])
@@ -314,7 +314,7 @@ def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(monkeypatch, a
     assert float(prefill) > 0 and float(decode) > 0
     if as_json:
         out = json.loads(r.stdout)
-        assert out["finish_reason"] == "interrupted" and out["generated_tokens"] == 6
+        assert out["finish_reason"] == "interrupted" and out["completion_tokens"] == 6
         assert out["text"].startswith("3, 4")
         assert out["timings"]["prefill_tok_per_s"] > 0 and out["timings"]["decode_tok_per_s"] > 0
     else:

@@ -940,5 +940,5 @@ def test_json_interrupted_by_ctrl_c_is_one_valid_object(checkpoint_copy, tmp_pat
     assert proc.returncode == 130 and b"Traceback" not in err
     report = json.loads(out)                    # exactly one object: json.loads refuses trailing data
     assert report["finish_reason"] == "interrupted"
-    assert 0 < report["generated_tokens"] < 1000 and report["prompt_tokens"] == 6
+    assert 0 < report["completion_tokens"] < 1000 and report["prompt_tokens"] == 6
     assert report["text"] and isinstance(report["timings"]["load_s"], float)

@@ -265,7 +265,7 @@ def test_generate_and_chat_run_without_tokenizer_json(moonlight_checkpoint):
     r = run("generate", "-m", moonlight_checkpoint, "-n", "5", "--temperature", "0", "--json", prompt)
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["prompt_tokens"] == len(tiktoken_encoding(moonlight_checkpoint).encode(prompt)) and out["generated_tokens"] >= 1
+    assert out["prompt_tokens"] == len(tiktoken_encoding(moonlight_checkpoint).encode(prompt)) and out["completion_tokens"] >= 1
     r = run("generate", "-m", moonlight_checkpoint, "-n", "3", "--temperature", "0", "--chat", "你好", "--verbose-prompt")
     assert r.exit_code == 0, r.stderr
     assert "<|im_user|>user<|im_middle|>你好<|im_end|><|im_assistant|>assistant<|im_middle|>" in r.stderr
