@@ -126,7 +126,7 @@ def test_chat_greedy_equals_generate_chat(server, question):
                                              temperature=0, max_tokens=40)
     assert r.choices[0].message.content == expected["text"]
     assert r.choices[0].message.role == "assistant"
-    assert r.usage.completion_tokens == expected["generated_tokens"]
+    assert r.usage.completion_tokens == expected["completion_tokens"]
     assert r.usage.prompt_tokens == expected["prompt_tokens"]
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.choices[0].finish_reason == "stop" and expected["finish_reason"] == "eos"
