@@ -94,16 +94,22 @@ def peek(path: Path, model: Model) -> list[int]:
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(len(MAGIC) + 4)
-            if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
-                raise SavedCacheError(f"{path} is not a ds2 saved cache")
-            n_head = struct.unpack("<I", head[len(MAGIC):])[0]
-            if n_head > min(HEADER_LIMIT, size - len(head)):
-                raise SavedCacheError(f"{path} is truncated or corrupt: its header claims {n_head} bytes")
-            return parse_header(path, f.read(n_head), model)["tokens"]
+            return read_header(f, path, model)[0]["tokens"]
     except OSError as e:
         raise SavedCacheError(f"cannot read {path}: {e.strerror}") from None
+
+
+def read_header(f, path: Path, model: Model) -> tuple[dict, int, int]:
+    """The header of the open file `f`, checked against `model`; with where the arrays start and
+    the file's size. Its length is bounded by the file and HEADER_LIMIT before it is read."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(len(MAGIC) + 4)
+    if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
+        raise SavedCacheError(f"{path} is not a ds2 saved cache")
+    n_head = struct.unpack("<I", head[len(MAGIC):])[0]
+    if n_head > min(HEADER_LIMIT, size - len(head)):
+        raise SavedCacheError(f"{path} is truncated or corrupt: its header claims {n_head} bytes")
+    return parse_header(path, f.read(n_head), model), len(head) + n_head, size
 
 
 def load_into(path: Path, model: Model, cache: LatentCache, match: list[int] | None = None) -> tuple[list[int], dict]:
@@ -112,17 +118,10 @@ def load_into(path: Path, model: Model, cache: LatentCache, match: list[int] | N
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(len(MAGIC) + 4)
-            if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
-                raise SavedCacheError(f"{path} is not a ds2 saved cache")
-            n_head = struct.unpack("<I", head[len(MAGIC):])[0]
-            if n_head > min(HEADER_LIMIT, size - len(head)):
-                raise SavedCacheError(f"{path} is truncated or corrupt: its header claims {n_head} bytes")
-            header = parse_header(path, f.read(n_head), model)
+            header, data_at, size = read_header(f, path, model)
             n = header["length"]
             L, C, R = header["layers"], header["kv_lora_rank"], header["qk_rope_head_dim"]
-            expected = len(head) + n_head + 4 * L * n * (C + R)
+            expected = data_at + 4 * L * n * (C + R)
             if size != expected:
                 raise SavedCacheError(f"{path} is {'truncated' if size < expected else 'longer than its header says'}: "
                                       f"{size} bytes, {expected} expected")

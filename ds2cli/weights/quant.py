@@ -355,7 +355,7 @@ class QuantMatrix:
             for r0 in range(a, b, block):
                 r1 = min(b, r0 + block)
                 w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
-                np.copyto(w, self.qweight[r0:r1], casting="unsafe")
+                unpack(self.qweight[r0:r1], self.f, w)                      # int8 or bf16 -> float32
                 if self.f.block is not None:
                     dequantize_scale(w, self.scales, r0, self.f)
                 for t in range(len(x)):
@@ -376,7 +376,7 @@ class QuantMatrix:
             for r0 in range(a, b, block):
                 r1 = min(b, r0 + block)
                 w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
-                np.copyto(w, self.qweight[r0:r1], casting="unsafe")
+                unpack(self.qweight[r0:r1], self.f, w)                      # int8 or bf16 -> float32
                 if self.f.block is not None:
                     dequantize_scale(w, self.scales, r0, self.f)
                 yt = tmp[:(r1 - r0) * len(x)].reshape(r1 - r0, len(x))
