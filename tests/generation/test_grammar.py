@@ -15,26 +15,12 @@ from ds2cli.server.responses import finish_reason
 from ds2cli.generation.generate import stream_generate
 from ds2cli.generation.sampling import SamplingParams, make_sampler
 from ds2cli.text.tokenizer import Tokenizer
+from schemas import LIST, NESTED, PERSON
 
 pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
 jsonschema = pytest.importorskip("jsonschema")
 
 TOKENIZERS = Path(__file__).parents[1] / "data" / "tokenizers"
-
-PERSON = {"type": "object", "additionalProperties": False,
-          "properties": {"name": {"type": "string", "maxLength": 8},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                         "color": {"enum": ["red", "green", "blue"]},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2}},
-          "required": ["name", "age", "color", "tags"]}
-NESTED = {"type": "object", "additionalProperties": False, "required": ["id", "owner"],
-          "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
-                         "owner": {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
-                                   "properties": {"name": {"type": "string", "maxLength": 6},
-                                                  "ok": {"type": "boolean"}}}}}
-LIST = {"type": "object", "additionalProperties": False, "required": ["items"],
-        "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3,
-                                 "items": {"enum": [1, 2, "three", None]}}}}
 
 
 @pytest.fixture(scope="module")

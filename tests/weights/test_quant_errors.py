@@ -263,23 +263,29 @@ def test_bench_refuses_what_cannot_fit_before_synthesising(tmp_path):
     assert "as 8-bit" in line and leftovers(tmp_path) == []
 
 
+def signal_second_layer(monkeypatch, sig):
+    """Quantize's writer sends this process a real `sig` as it starts the second layer (handled at
+    the next bytecode, as a user's Ctrl-C or `kill` would be)."""
+    from ds2cli.weights import qcheckpoint
+    calls, real = [], qcheckpoint.write_safetensors
+
+    def write(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(qcheckpoint, "write_safetensors", write)
+
+
 @pytest.mark.parametrize("at", ["a layer", "the commit", "the summary"])
 def test_ctrl_c_in_quantize_says_nothing_was_written_and_leaves_nothing(tmp_path, monkeypatch, at):
     """Interrupted while writing a layer: one line says so, exit 130, and neither DST, its
     partial directory nor the parent directories made for it remain. A Ctrl-C that lands while
     the finished directory is renamed into place comes too late to undo it: the run completes."""
     from ds2cli.weights import staging as files
-    from ds2cli.weights import qcheckpoint
     dst = tmp_path / "made" / "for" / "q8"
     if at == "a layer":
-        calls, real = [], qcheckpoint.write_safetensors
-
-        def write(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 2:
-                os.kill(os.getpid(), signal.SIGINT)      # a real SIGINT, raised at the next bytecode
-            return real(*args, **kwargs)
-        monkeypatch.setattr(qcheckpoint, "write_safetensors", write)
+        signal_second_layer(monkeypatch, signal.SIGINT)
     elif at == "the commit":
         real_commit = files.commit
 
@@ -309,16 +315,8 @@ def test_ctrl_c_in_quantize_says_nothing_was_written_and_leaves_nothing(tmp_path
 def test_sigterm_in_quantize_leaves_nothing_behind(tmp_path, monkeypatch):
     """A `kill` while a layer is written: the partial directory and the parents made for it go,
     as on Ctrl-C, and the process ends as a terminated one (143)."""
-    from ds2cli.weights import qcheckpoint
     dst = tmp_path / "made" / "for" / "q8"
-    calls, real = [], qcheckpoint.write_safetensors
-
-    def write(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)         # a real SIGTERM, handled at the next bytecode
-        return real(*args, **kwargs)
-    monkeypatch.setattr(qcheckpoint, "write_safetensors", write)
+    signal_second_layer(monkeypatch, signal.SIGTERM)
     r = run("quantize", bundled_model_dir(), dst, "--bits", "8")
     assert r.exit_code == 143 and "wrote" not in r.stderr and "Traceback" not in r.stderr
     assert leftovers(tmp_path) == []
