@@ -6,10 +6,12 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+import ds2cli
 from test_serve import logged, running, serve_process
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -19,6 +21,7 @@ if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
 webdriver = pytest.importorskip("selenium.webdriver", reason="the test extra: pip install '.[test]'")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 QUESTION, ANSWER = "What is 451 - 123?", "451 - 123 = 328."
@@ -120,3 +123,67 @@ def test_stop_ends_a_reply_mid_stream(browser, monkeypatch):
         assert reply.get_attribute("data-done") == "stopped"
         assert browser.find_element(By.ID, "send").is_enabled() and not browser.find_element(By.ID, "stop").is_enabled()
         assert logged(lines, "client gone")
+
+
+@contextmanager
+def loading(state):
+    """Hold a running server where `ds2 serve` is while its model loads: listening, no scheduler
+    yet (/health 503 "loading", the API 503 with Retry-After), as test_serve_edges does; the load
+    ends when the block does."""
+    loaded = state.scheduler, state.defaults
+    state.scheduler = state.defaults = None
+    try:
+        yield
+    finally:
+        state.defaults, state.scheduler = loaded[1], loaded[0]     # the scheduler last, as serve does
+
+
+def shown(element_id):
+    return lambda d: d.find_element(By.ID, element_id).is_displayed() and d.find_element(By.ID, element_id)
+
+
+def test_while_the_model_loads_the_page_says_so_and_sends_nothing_until_it_has(browser):
+    with running(ds2cli.load(), api_key=None) as (port, state, lines):
+        with loading(state):
+            browser.get(f"http://127.0.0.1:{port}/")
+            wait = WebDriverWait(browser, WAIT_S)
+            assert "Loading the model" in wait.until(shown("status")).text
+            assert not browser.find_element(By.ID, "send").is_enabled()
+            browser.find_element(By.ID, "input").send_keys(QUESTION, Keys.ENTER)   # Enter sends nothing either
+            # the page keeps asking /health (every second, as its Retry-After says) while it is 503
+            wait.until(lambda d: sum('"GET /health" 503' in line for line in lines) >= 3)
+            assert "Loading the model" in browser.find_element(By.ID, "status").text
+            assert not browser.find_element(By.ID, "send").is_enabled()
+            assert not browser.find_elements(By.CSS_SELECTOR, ".msg")
+            assert browser.find_element(By.ID, "input").get_attribute("value") == QUESTION   # kept, not sent
+            assert not any("/v1/chat/completions" in line for line in lines)
+        # the load has ended: the status line goes, Send opens, the model's name is shown
+        wait.until(lambda d: not d.find_element(By.ID, "status").is_displayed())
+        wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())
+        wait.until(lambda d: "ds2-tiny" in d.find_element(By.ID, "model").text)
+        browser.find_element(By.ID, "input").clear()
+        assert ask(browser, QUESTION) == ("stop", ANSWER)
+
+
+def test_a_send_that_meets_a_loading_server_says_so_and_keeps_the_message(browser):
+    """The page had seen the model loaded, then the server answers 503 "loading" (restarted under
+    it): the reply says the model is loading, not "error", and the message goes back in the box."""
+    with running(ds2cli.load(), api_key=None) as (port, state, lines):
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait = WebDriverWait(browser, WAIT_S)
+        wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())
+        with loading(state):
+            browser.find_element(By.ID, "input").send_keys(QUESTION)
+            browser.find_element(By.ID, "send").click()
+            reply = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]"))[-1]
+            assert reply.get_attribute("data-done") == "loading"
+            assert "still loading" in reply.text and "error" not in reply.get_attribute("class")
+            assert not browser.find_elements(By.CSS_SELECTOR, ".msg.user")
+            assert browser.find_element(By.ID, "input").get_attribute("value") == QUESTION
+            assert "Loading the model" in wait.until(shown("status")).text
+            assert not browser.find_element(By.ID, "send").is_enabled()
+        wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())
+        assert not browser.find_element(By.ID, "status").is_displayed()
+        browser.find_element(By.ID, "input").clear()
+        assert ask(browser, QUESTION) == ("stop", ANSWER)
+        assert len(browser.find_elements(By.CSS_SELECTOR, ".msg.user")) == 1
