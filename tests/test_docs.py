@@ -2,6 +2,7 @@
 every link between the pages lands on a file and a heading that exist, and every example marked
 as checked prints, on ds2-tiny, exactly what the page shows."""
 
+import json
 import re
 import shlex
 import subprocess
@@ -9,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from documented_json import check_against_docs
+
+from ds2cli.weights.loader import bundled_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -74,3 +78,35 @@ def test_checked_examples_print_what_the_page_shows(command, expected):
     r = subprocess.run([sys.executable, "-m", "ds2cli", *args[1:]], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == expected
+
+
+def ds2_json(*args) -> dict:
+    r = subprocess.run([sys.executable, "-m", "ds2cli", *map(str, args), "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("args", [("generate", "ROMEO:", "-n", "4"), ("generate", "ROMEO:", "-n", "4", "--draft", "2")],
+                         ids=["plain", "draft"])
+def test_generate_json_is_what_the_page_says(args):
+    check_against_docs("generate", ds2_json(*args))
+
+
+def test_inspect_and_quantize_json_are_what_the_page_says(tmp_path):
+    check_against_docs("inspect", ds2_json("inspect"))
+    out = ds2_json("quantize", bundled_model_dir(), tmp_path / "q8", "--bits", "8")
+    check_against_docs("quantize", out)
+    assert out["path"] == str(tmp_path / "q8") and Path(out["path"]).is_absolute()
+    # inspect of the copy: the same names for the same figures
+    report = ds2_json("inspect", out["path"])
+    assert report["path"] == out["path"]
+    assert report["memory"]["float32_weight_bytes"] == out["float32_weight_bytes"] == 4 * report["params"]
+
+
+def test_paths_in_json_are_absolute(tmp_path, monkeypatch):
+    """A relative path given on the command line comes back absolute."""
+    monkeypatch.chdir(bundled_model_dir().parent)
+    r = subprocess.run([sys.executable, "-m", "ds2cli", "inspect", "ds2-tiny", "--json"], capture_output=True,
+                       text=True, timeout=300)
+    assert json.loads(r.stdout)["path"] == str(bundled_model_dir())

@@ -70,12 +70,12 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
     mem = memory_section(cfg, params["total"])
     mem["formats"] = memory.fits(cfg, qc)
     return {
-        "path": str(model_dir),
+        "path": str(model_dir.absolute()),      # absolute in every command's --json
         "model_type": cfg.model_type,
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
-        "total_params": params["total"],
+        "params": params["total"],
         "active_params_per_token": params["active_per_token"],
         "dtypes": {dtype: d["params"] for dtype, d in storage["dtypes"].items() if d["params"]},
         "moe_layers": cfg.moe_layers,
@@ -87,7 +87,7 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         "moe": moe_section(cfg),
         "fp8": fp8_section(cfg, tensors),
         "mtp": mtp_section(cfg, stored),
-        "params": params,
+        "params_by_category": params,
         "storage": storage,
         "memory": mem,
         "quantization": None if qc is None else {**qc.to_json(), "file_bytes": storage["total_bytes"]},
@@ -297,10 +297,10 @@ def mha_cache_bytes_per_token(cfg: DeepseekV2Config) -> int:
     return cfg.num_hidden_layers * cfg.num_attention_heads * per_head * FLOAT32_BYTES
 
 
-def memory_section(cfg: DeepseekV2Config, total_params: int) -> dict:
+def memory_section(cfg: DeepseekV2Config, params: int) -> dict:
     latent, mha = latent_cache_bytes_per_token(cfg), mha_cache_bytes_per_token(cfg)
     n = cfg.max_position_embeddings
-    return {"float32_weights_bytes": total_params * FLOAT32_BYTES,
+    return {"float32_weight_bytes": params * FLOAT32_BYTES,
             "latent_cache_bytes_per_token": latent,
             "mha_cache_bytes_per_token": mha,
             "mha_to_latent_ratio": mha / latent,

@@ -70,7 +70,7 @@ def _v3_table(r: dict) -> Table | None:
 
 def _params_table(r: dict) -> Table:
     """The stored categories, which add up to the total; then, apart, what one token uses."""
-    p = r["params"]
+    p = r["params_by_category"]
     table = Table(title="Parameters", title_justify="left")
     table.add_column("category", style="bold")
     table.add_column("params", justify="right")

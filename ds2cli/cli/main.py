@@ -372,7 +372,7 @@ def inspect(directory, model_dir, as_json, check):
     with naming_ds2_model() if directory is None else contextlib.nullcontext():
         path = check_model_dir(directory or model_dir or bundled_model_dir())
         # a GGUF's report is built from its metadata (gguf_inspect, on describe's sections)
-        report = describe_gguf(path) if gguf_file.find(path) is not None else describe(path, check=check)
+        report = describe_gguf(path.absolute()) if gguf_file.find(path) is not None else describe(path, check=check)
     if as_json:
         write_out(json.dumps(report, ensure_ascii=False) + "\n")
     else:
@@ -414,13 +414,13 @@ def quantize(src, dst, bits, force, calibration_text, as_json):
     # turn the run into a failure after `wrote` (exit 130), not even while Python shuts down,
     # when its own handler is gone and SIGINT would kill the process: ignored, as serve does
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    summary["quantize_s"] = round(time.perf_counter() - t0, 2)
     if as_json:
         write_out(json.dumps(summary) + "\n")
     else:
-        console.info(f"wrote {summary['path']}: {memory.gb(summary['bytes'])} ({bits}-bit, "
-                     f"{summary['bytes'] / summary['float32_bytes']:.2f}x the float32 weights) "
-                     f"in {summary['seconds']:.1f}s")
+        console.info(f"wrote {summary['path']}: {memory.gb(summary['weight_bytes'])} ({bits}-bit, "
+                     f"{summary['weight_bytes'] / summary['float32_weight_bytes']:.2f}x the float32 weights) "
+                     f"in {summary['quantize_s']:.1f}s")
 
 
 main.add_command(bench)    # the benchmark: a tool of its own, in bench/

@@ -96,8 +96,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool
         if e.errno == errno.ENOSPC:
             raise QuantizeError(f"no space left on the device writing {dst}; nothing was kept") from None
         raise QuantizeError(f"cannot write {dst}: {e.strerror or e}") from None
-    return {"path": str(dst), "bits": bits, "bytes": written, "formats": qc.formats,
-            "float32_bytes": memory.weight_bytes(cfg, None), "calibration": qc.calibration}
+    # the names every command's --json uses for these (docs/cli.md, "JSON output")
+    return {"path": str(dst.absolute()), "bits": bits, "weight_bytes": written, "formats": qc.formats,
+            "float32_weight_bytes": memory.weight_bytes(cfg, None), "calibration": qc.calibration}
 
 
 def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensors: dict, progress,

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from documented_json import check_against_docs
 from safetensors import safe_open
 
 import ds2cli
@@ -66,7 +67,7 @@ def test_every_figure_is_there_positive_and_finite(report):
     # passes of k tokens after the smallest context, each against a decode step of the same repeat
     assert [(p["tokens"], p["context"]) for p in report["passes"]] == [(2, 16), (4, 16)]
     for p in report["passes"]:
-        assert p["step_ratio"]["median"] > 0 and p["seconds"]["median"] > 0
+        assert p["step_ratio"]["median"] > 0 and p["pass_s"]["median"] > 0
         assert 1 <= p["routed_experts_per_layer"] <= 64 and p["weight_bytes"] > 0
     assert [p["tokens"] for p in report["prefill"]] == [4, 16]
     assert [d["context"] for d in report["decode"]] == [16, 64]
@@ -119,6 +120,11 @@ def weight_params(cfg, routed_experts, tokens=1):
             + cfg.first_k_dense_replace * 3 * cfg.intermediate_size * D
             + moe_layers * (cfg.n_routed_experts * D + cfg.n_shared_experts * expert)  # router, shared
             + routed_experts * expert)
+
+
+def test_json_is_what_the_page_says(report):
+    check_against_docs("bench", report)
+    assert report["model"]["path"] == str(bundled_model_dir())
 
 
 def test_decode_weight_bytes_match_a_count_from_the_config(report, tiny):
@@ -402,8 +408,8 @@ def test_profile_accounts_for_the_whole_step(monkeypatch):
     whats = [r["what"] for r in p["rows"]]
     assert {"attention (latent cache, heads)", "products f32 (1 token)", "router"} <= set(whats)
     assert whats[-1].startswith("the rest")
-    assert sum(r["seconds_per_step"] for r in p["rows"]) == pytest.approx(p["step_seconds"], rel=1e-9)
-    assert all(r["seconds_per_step"] >= 0 for r in p["rows"][:-1])
+    assert sum(r["per_step_s"] for r in p["rows"]) == pytest.approx(p["step_s"], rel=1e-9)
+    assert all(r["per_step_s"] >= 0 for r in p["rows"][:-1])
     tiny = DeepseekV2Config.from_file(bundled_model_dir() / "config.json")
     router = next(r for r in p["rows"] if r["what"] == "router")
     assert router["calls_per_step"] == len(tiny.moe_layers)      # one route a MoE layer a step

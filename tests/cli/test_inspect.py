@@ -100,15 +100,15 @@ def reports() -> dict[str, dict]:
 @pytest.mark.parametrize("model_dir", MODEL_DIRS, ids=IDS)
 def test_parameter_counts_match_raw_headers(model_dir, reports):
     r, raw, c = reports[model_dir.name], raw_headers(model_dir), raw_config(model_dir)
-    assert r["total_params"] == sum(numel(e) for e in raw.values())
+    assert r["params"] == sum(numel(e) for e in raw.values())
     dtypes = {}
     for e in raw.values():
         dtypes[e["dtype"]] = dtypes.get(e["dtype"], 0) + numel(e)
     assert r["dtypes"] == dtypes
-    p = r["params"]
+    p = r["params_by_category"]
     categories = ("embeddings", "attention", "dense_mlp", "routed_experts", "shared_experts",
                   "router", "norms", "lm_head", "other")
-    assert sum(p[k] for k in categories) == p["total"] == r["total_params"]
+    assert sum(p[k] for k in categories) == p["total"] == r["params"]
     assert p["embeddings"] == c["vocab_size"] * c["hidden_size"]
     assert p["lm_head"] == (0 if c.get("tie_word_embeddings") else c["vocab_size"] * c["hidden_size"])
     assert p["routed_experts"] == sum(numel(e) for n, e in raw.items() if ".mlp.experts." in n)
@@ -119,8 +119,8 @@ def test_parameter_counts_match_raw_headers(model_dir, reports):
 @pytest.mark.parametrize("model_dir", MODEL_DIRS, ids=IDS)
 def test_active_params_count_top_k_experts(model_dir, reports):
     r = reports[model_dir.name]
-    assert r["active_params_per_token"] == r["params"]["active_per_token"] == independent_active(model_dir)
-    assert r["active_params_per_token"] < r["total_params"]
+    assert r["active_params_per_token"] == r["params_by_category"]["active_per_token"] == independent_active(model_dir)
+    assert r["active_params_per_token"] < r["params"]
 
 
 @pytest.mark.parametrize("model_dir", MODEL_DIRS, ids=IDS)
@@ -134,7 +134,7 @@ def test_cache_bytes_per_token(model_dir, reports):
     m = r["memory"]
     assert m["mha_to_latent_ratio"] == pytest.approx(mha / latent)
     assert m["latent_cache_bytes_at_context"] == latent * c["max_position_embeddings"]
-    assert m["float32_weights_bytes"] == 4 * r["total_params"]
+    assert m["float32_weight_bytes"] == 4 * r["params"]
 
 
 @pytest.mark.parametrize("model_dir", MODEL_DIRS, ids=IDS)
@@ -185,7 +185,7 @@ def test_model_sections(reports):
     assert plain["rope_scaling"] is None and plain["softmax_scale"] == pytest.approx(24 ** -0.5)
     assert plain["tie_word_embeddings"] is True
     f32 = reports["v2_like_loraq_grouplimited"]
-    assert f32["dtypes"] == {"F32": f32["total_params"]}
+    assert f32["dtypes"] == {"F32": f32["params"]}
 
 
 def test_tokenizer_section(reports):
@@ -235,7 +235,7 @@ def test_missing_and_misshaped_tensors_are_problems(tmp_path):
     assert len(r["problems"]) == 2
     assert any(p.startswith("missing tensor") and gone in p for p in r["problems"])
     assert any(bent in p and "shape" in p for p in r["problems"])
-    assert r["total_params"] == sum(numel(e) for e in raw_headers(model_dir).values())
+    assert r["params"] == sum(numel(e) for e in raw_headers(model_dir).values())
 
 
 def test_check_lists_nan_and_inf_as_problems(tmp_path):
@@ -263,7 +263,7 @@ def test_describe_reads_no_tensor_data(monkeypatch):
         raise AssertionError("describe read tensor data")
     monkeypatch.setattr(checkpoint, "iter_float32", refuse)
     monkeypatch.setattr(checkpoint, "safe_open", refuse)
-    assert describe(TINY)["total_params"] > 0
+    assert describe(TINY)["params"] > 0
 
 
 def test_missing_tokenizer_is_reported_absent_and_is_a_problem(tmp_path):
@@ -370,7 +370,7 @@ def test_parameter_table_categories_add_up_to_the_total(reports):
     counts = {label: int(count.replace(",", "")) for label, _, count in rows}
     labels = list(counts)
     categories = labels[:labels.index("total")]
-    assert sum(counts[c] for c in categories) == counts["total"] == r["total_params"]
+    assert sum(counts[c] for c in categories) == counts["total"] == r["params"]
     assert labels[labels.index("total") + 1:] == ["active per token", "of which routed experts"]
     assert counts["active per token"] == r["active_params_per_token"]
 
@@ -406,10 +406,10 @@ def test_without_a_usable_config_there_is_no_report(tmp_path):
 def test_report_is_json(reports):
     r = reports["ds2-tiny"]
     assert json.loads(json.dumps(r)) == r
-    for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "total_params",
+    for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "params",
                 "active_params_per_token", "dtypes", "moe_layers", "dense_layers",
                 "latent_cache_bytes_per_token", "mha_cache_bytes_per_token", "problems", "warnings",
-                "model", "mla", "moe", "params", "storage", "memory", "tokenizer"):
+                "model", "mla", "moe", "params_by_category", "storage", "memory", "tokenizer"):
         assert key in r
 
 
@@ -428,7 +428,7 @@ def test_render_shows_key_figures(reports):
     text = out.getvalue()
     for title in ("Model", "MLA", "MoE", "Parameters", "Storage", "Memory", "Tokenizer"):
         assert title in text
-    for figure in (human_count(r["total_params"]), human_count(r["active_params_per_token"]),
+    for figure in (human_count(r["params"]), human_count(r["active_params_per_token"]),
                    human_bytes(r["latent_cache_bytes_per_token"]),
                    human_bytes(r["mha_cache_bytes_per_token"]),
                    human_bytes(r["storage"]["total_bytes"]), "deepseek_v2", "group_limited_greedy", "BF16",
@@ -505,7 +505,7 @@ def test_inspect_reports_a_broken_checkpoint(tmp_path, name):
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
     assert len(report["problems"]) == 1 and message in report["problems"][0], report["problems"]
-    assert report["total_params"] == describe(TINY)["total_params"]
+    assert report["params"] == describe(TINY)["params"]
     assert result.stderr.startswith("error: the checkpoint has 1 problem (listed above); first: ")
     tables = inspect(model_dir)
     assert tables.exit_code == 1
@@ -584,13 +584,13 @@ def test_low_bit_storage_counts_weights_not_bytes(quantized, bits):
     assert set(want) == ({"q8 (I8)", "bf16 (BF16)", "BF16", "F32"} if bits == 8
                          else {"q4 (U8, 2 per byte)", "q8 (I8)", "BF16", "F32"})
     assert r["dtypes"] == want
-    assert sum(want.values()) == r["total_params"] == describe(TINY)["total_params"]
+    assert sum(want.values()) == r["params"] == describe(TINY)["params"]
     s = r["storage"]["dtypes"]
     for key, nbytes in scale_bytes.items():
         assert s[key] == {"params": 0, "bytes": nbytes}
     assert sum(d["bytes"] for d in s.values()) == sum(e["data_offsets"][1] - e["data_offsets"][0]
                                                       for e in raw.values())
-    assert r["params"] == describe(TINY)["params"] and r["problems"] == []
+    assert r["params_by_category"] == describe(TINY)["params_by_category"] and r["problems"] == []
 
 
 def test_low_bit_storage_table(quantized):

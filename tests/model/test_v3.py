@@ -339,8 +339,8 @@ def test_inspect_counts_mtp_apart_and_reports_fp8():
     is_mtp = lambda n: n.startswith("model.layers.4.")  # noqa: E731
     assert r["mtp"]["layers"] == [4]
     assert r["mtp"]["params"] == raw_params(REFERENCE / FP8_CASE, is_mtp) > 0
-    assert r["total_params"] == raw_params(REFERENCE / FP8_CASE, lambda n: not is_mtp(n))
-    assert r["memory"]["float32_weights_bytes"] == 4 * r["total_params"]
+    assert r["params"] == raw_params(REFERENCE / FP8_CASE, lambda n: not is_mtp(n))
+    assert r["memory"]["float32_weight_bytes"] == 4 * r["params"]
     headers = checkpoint.read_headers(REFERENCE / FP8_CASE)
     fp8 = [t for n, t in headers.items() if t.dtype == "F8_E4M3" and not is_mtp(n)]
     assert r["fp8"]["tensors"] == len(fp8) and r["fp8"]["params"] == sum(t.numel for t in fp8)

@@ -144,7 +144,7 @@ def bench_passes(model: Model, ks: list[int], context: int, repeats: int, rng) -
     for k in ks:
         routed = sum(len(np.unique(idx)) for idx in routes[k]) / repeats
         ratios = [t / one for t, one in zip(times[k], times[1])]
-        points.append({"tokens": k, "context": context, "seconds": summary(times[k]),
+        points.append({"tokens": k, "context": context, "pass_s": summary(times[k]),
                        "step_ratio": summary(ratios), "routed_experts": routed,
                        "routed_experts_per_layer": routed / layers,
                        "weight_bytes": forward_weight_bytes(model, routed, k)})
@@ -210,7 +210,7 @@ def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[in
         profiled = profile_decode(model, cache, min(contexts), steps * repeats, rng)
     cfg = model.config
     report = {
-        "model": {"path": str(path), "synthetic": synthetic, "num_hidden_layers": cfg.num_hidden_layers,
+        "model": {"path": str(Path(path).absolute()), "synthetic": synthetic, "num_hidden_layers": cfg.num_hidden_layers,
                   "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                   "params": total_params(model), "format": memory.label(model.quantization),
                   "weight_bytes": weight_nbytes(model), "float32_weight_bytes": 4 * total_params(model)},

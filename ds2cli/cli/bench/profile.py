@@ -74,9 +74,9 @@ def profile_decode(model: Model, cache, context: int, steps: int, rng) -> dict:
             model.forward(token[None], cache)
         total = time.perf_counter() - t0
     cache.truncate(context)
-    rows = [{"what": label, "seconds_per_step": s / steps, "share": s / total, "calls_per_step": clock.calls[label] / steps}
+    rows = [{"what": label, "per_step_s": s / steps, "share": s / total, "calls_per_step": clock.calls[label] / steps}
             for label, s in sorted(clock.spent.items(), key=lambda kv: -kv[1])]
     rest = total - sum(clock.spent.values())
     rows.append({"what": "the rest: Python between them (norms, residuals, routing's gathers)",
-                 "seconds_per_step": rest / steps, "share": rest / total, "calls_per_step": None})
-    return {"context": context, "steps": steps, "step_seconds": total / steps, "rows": rows}
+                 "per_step_s": rest / steps, "share": rest / total, "calls_per_step": None})
+    return {"context": context, "steps": steps, "step_s": total / steps, "rows": rows}

@@ -33,12 +33,12 @@ def render(report: dict, out) -> None:
 
 def render_profile(p: dict, out) -> None:
     """--profile: a decode step's time by where it goes, summing to the step."""
-    table = Table(title=f"a decode step after {p['context']} tokens: {1e3 * p['step_seconds']:.1f} ms "
+    table = Table(title=f"a decode step after {p['context']} tokens: {1e3 * p['step_s']:.1f} ms "
                         f"(mean of {p['steps']} steps)", box=box.SIMPLE_HEAD)
     for name in ("where", "ms", "share", "calls"):
         table.add_column(name, justify="left" if name == "where" else "right")
     for r in p["rows"]:
-        table.add_row(r["what"], f"{1e3 * r['seconds_per_step']:.2f}", f"{r['share']:.0%}",
+        table.add_row(r["what"], f"{1e3 * r['per_step_s']:.2f}", f"{r['share']:.0%}",
                       "" if r["calls_per_step"] is None else f"{r['calls_per_step']:.0f}")
     out.print(table)
 
@@ -70,7 +70,7 @@ def table_rows(report: dict) -> list[list[str]]:
               + (f"; {r['ceiling_share']:.0%} of ceiling {r['ceiling_tok_per_s']:.2f} tok/s"
                  if "ceiling_share" in r else "")]
              for r in report["decode"]]
-    rows += [[f"pass of {r['tokens']} @ {r['context']} ms", *stat_cells({k: 1e3 * r["seconds"][k] for k in ("median", "min")}, ".1f"),
+    rows += [[f"pass of {r['tokens']} @ {r['context']} ms", *stat_cells({k: 1e3 * r["pass_s"][k] for k in ("median", "min")}, ".1f"),
               f"{r['step_ratio']['median']:.2f}x a decode step ({r['step_ratio']['min']:.2f}-{r['step_ratio']['max']:.2f})",
               f"{r['routed_experts_per_layer']:.1f} experts/layer, {r['weight_bytes'] / 1e6:.0f} MB"]
              for r in report.get("passes", [])]
