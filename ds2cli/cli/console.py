@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from ds2cli.model.cache import LatentCache
 from ds2cli.generation.generate import Chunk
+from ds2cli.wording import human_bytes
 
 
 def error(message: str) -> None:
@@ -51,7 +52,7 @@ def stats_line(load_s: float | None, last: Chunk, cache: LatentCache) -> str:
     return (f"[{load}prefill {last.prompt_tokens} tok, {last.prefill_tok_per_s:.1f} tok/s"
             f" | decode {last.generated_tokens} tok, {last.decode_tok_per_s:.1f} tok/s"
             + (f" | draft {last.drafted} tok, {last.accepted} accepted" if last.drafted else "")
-            + f" | cache {cache.length}/{cache.capacity} tok, {cache.length * cache.bytes_per_token} bytes]")
+            + f" | cache {cache.length}/{cache.capacity} tok, {human_bytes(cache.length * cache.bytes_per_token)}]")
 
 
 class LoadProgress:

@@ -19,6 +19,7 @@ from ds2cli.server.scheduler import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, Sch
 from ds2cli.errors import Ds2Error
 from ds2cli.server.http_server import Server, State
 from ds2cli.server.prompt_disk import DiskPool
+from ds2cli.wording import human_bytes
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
                             max_new_tokens_for, memory_options, model_config, model_option, sampling_options,
                             sampling_params, thread_limits)
@@ -28,6 +29,8 @@ DEFAULT_CTX = 4096                  # per-request context (cache capacity), as d
 DEFAULT_QUEUE = 16                  # requests that may wait for a slot
 DEFAULT_PROMPT_CACHE_MB = 1024
 DEFAULT_PROMPT_CACHE_DIR_MB = 8192
+MB = 10 ** 6                        # as every ds2 command counts a megabyte (inspect, quantize, memory check)
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 def is_loopback(host: str) -> bool:
@@ -37,20 +40,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve_forever(server: Server, state: State, thread: threading.Thread | None = None) -> None:
+def serve_forever(server: Server, state: State, thread: threading.Thread | None = None,
+                  announce: str | None = None) -> None:
     """serve_until() a first SIGINT/SIGTERM; a second one aborts the running requests. Signals
     that come after are ignored: the work is done, and a late Ctrl-C arriving while Python shuts
-    down (where it would kill the process with the signal) must not turn a clean stop into a failure."""
-    stop = threading.Event()
+    down (where it would kill the process with the signal) must not turn a clean stop into a failure.
+    `announce`, the ready line, is logged once the handlers are in place: a SIGTERM sent on
+    seeing it stops the server as the stopping line says, rather than killing the process."""
+    stop, received = threading.Event(), []
 
     def on_signal(signum, frame):
         if stop.is_set():
             state.scheduler.abort()
+        received.append(signum)
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if announce:
+        state.log(announce)
     try:
-        serve_until(server, state, stop, thread)
+        serve_until(server, state, stop, thread, received)
     except BaseException:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -59,18 +68,22 @@ def serve_forever(server: Server, state: State, thread: threading.Thread | None 
         signal.signal(s, signal.SIG_IGN)
 
 
-def serve_until(server: Server, state: State, stop: threading.Event, thread: threading.Thread | None = None) -> None:
+def serve_until(server: Server, state: State, stop: threading.Event, thread: threading.Thread | None = None,
+                received: list[int] = ()) -> None:
     """Serve until `stop` is set (on `thread`, already serving, or a new one); then refuse new
     requests (503, /health too) and send waiting ones away while the running ones finish, still
     accepting connections to say so; then close the listening socket, let the handlers write
-    their last answers, and return."""
+    their last answers, and return. `received`: the signals that set `stop`, for the log line."""
     if thread is None:
         thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
         thread.start()
     while not stop.wait(0.2):   # a timeout, so that the main thread runs its signal handlers
         pass
-    state.log("ds2 serve: stopping (a second signal, Ctrl-C or SIGTERM, ends the running requests at their "
-              "next token)")
+    # the log says which signal came, and what another one of either kind does: a process
+    # manager's SIGTERM is answered in its own terms, not a Ctrl-C's
+    cause = f" on {SIGNAL_NAMES.get(received[0], 'a signal')}" if received else ""
+    state.log(f"ds2 serve: stopping{cause}: the running requests finish, new ones get 503 (another SIGTERM "
+              f"or Ctrl-C ends the running ones at their next token)")
     state.scheduler.close()
     state.scheduler.wait_idle()
     state.scheduler.prompt_cache.flush()      # with --prompt-cache-dir: every conversation to disk
@@ -90,12 +103,12 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
               f"min(max_position_embeddings, {DEFAULT_CTX}).")
 @click.option("--api-key", envvar="DS2_API_KEY", help="Require Authorization: Bearer KEY (or set DS2_API_KEY).")
 @click.option("--prompt-cache-mb", default=DEFAULT_PROMPT_CACHE_MB, show_default=True, type=click.IntRange(min=0),
-              help="Memory for latent caches of recent conversations (0 = no reuse).")
+              help="Memory for latent caches of recent conversations, in MB (10^6 bytes; 0 = no reuse).")
 @click.option("--prompt-cache-dir", "prompt_cache_dir", type=click.Path(path_type=Path, file_okay=False),
               help="Keep conversations the prompt cache evicts, and all of them at a stop, in DIR: a later "
                    "request (or server) that continues one reads only what is new.")
 @click.option("--prompt-cache-dir-mb", default=DEFAULT_PROMPT_CACHE_DIR_MB, show_default=True,
-              type=click.IntRange(min=1), help="Disk for --prompt-cache-dir, in MiB (as --prompt-cache-mb); "
+              type=click.IntRange(min=1), help="Disk for --prompt-cache-dir, in MB (10^6 bytes); "
               "the conversations used longest ago go first.")
 @click.option("--queue", "max_queue", default=DEFAULT_QUEUE, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait while one runs; beyond, 503.")
@@ -140,9 +153,9 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
             model, load_s = load_model(path, quantize, ctx * parallel, not no_memory_check, chat_template)
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                                 ctx, system, tuple(model.eos_token_ids))
-            disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * 1024 * 1024, model) \
+            disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * MB, model) \
                 if prompt_cache_dir is not None else None
-            scheduler = Scheduler(model, ctx, prompt_cache_mb * 1024 * 1024, max_queue, parallel, prefill_chunk,
+            scheduler = Scheduler(model, ctx, prompt_cache_mb * MB, max_queue, parallel, prefill_chunk,
                                   draft, disk)
             state.defaults, state.scheduler = defaults, scheduler      # the scheduler last: it opens the API
     except BaseException:
@@ -155,12 +168,12 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
             threading.Thread(target=grammars.warm, daemon=True,
                              args=(model.tokenizer, model.config.vocab_size, defaults.eos_ids)).start()
         slots = scheduler.prompt_cache.slots
-        cache_mb = model.new_cache(1).bytes_per_token * ctx / 2 ** 20
-        state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
-                  f"request{'s' * (parallel != 1)} at once ({cache_mb:.0f} MB of cache each) | prompt cache "
-                  f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)}, the running ones included "
-                  f"| queue {max_queue}")
-        serve_forever(server, state, thread)
+        cache_each = human_bytes(model.new_cache(1).bytes_per_token * ctx)
+        ready = (f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
+                 f"request{'s' * (parallel != 1)} at once ({cache_each} of cache each) | prompt cache "
+                 f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)}, the running ones included "
+                 f"| queue {max_queue}")
+        serve_forever(server, state, thread, announce=ready)
     state.log("ds2 serve: stopped")
 
 

@@ -11,9 +11,10 @@ from click.testing import CliRunner
 import ds2cli
 from ds2cli.cli.main import main
 from ds2cli.generation.generate import stream_generate
+from ds2cli.wording import human_bytes
 
 STATS = re.compile(r"^\[(?:load \d+\.\d\ds \| )?prefill (\d+) tok, [\d.]+ tok/s \| decode (\d+) tok, [\d.]+ tok/s"
-                   r" \| cache (\d+)/(\d+) tok, (\d+) bytes\]$")
+                   r" \| cache (\d+)/(\d+) tok, ([\d.]+ k?M?G?B)\]$")
 
 
 def run(*args, input=None):
@@ -106,8 +107,12 @@ def test_generate_stats_line_on_stderr_only():
     r = run("generate", "--chat", "What is 2 + 2?", "--temperature", "0", "--stats")
     assert r.stdout == "2 + 2 = 4.\n"
     m = STATS.match(r.stderr.strip())
-    prompt = ds2cli.load().tokenizer.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
+    model = ds2cli.load()
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
     assert m and int(m.group(1)) == len(prompt) and int(m.group(3)) == len(prompt) + int(m.group(2)) - 1
+    # the cache's size in the units every command prints (kB = 10^3 bytes), not a count of bytes
+    assert m.group(5) == human_bytes(int(m.group(3)) * model.new_cache(1).bytes_per_token)
+    assert m.group(5).endswith(" kB")
 
 
 def test_streaming_never_splits_a_character():
