@@ -69,6 +69,7 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
     storage = storage_section(model_dir, stored, qc)
     mem = memory_section(cfg, params["total"])
     mem["formats"] = memory.fits(cfg, qc)
+    scanned, scan_problems = scan_values(stored) if check else (None, [])
     return {
         "path": str(model_dir.absolute()),      # absolute in every command's --json
         "model_type": cfg.model_type,
@@ -92,9 +93,9 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
         "memory": mem,
         "quantization": None if qc is None else {**qc.to_json(), "file_bytes": storage["total_bytes"]},
         "tokenizer": tok,
-        "checked": check,
+        "check": scanned,
         "warnings": [],
-        "problems": found + gen_problems + tok_problems + (nonfinite_problems(stored) if check else []),
+        "problems": found + gen_problems + tok_problems + scan_problems,
     }
 
 
@@ -418,21 +419,24 @@ def tokenizer_problems(model_dir: Path, cfg: DeepseekV2Config) -> list[str]:
 
 # ---- --check: scan values ----
 
-def nonfinite_problems(tensors: dict[str, TensorInfo]) -> list[str]:
-    """One problem per floating-point tensor holding NaN or Inf (generate would stop on the
-    non-finite logits they cause), read one tensor at a time. fp8 weights are scanned as stored
-    (their scales are scanned as tensors of their own), so a missing or mis-shaped scale stays a
-    problem of its own in the report, not a failure of the scan."""
+def scan_values(tensors: dict[str, TensorInfo]) -> tuple[dict, list[str]]:
+    """What the scan did ({"tensors_read", "nonfinite_tensors", "stopped"}: the report says so,
+    so that a clean scan is seen to have run) and one problem per floating-point tensor holding
+    NaN or Inf (generate would stop on the non-finite logits they cause), read one tensor at a
+    time. fp8 weights are scanned as stored (their scales are scanned as tensors of their own), so
+    a missing or mis-shaped scale stays a problem of its own in the report, not a failure of the scan."""
     # F8_E4M3 is read below; another fp8 dtype is unsupported, a problem of its own already
     names = [n for n, t in tensors.items() if t.dtype.startswith(("F", "BF")) and not t.dtype.startswith("F8_")]
     fp8 = ((n, checkpoint.read_fp8(t).astype(np.float32)) for n, t in tensors.items()
            if t.dtype in checkpoint.FP8_DTYPES)
-    problems = []
+    problems, read, stopped = [], 0, False
     try:
         for name, a in itertools.chain(checkpoint.iter_float32(tensors, names), fp8):
+            read += 1
             nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
             if nan or inf:
                 problems.append(f"tensor {name} has {nan} NaN and {inf} Inf values")
     except CheckpointError as e:   # data the header promised but that cannot be read as it says
         problems.append(f"{e} (the --check scan stopped there)")
-    return problems
+        stopped = True
+    return {"tensors_read": read, "nonfinite_tensors": len(problems) - stopped, "stopped": stopped}, problems

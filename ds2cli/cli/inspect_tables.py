@@ -10,6 +10,28 @@ from ds2cli.cli.inspect_report import PARAM_CATEGORIES
 from ds2cli.wording import human_bytes, human_count, plural
 
 
+# The tables' words for config.json's fields (--json keeps the field names verbatim).
+YARN_WORDS = {"factor": "yarn factor", "original_max_position_embeddings": "yarn original context",
+              "beta_fast": "yarn beta fast", "beta_slow": "yarn beta slow", "mscale": "yarn mscale",
+              "mscale_all_dim": "yarn mscale, all dims"}
+MLA_WORDS = {"q_lora_rank": "query latent rank", "kv_lora_rank": "key-value latent rank",
+             "qk_nope_head_dim": "head dim without RoPE", "qk_rope_head_dim": "head dim with RoPE",
+             "q_head_dim": "query head dim", "v_head_dim": "value head dim"}
+MOE_WORDS = {"router": "router", "n_routed_experts": "routed experts", "n_shared_experts": "shared experts",
+             "num_experts_per_tok": "experts per token", "topk_method": None,   # the router row says it
+             "n_group": "expert groups", "topk_group": "groups per token",
+             "norm_topk_prob": "weights renormalised", "routed_scaling_factor": "routed output scale",
+             "moe_intermediate_size": "expert hidden size", "intermediate_size": "dense MLP hidden size",
+             "first_k_dense_replace": "dense layers first", "moe_layer_freq": "MoE every nth layer",
+             "moe_layers": "MoE layers", "dense_layers": "dense layers"}
+
+
+def _words(section: dict, words: dict[str, str]) -> list[tuple[str, object]]:
+    """A section's rows, each field in words (a field without words: its name, spaced; one whose
+    words are None: left out, another row says it)."""
+    return [(words.get(k, k.replace("_", " ")), v) for k, v in section.items() if words.get(k, k) is not None]
+
+
 def _show(value) -> str:
     if value is None:
         return "-"
@@ -38,7 +60,8 @@ def _model_table(r: dict) -> Table:
             ("vocabulary", m["vocab_size"]), ("context length", m["context_length"]),
             ("rope theta", m["rope_theta"]), ("tied embeddings", m["tie_word_embeddings"])]
     rs = m["rope_scaling"]
-    rows += [(f"yarn {k}", v) for k, v in rs.items() if k != "type"] if rs else [("rope scaling", "none")]
+    rows += [(YARN_WORDS.get(k, f"yarn {k}"), v) for k, v in rs.items() if k != "type"] if rs \
+        else [("rope scaling", "none")]
     return _kv_table("Model", rows + [("softmax scale", m["softmax_scale"])])
 
 
@@ -46,9 +69,8 @@ def _moe_table(r: dict) -> Table:
     m = r["moe"]
     if not m["n_routed_experts"]:
         return _kv_table("MoE", [("experts", "none (dense model)"),
-                                 ("intermediate size", m["intermediate_size"])])
-    rows = [(k.replace("_", " "), v) for k, v in m.items()]
-    return _kv_table("MoE", rows)
+                                 (MOE_WORDS["intermediate_size"], m["intermediate_size"])])
+    return _kv_table("MoE", _words(m, MOE_WORDS))
 
 
 def _v3_table(r: dict) -> Table | None:
@@ -145,14 +167,16 @@ def _tokenizer_table(r: dict) -> Table:
         ("eos ids (config)", t["config_eos_token_ids"])])
 
 
-def _scales(spec: dict) -> str:
-    if spec.get("scale_value") == 1:
-        return "none (bfloat16 values)"
+def _format_words(spec: dict) -> str:
+    """A storage format in words: what a weight is stored as, and its scales."""
+    if spec.get("scale_value") == 1:        # stored as the values themselves: nothing to scale
+        return f"{spec['qweight']} values, unscaled"
+    what = f"{spec['bits']}-bit integers, a {spec['scales']} scale"
     if spec["scale_group"] == "row":
-        return f"{spec['scales']}, one per output row"
+        return f"{what} per output row"
     if spec["scale_group"] == "block":
-        return f"{spec['scales']}, one per {spec['block_size']} inputs of a row"
-    return f"{spec['scales']}, one per {spec['group_size']} output rows of a column"
+        return f"{what} per {spec['block_size']} inputs of a row"
+    return f"{what} per {spec['group_size']} output rows of a column"
 
 
 def _gguf_tables(r: dict) -> list:
@@ -166,7 +190,7 @@ def _gguf_tables(r: dict) -> list:
         types.add_row(name, str(d["tensors"]), human_count(d["params"]), human_bytes(d["bytes"]))
     tables.append(types)
     if "model" in r:
-        tables += [_model_table(r), _kv_table("MLA", [(k.replace("_", " "), v) for k, v in r["mla"].items()]),
+        tables += [_model_table(r), _kv_table("MLA", _words(r["mla"], MLA_WORDS)),
                    _moe_table(r),
                    _kv_table("Memory (ds2 converts the blocks at load)", [
                        ("bulk type", r["bulk_type"]),
@@ -193,6 +217,8 @@ def render(report: dict, console: Console) -> None:
     for table in tables:
         if table is not None:
             console.print(table)
+    if report.get("check"):
+        console.print(check_line(report["check"]), markup=False, highlight=False)
     if report["problems"]:
         console.print(f"{plural(len(report['problems']), 'problem')}:", style="bold red", highlight=False)
     for problem in report["problems"]:
@@ -200,14 +226,21 @@ def render(report: dict, console: Console) -> None:
 
 
 def _checkpoint_tables(report: dict) -> list:
-    mla = [(k.replace("_", " "), v) for k, v in report["mla"].items()]
-    tables = [_model_table(report), _kv_table("MLA", mla), _moe_table(report), _v3_table(report),
+    tables = [_model_table(report), _kv_table("MLA", _words(report["mla"], MLA_WORDS)), _moe_table(report), _v3_table(report),
               _params_table(report), _storage_table(report), _memory_table(report), _tokenizer_table(report)]
     if report["quantization"]:
         q = report["quantization"]
         tables.insert(6, _kv_table("Quantization (ds2)", [
             ("bits", q["bits"]),
-            *((f"{name} scales", _scales(spec)) for name, spec in q["format_specs"].items()),
+            *((f"{name} weights", _format_words(spec)) for name, spec in q["format_specs"].items()),
             *((role.replace("_", " "), fmt) for role, fmt in q["formats"].items()),
             ("bytes on disk", human_bytes(q["file_bytes"]))]))
     return tables
+
+
+def check_line(check: dict) -> str:
+    """--check's result in one line, so that a clean scan is seen to have run."""
+    found = (f"{plural(check['nonfinite_tensors'], 'tensor')} with NaN or Inf (listed below)"
+             if check["nonfinite_tensors"] else "all finite")
+    stopped = "; then a tensor could not be read (below), the scan stopped there" if check["stopped"] else ""
+    return f"check: {check['tensors_read']:,} floating-point tensors read, {found}{stopped}"

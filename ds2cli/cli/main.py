@@ -373,6 +373,8 @@ def inspect(directory, model_dir, as_json, check):
         path = check_model_dir(directory or model_dir or bundled_model_dir())
         # a GGUF's report is built from its metadata (gguf_inspect, on describe's sections)
         report = describe_gguf(path.absolute()) if gguf_file.find(path) is not None else describe(path, check=check)
+    if check and report.get("format") == "gguf":
+        report["warnings"].append("--check scans a safetensors checkpoint's values; this GGUF file's were not read")
     if as_json:
         write_out(json.dumps(report, ensure_ascii=False) + "\n")
     else:

@@ -513,7 +513,7 @@ def test_inspect_check_lists_nonfinite_weights_as_problems(checkpoint_copy, valu
     result = cli("inspect", "--check", "--json", model_dir)
     assert result.exit_code == 1
     report = json.loads(result.stdout)
-    assert report["checked"] and report["warnings"] == [] and len(report["problems"]) == 1
+    assert report["check"]["nonfinite_tensors"] == 1 and report["warnings"] == [] and len(report["problems"]) == 1
     assert NORM in report["problems"][0] and count in report["problems"][0]
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: the checkpoint has 1 problem ") and count in lines[0]

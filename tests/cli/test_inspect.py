@@ -250,12 +250,41 @@ def test_check_lists_nan_and_inf_as_problems(tmp_path):
     assert describe(model_dir)["problems"] == []
     r = describe(model_dir, check=True)
     assert r["problems"] == [f"tensor {bad} has 1 NaN and 1 Inf values"]
-    assert r["warnings"] == [] and r["checked"] is True
+    assert r["warnings"] == [] and r["check"]["nonfinite_tensors"] == 1 and not r["check"]["stopped"]
 
 
 def test_check_on_clean_model_warns_nothing():
     r = describe(TINY, check=True)
     assert r["warnings"] == [] and r["problems"] == []
+    assert describe(TINY)["check"] is None
+
+
+def test_check_says_the_scan_ran_and_what_it_found():
+    """Without a problem to list, --check still says what it read: one line after the tables."""
+    floats = sum(1 for e in raw_headers(TINY).values() if e["dtype"] in ("BF16", "F16", "F32"))
+    r = describe(TINY, check=True)
+    assert r["check"] == {"tensors_read": floats, "nonfinite_tensors": 0, "stopped": False}
+    out = inspect("--check", TINY)
+    assert out.exit_code == 0
+    assert f"check: {floats:,} floating-point tensors read, all finite" in out.stdout.splitlines()
+    assert "check:" not in inspect(TINY).stdout
+
+
+def test_check_on_a_gguf_says_it_read_nothing():
+    r = inspect("--check", Path(__file__).parents[1] / "data" / "gguf" / "plain_rope_tied_fp16.f16.gguf")
+    assert "warning: --check scans a safetensors checkpoint's values; this GGUF file's were not read" in r.stderr
+
+
+def test_tables_say_the_config_in_words():
+    """Rows are words a reader knows; the config's field names stay in --json."""
+    out = inspect(TINY).stdout
+    for words in ("routed experts", "experts per token", "dense layers first", "query latent rank",
+                  "yarn original context"):
+        assert f"│ {words} " in out, words
+    for field in ("n routed experts", "num experts per tok", "first k dense replace", "kv lora rank",
+                  "original_max_position_embeddings"):
+        assert field not in out, field
+    assert json.loads(inspect("--json", TINY).stdout)["moe"]["first_k_dense_replace"] == 1
 
 
 def test_describe_reads_no_tensor_data(monkeypatch):
@@ -431,7 +460,7 @@ def test_render_shows_key_figures(reports):
     for figure in (human_count(r["params"]), human_count(r["active_params_per_token"]),
                    human_bytes(r["latent_cache_bytes_per_token"]),
                    human_bytes(r["mha_cache_bytes_per_token"]),
-                   human_bytes(r["storage"]["total_bytes"]), "deepseek_v2", "group_limited_greedy", "BF16",
+                   human_bytes(r["storage"]["total_bytes"]), "deepseek_v2", "group-limited greedy", "BF16",
                    "1, 2, 3, 4, 5", "4.0x"):
         assert figure in text
     assert "problem" not in text
