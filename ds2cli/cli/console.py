@@ -60,8 +60,8 @@ class LoadProgress:
     taken more than `delay` seconds, so fast loads stay silent, and only on a terminal (rich
     draws nothing useful into a pipe or a log, only the empty line a transient bar leaves)."""
 
-    def __init__(self, delay: float = 1.0, label: str = "loading"):
-        self.label = label
+    def __init__(self, delay: float = 1.0, label: str = "loading", then: str | None = None):
+        self.label, self.then = label, then     # then: what runs once every layer is done
         self.start = time.perf_counter()
         self.delay = delay
         self.bar: Progress | None = None
@@ -69,12 +69,16 @@ class LoadProgress:
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None and time.perf_counter() - self.start > self.delay and sys.stderr.isatty():
-            self.bar = Progress(TextColumn(self.label), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
+            self.bar = Progress(TextColumn(self.label), BarColumn(), TextColumn("{task.fields[what]}"),
                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
             self.bar.start()
-            self.task = self.bar.add_task("load", total=total)
+            self.task = self.bar.add_task("load", total=total, what="")
         if self.bar is not None:
-            self.bar.update(self.task, completed=done)
+            self.bar.update(self.task, completed=done, what=self.text(done, total))
+
+    def text(self, done: int, total: int) -> str:
+        """`3/6 layers`; once all are done, what comes after them, if anything does."""
+        return f"{done}/{total} layers" + (f", now {self.then}" if self.then and done == total else "")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -402,7 +402,8 @@ def quantize(src, dst, bits, force, calibration_text, as_json):
 
     DST is a checkpoint every ds2 command loads (-m DST), memory-mapped: it loads in about a
     second and takes about a quarter (--bits 8) or a sixth (--bits 4) of the float32 memory."""
-    progress, t0 = console.LoadProgress(delay=0, label="quantizing"), time.perf_counter()
+    progress = console.LoadProgress(delay=0, label="quantizing", then="the embeddings and lm_head")
+    t0 = time.perf_counter()
     try:
         summary = quantize_checkpoint(src, dst, int(bits), force=force, progress=progress,
                                       calibration_text=calibration_text)

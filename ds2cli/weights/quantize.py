@@ -103,7 +103,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool
 
 def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensors: dict, progress,
               gguf: gguf_model.GGUFModel | None = None, calib: calibration.Calibration | None = None) -> int:
-    n = cfg.num_hidden_layers + 1
+    n = cfg.num_hidden_layers + 1          # shards: one a layer, then the embeddings, norm and lm_head
     weight_map, total = {}, 0
 
     def write(k: int, arrays: list) -> None:
@@ -120,8 +120,8 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
         del stats
         write(i + 1, list(qcheckpoint.layer_arrays(layer, i)))
         del layer
-        if progress:
-            progress(i + 1, n)
+        if progress:      # counts the model's layers; the last shard's work follows the last count
+            progress(i + 1, cfg.num_hidden_layers)
     if calib:   # the head's inputs are the last layer's outputs, through the final norm
         top = load_top(tensors, cfg, None)
         stats = calib.head(top["norm"])
@@ -134,8 +134,6 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
     if cfg.tie_word_embeddings:
         del top["lm_head"]
     write(n, list(qcheckpoint.layer_arrays(top, None)))
-    if progress:
-        progress(n, n)
     index = {"metadata": {"total_size": total, "format": "ds2"}, "weight_map": dict(sorted(weight_map.items()))}
     (out / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     if gguf:

@@ -10,7 +10,10 @@ from click.testing import CliRunner
 
 import ds2cli
 from ds2cli.cli.main import main
+from ds2cli.cli.console import LoadProgress
 from ds2cli.generation.generate import stream_generate
+from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.wording import human_bytes
 
 STATS = re.compile(r"^\[(?:load \d+\.\d\ds \| )?prefill (\d+) tok, [\d.]+ tok/s \| decode (\d+) tok, [\d.]+ tok/s"
@@ -362,3 +365,15 @@ def test_seed_minus_one_means_a_random_seed():
     assert len(outs) > 1
     fixed = {run("generate", "ROMEO:", "-n", "24", "--temp", "1.5", "--seed", "7").stdout for _ in range(2)}
     assert len(fixed) == 1
+
+
+def test_quantize_progress_counts_the_models_layers(tmp_path):
+    """ds2-tiny has 6 layers: quantize's progress says 6, not 7 (its last shard, the embeddings
+    and lm_head, is said in words once the layers are done)."""
+    calls = []
+    quantize_checkpoint(bundled_model_dir(), tmp_path / "q8", 8,
+                        progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, 6) for i in range(1, 7)]
+    bar = LoadProgress(label="quantizing", then="the embeddings and lm_head")
+    assert bar.text(3, 6) == "3/6 layers"
+    assert bar.text(6, 6) == "6/6 layers, now the embeddings and lm_head"

@@ -29,7 +29,7 @@ def quantized_copy(path: Path, bench_dir: Path, bits: int) -> Path:
     if (target / "config.json").is_file():
         return target
     console.info(f"quantizing {path} to {bits} bits into {target} (once)")
-    progress = console.LoadProgress(delay=0, label="quantizing")
+    progress = console.LoadProgress(delay=0, label="quantizing", then="the embeddings and lm_head")
     try:
         quantize_checkpoint(path, target, bits, force=True, progress=progress)
     finally:
