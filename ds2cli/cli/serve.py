@@ -40,13 +40,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve_forever(server: Server, state: State, thread: threading.Thread | None = None,
-                  announce: str | None = None) -> None:
+def serve_forever(server: Server, state: State, thread: threading.Thread | None = None) -> None:
     """serve_until() a first SIGINT/SIGTERM; a second one aborts the running requests. Signals
     that come after are ignored: the work is done, and a late Ctrl-C arriving while Python shuts
-    down (where it would kill the process with the signal) must not turn a clean stop into a failure.
-    `announce`, the ready line, is logged once the handlers are in place: a SIGTERM sent on
-    seeing it stops the server as the stopping line says, rather than killing the process."""
+    down (where it would kill the process with the signal) must not turn a clean stop into a failure."""
     stop, received = threading.Event(), []
 
     def on_signal(signum, frame):
@@ -56,8 +53,6 @@ def serve_forever(server: Server, state: State, thread: threading.Thread | None 
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    if announce:
-        state.log(announce)
     try:
         serve_until(server, state, stop, thread, received)
     except BaseException:
@@ -169,11 +164,11 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
                              args=(model.tokenizer, model.config.vocab_size, defaults.eos_ids)).start()
         slots = scheduler.prompt_cache.slots
         cache_each = human_bytes(model.new_cache(1).bytes_per_token * ctx)
-        ready = (f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
-                 f"request{'s' * (parallel != 1)} at once ({cache_each} of cache each) | prompt cache "
-                 f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)}, the running ones included "
-                 f"| queue {max_queue}")
-        serve_forever(server, state, thread, announce=ready)
+        state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
+                  f"request{'s' * (parallel != 1)} at once ({cache_each} of cache each) | prompt cache "
+                  f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)}, the running ones included "
+                  f"| queue {max_queue}")
+        serve_forever(server, state, thread)
     state.log("ds2 serve: stopped")
 
 
