@@ -58,23 +58,23 @@ def describe_gguf(path: str | Path) -> dict:
         report["problems"].append(str(e))
     bits = DEFAULT_BITS.get(model.bulk_type)
     report.update(model=describe.model_section(cfg), mla=describe.mla_section(cfg), moe=describe.moe_section(cfg),
-                  bulk_type=model.bulk_type, loads_as=f"{bits}-bit" if bits else "float32",
-                  memory=memory_forms(cfg, bits, model.exact_recipe))
+                  bulk_type=model.bulk_type,
+                  loads_as="q8b (the file's own blocks)" if model.default_recipe else f"{bits}-bit" if bits else "float32",
+                  memory=memory_forms(cfg, bits, model.default_recipe))
     return report
 
 
-def memory_forms(cfg, default_bits: int | None, exact=None) -> list[dict]:
+def memory_forms(cfg, default_bits: int | None, default_recipe=None) -> list[dict]:
     """The weights and RAM (weights + cache at the default context + margin) of each form a GGUF
-    loads in, the default first, `--quantize exact` last for a Q8_0 file (`exact`: its recipe)."""
-    forms = [(b, None) for b in [default_bits] + [b for b in (8, 4, None) if b != default_bits]]
-    if exact is not None:
-        forms.append((8, exact))
+    loads in, the default first (`default_recipe`: a Q8_0 file's own blocks, q8b)."""
+    forms = [(default_bits, default_recipe)] + [(b, None) for b in (8, 4, None)
+                                                if default_recipe is not None or b != default_bits]
     out = []
-    for bits, recipe in forms:
+    for i, (bits, recipe) in enumerate(forms):
         qc = recipe or (qcheckpoint.QuantConfig.recipe(bits) if bits else None)
         need = memory.required(cfg, qc, None, quantize_at_load=bits is not None)
-        out.append({"format": memory.label(qc) + (" (q8b, exact)" if recipe is not None else ""),
-                    "default": bits == default_bits and recipe is None,
+        out.append({"format": memory.label(qc) + (" (q8b, the file's blocks)" if recipe is not None else ""),
+                    "default": i == 0,
                     "option": "--quantize exact" if recipe is not None else
                     "--quantize auto" if bits is None else f"--quantize {bits}",
                     "weight_bytes": need["weights"], "ram_bytes": need["total"], "context": need["context"]})

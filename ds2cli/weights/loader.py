@@ -234,7 +234,7 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
 
     A float checkpoint loads as float32, or with `quantize=8|4` quantized layer by layer as it
     loads (`"auto"`: float32 if it fits in memory, else the most precise format that does;
-    `"exact"`: a Q8_0 GGUF's own blocks, q8b); a
+    `"exact"`: a Q8_0 GGUF's own blocks, q8b, which is also how such a file loads by default); a
     checkpoint written by `ds2 quantize` is memory-mapped as it is stored. Before any weight is
     read, what the model will hold (with a cache of `context` tokens) is checked against the
     memory available (memory.py); `memory_check=False` skips that. `plan(tokenizer,
@@ -250,7 +250,8 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
                               f"{model_dir} is {'a ' + gguf.bulk_type if gguf else 'not a'} GGUF")
         quantize, recipe = 8, gguf.exact_recipe
     if gguf is not None and quantize is None:
-        quantize = gguf.default_bits               # the ds2 format nearest the file's own types
+        # the ds2 format nearest the file's own types (a Q8_0 file: its own blocks)
+        quantize, recipe = gguf.default_bits, gguf.default_recipe
     cfg = gguf.config if gguf else DeepseekV2Config.from_file(model_dir / "config.json")
     stored = None if gguf else read_quant_config(model_dir)
     if quantize not in (None, 8, 4, "auto"):

@@ -5,10 +5,15 @@ a float weight, is scales.py's):
 
   q8: qweight int8 (..., out, in), one float32 scale per output row, scales (..., out):
       value = q * s[o], q in [-127, 127].
-  q8b: qweight int8 (..., out, in), one float32 scale per block of 32 *inputs of one row*,
-      scales (..., out, in/32): value = q * s[o, i // 32]. GGUF's Q8_0 blocks, held exactly (a
-      Q8_0 file's integers and scales come back bit for bit) for `--quantize exact`; about half
-      q8's decode speed, since NumPy scales a widened block 32 values at a time.
+  q8b: one float32 scale per block of 32 *inputs of one row*, value = q * s[o, i // 32]: GGUF's
+      Q8_0 blocks, held exactly (a Q8_0 file's integers and scales come back bit for bit), how a
+      Q8_0 GGUF loads. Stored in panels of R output rows, each transposed: qweight int8
+      (..., out/R, in, R), scales (..., out/R, in/32, R), R the widest of Q8B_PANELS dividing
+      out. Why transposed: a block's scale varies along a row, so a row-major kernel must scale
+      every widened weight (a pass NumPy makes 32 values at a time: half q8's decode speed);
+      in a panel, block j of the inputs is a (32, R) slab whose product with the token's 32
+      inputs gives every row's partial sum over that block at once (BLAS on rows of R), and
+      the scales then weigh in/32 partial sums instead of every weight.
   bf16: qweight bfloat16 (..., out, in), scales (..., out) all 1: q8's code path with a 16-bit
       value that NumPy widens faster than int8 (0.11 vs 0.14 ns a value from cache), lossless
       for a bfloat16 source; the roles of `--bits 8` whose error counts most (qcheckpoint.py).
@@ -59,8 +64,16 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 Q4_GROUP = 32                 # q4: output rows per scale
 Q8_BLOCK = 32                 # q8b: inputs of a row per scale (GGUF's Q8_0 block)
+Q8B_PANELS = (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)  # q8b: output rows a panel (BLAS multiplies
+                              # a (32, R) slab by a token at 6.5 G values/s for R = 64, 8 for 128,
+                              # 9.7 from 256), the widest dividing out that leaves panels enough
+                              # to split evenly (panel_width); below 8 only test models' odd shapes
 ROW_ALIGN = 8                 # q8 row blocks and spans start at multiples of this (q4: its group)
 L2_BLOCK_BYTES = 1 << 20      # a decode row block's float32 buffer: fits one core's L2
+Q8B_BLOCK_BYTES = 2 << 20     # q8b's: its block costs five NumPy calls, not two, so fewer, larger
+                              # ones (from L3) measured faster: 2816x2048 on one core 1.6-2.1 G
+                              # values/s at 1 MB, 2.0-2.4 at 4 MB, 0.9 at 8 MB (q8: 2.2-2.3)
+Q8B_PARTIAL_SUMS = 1 << 18    # q8b weighs this many partial sums at once (1 MB)
 PREFILL_CHUNK_BYTES = 16 << 20  # prefill dequantizes at most this much float32 at once, a core
 DEQUANTIZE_BLOCK_BYTES = 4 << 20  # ... and scales it in blocks of this much
 SMALL_MATRIX = 1 << 18        # below this many values a matrix is dequantized whole, on one
@@ -87,12 +100,24 @@ class Format:
 
     def qweight_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
+        if self.block is not None:
+            r = panel_width(out)
+            return (*lead, out // r, inp, r)
         return (*lead, out, inp // self.per_element)
+
+    def weight_shape(self, qweight_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The (..., out, in) weight a qweight of this shape holds (qweight_shape's inverse)."""
+        if self.block is not None:
+            *lead, panels, inp, r = qweight_shape
+            return (*lead, panels * r, inp)
+        *lead, out, stored = qweight_shape
+        return (*lead, out, stored * self.per_element)
 
     def scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
         if self.block is not None:
-            return (*lead, out, inp // self.block)
+            r = panel_width(out)
+            return (*lead, out // r, inp // self.block, r)
         if self.group_size is None:
             return (*lead, out)
         return (*lead, -(-out // self.group_size), inp)
@@ -138,7 +163,9 @@ class Format:
         if self.bits == 16:
             d.update(scales="float32", scale_group="row", scale_value=1)
         elif self.block is not None:
-            d.update(scales="float32", scale_group="block", block_size=self.block)
+            d.update(scales="float32", scale_group="block", block_size=self.block,
+                     layout=f"panels of R output rows, transposed: qweight (out/R, in, R), scales "
+                            f"(out/R, in/{self.block}, R), R the first of {list(Q8B_PANELS)} dividing out")
         elif self.group_size is None:
             d.update(scales="float32", scale_group="row")
         else:
@@ -151,9 +178,38 @@ FORMATS = {"q8": Format("q8", 8, None), "q4": Format("q4", 4, Q4_GROUP),
            "q8b": Format("q8b", 8, None, Q8_BLOCK), "bf16": Format("bf16", 16, None)}
 
 
+def panel_width(out: int) -> int:
+    """q8b's rows a panel for a matrix of `out` rows: the widest whose panels split over two
+    cores within 5% (16 or more, an even count or 20 or more), else the narrowest: V2-Lite's
+    lm_head gets 512 (200 panels), an expert's gate_up 128 (22; 256 would leave 11), kv_a_proj 32."""
+    fits = [r for r in Q8B_PANELS if out % r == 0]
+    even = [r for r in fits if out // r >= 16 and (out // r % 2 == 0 or out // r >= 20)]
+    return even[0] if even else fits[-1]
+
+
+def to_panels(q: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row-major q8b (q (out, in), s (out, in/32)) -> its panels (qweight_shape, scales_shape)."""
+    out, inp = q.shape
+    r = panel_width(out)
+    return (np.ascontiguousarray(q.reshape(out // r, r, inp).transpose(0, 2, 1)),
+            np.ascontiguousarray(s.reshape(out // r, r, -1).transpose(0, 2, 1)))
+
+
+def dequantize_panels(qweight: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """q8b panels (..., P, in, R) -> the float32 weight (..., P * R, in), row-major."""
+    *lead, panels, inp, r = qweight.shape
+    w = np.empty((*lead, panels * r, inp), np.float32) if out is None else out
+    for *e, p in np.ndindex(*lead, panels):
+        slab = qweight[(*e, p)].reshape(-1, Q8_BLOCK, r) * scales[(*e, p)][:, None, :]   # (nb, 32, R)
+        w[tuple(e)][p * r:(p + 1) * r] = slab.reshape(inp, r).T
+    return w
+
+
 def dequantize(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
     """(qweight, scales) -> float32 (..., rows, in), written into `out` when given. For q4 the
     rows must start where a group starts, `scales` holding those groups."""
+    if f.block is not None:
+        return dequantize_panels(qweight, scales, out)
     if qweight.ndim > 2:
         if out is None:
             out = np.empty((*qweight.shape[:-1], qweight.shape[-1] * f.per_element), np.float32)
@@ -183,9 +239,6 @@ def dequantize_scale(w: np.ndarray, scales: np.ndarray, r0: int, f: Format) -> N
     rows = w.shape[0]
     if f.bits == 16:
         return                                                              # its scales are 1
-    if f.block is not None:
-        w.reshape(rows, -1, f.block)[...] *= scales[r0:r0 + rows, :, None]  # (rows, nb, block)
-        return
     if f.group_size is None:
         w *= scales[r0:r0 + rows, None]
         return
@@ -256,7 +309,7 @@ class QuantMatrix:
 
     def __init__(self, qweight: np.ndarray, scales: np.ndarray, f: Format, key: tuple[int, int] | None = None):
         self.qweight, self.scales, self.f = qweight, scales, f
-        self.shape = (*qweight.shape[:-1], qweight.shape[-1] * f.per_element)
+        self.shape = f.weight_shape(qweight.shape)
         # how a helper process finds this matrix: (its number, expert or -1)
         self.key = (helpers.register(self), -1) if key is None else key
 
@@ -275,13 +328,20 @@ class QuantMatrix:
     def dequantize(self) -> np.ndarray:
         return dequantize(self.qweight, self.scales, self.f)
 
+    @property
+    def row_align(self) -> int:
+        """Spans given to the cores start at multiples of this: a q8b panel, a q4 group."""
+        return self.qweight.shape[-1] if self.f.block is not None else self.f.row_align
+
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
+        if self.f.block is not None:                 # row o is column o % R of panel o // R
+            panel, column = np.divmod(ids, self.qweight.shape[-1])
+            q, s = self.qweight[panel, :, column], self.scales[panel, :, column]    # (T, in), (T, nb)
+            return (q.reshape(len(ids), -1, self.f.block) * s[..., None]).reshape(q.shape)
         w = unpack(self.qweight[ids], self.f)                               # (T, in)
         if self.f.bits == 16:
             return w
-        if self.f.block is not None:
-            return (w.reshape(len(ids), -1, self.f.block) * self.scales[ids][..., None]).reshape(w.shape)
         if self.f.group_size is None:
             return w * self.scales[ids][:, None]
         return w * self.scales[ids // self.f.group_size].astype(np.float32)
@@ -313,7 +373,7 @@ class QuantMatrix:
             with workers().buffer(out * inp, slot="chunk") as buf:
                 return x @ dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)).T
         k = len(x)
-        if GEMV_TOKENS < k < GEMM_MIN_TOKENS:   # OpenBLAS multiplies 5-7 columns slower than 8
+        if GEMV_TOKENS < k < GEMM_MIN_TOKENS and self.f.block is None:   # OpenBLAS multiplies 5-7 columns slower than 8
             x = np.concatenate([x, np.zeros((GEMM_MIN_TOKENS - k, inp), np.float32)])
         x = np.ascontiguousarray(x)
         y = np.empty((len(x), out), np.float32)                             # (k, out)
@@ -324,7 +384,7 @@ class QuantMatrix:
         """y = x @ W.T (x (in,) or (k, in)) in row spans over the cores: with the helper
         processes in a few-token pass (they run the other spans), else with threads."""
         pool = workers()
-        spans = split_rows(self.shape[0], pool.parts, self.f.row_align)
+        spans = split_rows(self.shape[0], pool.parts, self.row_align)
         procs = helpers.helpers_for() if len(spans) > 1 else None
         try:
             if procs is not None and procs.matvec(self, x, y, spans, self.span):
@@ -337,7 +397,9 @@ class QuantMatrix:
         """Columns a..b of y = x @ W.T on this thread (rows a..b of W): x (in,) and y (out,) for
         one token, x (k, in) and y (k, out) for k."""
         x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])       # (k, in), (k, out)
-        if self.f.group_size is None:
+        if self.f.block is not None:
+            self._span_q8b(x, y, a, b)
+        elif self.f.group_size is None:
             (self._span_q8 if len(x) <= GEMV_TOKENS else self._span_q8_gemm)(x, y, a, b)
         else:
             (self._span_q4 if len(x) <= GEMV_TOKENS else self._span_q4_gemm)(x, y, a, b)
@@ -347,8 +409,7 @@ class QuantMatrix:
 
     def _span_q8(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """y[:, a:b] = s * (q @ x[t]) for each token t: a block is cast once, then one gemv a
-        token while it is in cache (q8b: the block is scaled in place after its cast; bf16: its
-        values need no scale)."""
+        token while it is in cache (bf16: its values need no scale)."""
         inp = self.shape[1]
         block = row_block(inp, self.f)
         with workers().buffer(block * inp) as buf:
@@ -356,8 +417,6 @@ class QuantMatrix:
                 r1 = min(b, r0 + block)
                 w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
                 unpack(self.qweight[r0:r1], self.f, w)                      # int8 or bf16 -> float32
-                if self.f.block is not None:
-                    dequantize_scale(w, self.scales, r0, self.f)
                 for t in range(len(x)):
                     np.dot(w, x[t], out=y[t, r0:r1])
         self._row_scales(y, a, b)
@@ -377,12 +436,39 @@ class QuantMatrix:
                 r1 = min(b, r0 + block)
                 w = buf[:(r1 - r0) * inp].reshape(r1 - r0, inp)
                 unpack(self.qweight[r0:r1], self.f, w)                      # int8 or bf16 -> float32
-                if self.f.block is not None:
-                    dequantize_scale(w, self.scales, r0, self.f)
                 yt = tmp[:(r1 - r0) * len(x)].reshape(r1 - r0, len(x))
                 np.matmul(w, x.T, out=yt)                                   # (block, k)
                 y[:, r0:r1] = yt.T
         self._row_scales(y, a, b)
+
+    def _span_q8b(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
+        """y[:, a:b] for q8b rows a..b (whole panels), any number of tokens k: a few panels at a
+        time are widened into a cache-sized buffer; z[j] = x[:, block j] @ slab j (32, R) is every
+        row's partial sum over input block j, for all blocks in one batched product; the block
+        scales then weigh the partial sums, y = sum_j s[j] * z[j], for many panels at once (the
+        partial sums are 1/32 of the weights: two calls a group of panels, not two a block)."""
+        inp, r = self.shape[1], self.qweight.shape[-1]
+        nb, k = inp // Q8_BLOCK, len(x)
+        xb = np.ascontiguousarray(x.reshape(k, nb, Q8_BLOCK).transpose(1, 0, 2))   # (nb, k, 32)
+        blocks = max(1, min(nb, Q8B_BLOCK_BYTES // (4 * Q8_BLOCK * r)))          # input blocks a tile
+        per = max(1, Q8B_BLOCK_BYTES // (4 * inp * r)) if blocks == nb else 1    # panels a tile
+        group = max(1, Q8B_PARTIAL_SUMS // (nb * k * r * per)) * per             # panels a weighing
+        pool = workers()
+        with pool.buffer(per * blocks * Q8_BLOCK * r) as buf, \
+                pool.buffer(group * nb * k * r, "partial sums") as zbuf:
+            for g0 in range(a // r, b // r, group):
+                g1 = min(b // r, g0 + group)
+                z = zbuf[:(g1 - g0) * nb * k * r].reshape(g1 - g0, nb, k, r)
+                for p0 in range(g0, g1, per):
+                    p1 = min(g1, p0 + per)
+                    for j0 in range(0, nb, blocks):
+                        j1 = min(nb, j0 + blocks)
+                        w = buf[:(p1 - p0) * (j1 - j0) * Q8_BLOCK * r].reshape(p1 - p0, j1 - j0, Q8_BLOCK, r)
+                        np.copyto(w, self.qweight[p0:p1, j0 * Q8_BLOCK:j1 * Q8_BLOCK].reshape(w.shape),
+                                  casting="unsafe")
+                        np.matmul(xb[j0:j1], w, out=z[p0 - g0:p1 - g0, j0:j1])   # (n, blocks, k, R)
+                z *= self.scales[g0:g1, :, None, :]
+                y[:, g0 * r:g1 * r] = z.sum(axis=1).transpose(1, 0, 2).reshape(k, -1)
 
     def _span_q4(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """y[:, a:b] for q4 rows a..b (a multiple of the group): each group of g rows multiplies
@@ -453,9 +539,11 @@ class QuantMatrix:
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp, slot="chunk") as buf:
                 return x @ dequantize(self.qweight, self.scales, f, buf.reshape(out, inp)).T
+        pool = workers()
+        if f.block is not None:
+            return self._many_q8b(x)
         chunk = row_block(inp, f, PREFILL_CHUNK_BYTES)
         yt = np.empty((out, len(x)), np.float32)                            # (out, T)
-        pool = workers()
         xt = np.ascontiguousarray(x.T)                                      # (in, T)
 
         def span(a: int, b: int) -> None:
@@ -476,3 +564,27 @@ class QuantMatrix:
 
         pool.run(span, split_rows(out, pool.parts, f.row_align))
         return yt.T                                                         # (T, out)
+
+    def _many_q8b(self, x: np.ndarray) -> np.ndarray:
+        """matmul_many for q8b: a chunk of panels is dequantized side by side into W.T's columns
+        (in, n R), scales broadcast along each slab's 32 rows, then one GEMM x @ W.T a chunk."""
+        (out, inp), r, T = self.shape, self.qweight.shape[-1], len(x)
+        per = max(1, PREFILL_CHUNK_BYTES // (4 * inp * r))                        # panels a chunk
+        y = np.empty((T, out), np.float32)
+        pool = workers()
+
+        def span(a: int, b: int) -> None:
+            with pool.buffer(min(per, (b - a) // r) * inp * r, slot="chunk") as buf, \
+                    pool.buffer(T * min(per, (b - a) // r) * r, slot="gemm out") as tmp:
+                for p0 in range(a // r, b // r, per):
+                    n = min(b // r, p0 + per) - p0
+                    wt = buf[:inp * n * r].reshape(inp, n, r)                     # W.T, by panel
+                    for i in range(n):
+                        np.multiply(self.qweight[p0 + i].reshape(-1, Q8_BLOCK, r), self.scales[p0 + i, :, None, :],
+                                    out=wt[:, i].reshape(-1, Q8_BLOCK, r))
+                    yt = tmp[:T * n * r].reshape(T, n * r)
+                    np.matmul(x, wt.reshape(inp, n * r), out=yt)
+                    y[:, p0 * r:(p0 + n) * r] = yt
+
+        pool.run(span, split_rows(out, pool.parts, r))
+        return y

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds2cli.parallel.cores import split_rows, workers
-from ds2cli.weights.quant import BF16, Format, QuantMatrix
+from ds2cli.weights.quant import BF16, Format, QuantMatrix, to_panels
 
 # The candidate scales tried per row or group, as multiples of the round-to-nearest inverse scale
 # (nmax / max |w|): llama.cpp's make_qx_quants tries (nmax + 0.1 k) / max for k = -9..9 and
@@ -62,7 +62,9 @@ def quantize(w: np.ndarray, f: Format, importance: np.ndarray | None = None,
                                 -127, 127, -1, weight)
             scale[r0:r0 + step] = s
             q[r0:r0 + step] = round_clip(rows, s[..., None], -127, 127)
-        return q.reshape(w.shape), (scale if f.block else scale[:, 0])
+        if f.block:
+            return to_panels(q.reshape(w.shape), scale)                      # q8b's stored layout
+        return q.reshape(w.shape), scale[:, 0]
     return quantize_q4(w, f, search)
 
 

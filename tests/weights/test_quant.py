@@ -52,8 +52,11 @@ def test_round_trip_error_is_at_most_half_a_step(name, shape, search):
     if name == "q8":   # one float32 scale per output row
         assert m.scales.dtype == np.float32
         step = np.broadcast_to(m.scales[..., None], shape)
-    elif name == "q8b":  # one float32 scale per 32 inputs of a row
-        step = np.repeat(m.scales, 32, axis=-1)
+    elif name == "q8b":  # one float32 scale per 32 inputs of a row, stored by panels of R rows
+        *lead, panels, nb, r = m.scales.shape
+        assert panels * r == shape[-2] and nb * 32 == shape[-1]
+        by_row = np.swapaxes(m.scales, -1, -2).reshape(*lead, shape[-2], nb)          # (..., out, nb)
+        step = np.repeat(by_row, 32, axis=-1)
     else:              # one bfloat16 scale per 32 output rows of a column
         assert m.scales.dtype == quant.BF16
         step = np.repeat(np.abs(m.scales.astype(np.float32)), 32, axis=-2)[..., :shape[-2], :]
@@ -222,13 +225,13 @@ def test_every_command_takes_the_quantized_checkpoint(quantized):
     r = CliRunner().invoke(main, ["inspect", "--json", str(quantized[4])])
     report = json.loads(r.stdout)
     assert r.exit_code == 0 and report["problems"] == []
-    assert report["quantization"]["bits"] == 4 and report["total_params"] == 7887232
+    assert report["quantization"]["bits"] == 4 and report["params"] == 7887232
     assert report["quantization"]["file_bytes"] == sum(p.stat().st_size for p in quantized[4].glob("*.safetensors"))
     r = CliRunner().invoke(main, ["inspect", "--json"])
     report = json.loads(r.stdout)
     formats = {f["format"]: f for f in report["memory"]["formats"]}
     assert report["quantization"] is None and set(formats) == {"float32", "8-bit", "4-bit"}
-    assert formats["float32"]["weight_bytes"] == 4 * report["total_params"]
+    assert formats["float32"]["weight_bytes"] == 4 * report["params"]
     # 8-bit holds the embedding (a third of ds2-tiny) as bfloat16: 0.34x of float32, not 0.27x
     assert formats["4-bit"]["weight_bytes"] < formats["8-bit"]["weight_bytes"] < formats["float32"]["weight_bytes"] / 2.8
 

@@ -202,7 +202,7 @@ def test_required_bytes_add_up_and_match_inspect():
         assert need["total"] == need["weights"] + need["cache"] + need["working"] + need["margin"]
         assert by_format[name]["ram_bytes"] == need["total"]
         assert by_format[name]["weight_bytes"] == need["weights"] == memory.weight_bytes(TINY, qc)
-    assert by_format["float32"]["weight_bytes"] == 4 * report["total_params"]
+    assert by_format["float32"]["weight_bytes"] == 4 * report["params"]
     assert need["cache"] == report["latent_cache_bytes_per_token"] * min(TINY.max_position_embeddings, 4096)
 
 

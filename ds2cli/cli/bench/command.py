@@ -115,6 +115,7 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
         raise BenchError("--layers sets the depth of the synthetic checkpoint; it cannot be used with --model")
     if formats and (quantize or compare_hf):
         raise click.UsageError("--formats runs each format itself; it cannot be combined with --quantize or --compare-hf")
+    gguf_default = None
     if model_dir is None:
         cfg = DeepseekV2Config.from_dict(lite_config(layers or DEFAULT_LAYERS))
     else:
@@ -122,17 +123,18 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
         gguf = gguf_model.open_model(model_dir, validate=False)     # a GGUF: config from its metadata
         cfg = gguf.config if gguf else DeepseekV2Config.from_file(model_dir / "config.json")
         if gguf and not quantize and gguf.default_bits:
-            quantize = str(gguf.default_bits)                      # as load() would choose
+            # checked as load() will choose, which it then does (a Q8_0 file: its own blocks)
+            gguf_default = (gguf.default_bits, gguf.default_recipe)
     prompt_lengths, contexts = fit_defaults(cfg, prompt_lengths, contexts, decode_steps)
     check_settings(cfg, prompt_lengths, contexts, decode_steps)
     bench_dir = (cache_dir or Path("~/.cache/ds2/bench")).expanduser()
     context = cache_tokens(prompt_lengths, contexts, decode_steps)
     # refuse what cannot fit before synthesising or quantizing anything
     stored = None if model_dir is None or model_dir.is_file() else read_quant_config(model_dir)
-    for bits in formats or [int(quantize) if quantize else None]:
+    for bits in formats or [int(quantize) if quantize else gguf_default[0] if gguf_default else None]:
         memory.check(cfg, model_dir or synthetic_path(bench_dir, cfg.num_hidden_layers),
                      stored or (QuantConfig.recipe(bits) if bits and formats else None),
-                     None if formats else bits, context)
+                     None if formats else bits, context, recipe=gguf_default[1] if gguf_default and not formats else None)
     path = model_dir or synthetic_model(bench_dir, layers or DEFAULT_LAYERS)
     with thread_limits(threads):
         if formats:
