@@ -101,7 +101,7 @@ class Format:
     def qweight_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
         if self.block is not None:
-            r = panel_width(out)
+            r = panel_width(out, inp)
             return (*lead, out // r, inp, r)
         return (*lead, out, inp // self.per_element)
 
@@ -116,7 +116,7 @@ class Format:
     def scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inp = shape
         if self.block is not None:
-            r = panel_width(out)
+            r = panel_width(out, inp)
             return (*lead, out // r, inp // self.block, r)
         if self.group_size is None:
             return (*lead, out)
@@ -178,11 +178,14 @@ FORMATS = {"q8": Format("q8", 8, None), "q4": Format("q4", 4, Q4_GROUP),
            "q8b": Format("q8b", 8, None, Q8_BLOCK), "bf16": Format("bf16", 16, None)}
 
 
-def panel_width(out: int) -> int:
-    """q8b's rows a panel for a matrix of `out` rows: the widest whose panels split over two
-    cores within 5% (16 or more, an even count or 20 or more), else the narrowest: V2-Lite's
-    lm_head gets 512 (200 panels), an expert's gate_up 128 (22; 256 would leave 11), kv_a_proj 32."""
+def panel_width(out: int, inp: int) -> int:
+    """q8b's rows a panel for a matrix (out, in): the widest whose panels split over two cores
+    within 5% (16 or more, an even count or 20 or more), else the narrowest: V2-Lite's lm_head
+    gets 512 (200 panels), an expert's gate_up 128 (22; 256 would leave 11), kv_a_proj 32. A
+    matrix small enough to run on one thread (SMALL_MATRIX) is not split: the widest."""
     fits = [r for r in Q8B_PANELS if out % r == 0]
+    if out * inp <= SMALL_MATRIX:
+        return fits[0]
     even = [r for r in fits if out // r >= 16 and (out // r % 2 == 0 or out // r >= 20)]
     return even[0] if even else fits[-1]
 
@@ -190,7 +193,7 @@ def panel_width(out: int) -> int:
 def to_panels(q: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Row-major q8b (q (out, in), s (out, in/32)) -> its panels (qweight_shape, scales_shape)."""
     out, inp = q.shape
-    r = panel_width(out)
+    r = panel_width(out, inp)
     return (np.ascontiguousarray(q.reshape(out // r, r, inp).transpose(0, 2, 1)),
             np.ascontiguousarray(s.reshape(out // r, r, -1).transpose(0, 2, 1)))
 
@@ -198,11 +201,12 @@ def to_panels(q: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_panels(qweight: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """q8b panels (..., P, in, R) -> the float32 weight (..., P * R, in), row-major."""
     *lead, panels, inp, r = qweight.shape
-    w = np.empty((*lead, panels * r, inp), np.float32) if out is None else out
-    for *e, p in np.ndindex(*lead, panels):
-        slab = qweight[(*e, p)].reshape(-1, Q8_BLOCK, r) * scales[(*e, p)][:, None, :]   # (nb, 32, R)
-        w[tuple(e)][p * r:(p + 1) * r] = slab.reshape(inp, r).T
-    return w
+    slabs = qweight.reshape(*lead, panels, -1, Q8_BLOCK, r) * scales[..., None, :]   # (..., P, nb, 32, R)
+    w = np.swapaxes(slabs.reshape(*lead, panels, inp, r), -1, -2).reshape(*lead, panels * r, inp)
+    if out is None:
+        return w
+    out[...] = w
+    return out
 
 
 def dequantize(qweight: np.ndarray, scales: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
@@ -356,6 +360,8 @@ class QuantMatrix:
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """W @ x for x (in,) -> (out,), never materializing W."""
         out, inp = self.shape
+        if out * inp <= SMALL_MATRIX and self.f.block is not None:
+            return self._small_q8b(x[None])[0]
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp) as buf:
                 return dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)) @ x
@@ -369,6 +375,8 @@ class QuantMatrix:
         block meets all k rows while it is in cache, so a weight is widened once for the k
         tokens; the rows are split across the cores (the helper processes included)."""
         out, inp = self.shape
+        if out * inp <= SMALL_MATRIX and self.f.block is not None:
+            return self._small_q8b(x)
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp, slot="chunk") as buf:
                 return x @ dequantize(self.qweight, self.scales, self.f, buf.reshape(out, inp)).T
@@ -469,6 +477,16 @@ class QuantMatrix:
                         np.matmul(xb[j0:j1], w, out=z[p0 - g0:p1 - g0, j0:j1])   # (n, blocks, k, R)
                 z *= self.scales[g0:g1, :, None, :]
                 y[:, g0 * r:g1 * r] = z.sum(axis=1).transpose(1, 0, 2).reshape(k, -1)
+
+    def _small_q8b(self, x: np.ndarray) -> np.ndarray:
+        """_span_q8b's math for a small matrix on this thread, in five NumPy calls: a test
+        model's or a small projection's product costs its calls more than its values."""
+        (out, inp), r = self.shape, self.qweight.shape[-1]
+        k = len(x)
+        xb = x.reshape(k, -1, Q8_BLOCK).transpose(1, 0, 2)                               # (nb, k, 32)
+        z = np.matmul(xb, self.qweight.reshape(out // r, -1, Q8_BLOCK, r).astype(np.float32))   # (P, nb, k, R)
+        z *= self.scales[:, :, None, :]
+        return z.sum(axis=1).transpose(1, 0, 2).reshape(k, out)
 
     def _span_q4(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """y[:, a:b] for q4 rows a..b (a multiple of the group): each group of g rows multiplies
