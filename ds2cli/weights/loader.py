@@ -36,7 +36,8 @@ def bundled_model_dir() -> Path:
 def check_model_dir(path: str | Path) -> Path:
     path = resolve_model_dir(path)  # a Hugging Face id (not a local path) -> its cached snapshot
     if not path.exists():
-        raise ConfigError(f"model directory {path} does not exist")
+        # the path names either form: a GGUF file or a checkpoint directory
+        raise ConfigError(f"no such file or directory: {path} (a model is a checkpoint directory or a GGUF file)")
     if gguf_file.find(path) is not None:   # a GGUF file, or a directory holding one (gguf/checkpoint.py)
         return path
     if not path.is_dir():

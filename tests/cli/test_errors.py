@@ -122,7 +122,10 @@ def without_eos(model_dir: Path) -> Path:
 # ---- the model directory ----
 
 def test_model_directory_missing(tmp_path):
-    assert_one_error_line(cli("generate", "-m", tmp_path / "nowhere", "hi"), "does not exist")
+    assert_one_error_line(cli("generate", "-m", tmp_path / "nowhere", "hi"), "no such file or directory")
+    # a missing GGUF file is not called a missing "model directory"
+    line = cli("generate", "-m", tmp_path / "model.Q8_0.gguf", "hi").stderr
+    assert "no such file or directory" in line and "model directory" not in line
 
 
 def test_model_directory_empty(tmp_path):
