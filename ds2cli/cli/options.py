@@ -195,7 +195,8 @@ def memory_options(f):
         click.option("--quantize", type=click.Choice(["8", "4", "auto", "exact"]),
                      help="Quantize a float checkpoint to 8 or 4 bits as it loads (auto: float32 if it "
                           "fits in memory, else the most precise format that does; exact: a Q8_0 GGUF's "
-                          "own blocks, bit for bit, at about half the 8-bit decode speed)."),
+                          "own blocks, bit for bit, which is how such a file loads by default; 8 loads it into "
+                          "ds2's own 8-bit recipe)."),
         click.option("--no-memory-check", is_flag=True,
                      help="Load even when the model looks too big for the memory available."),
     ]
