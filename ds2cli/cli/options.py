@@ -158,7 +158,7 @@ def naming_ds2_model():
     except Ds2Error as e:
         if not model_from_env():
             raise
-        raise type(e)(f"{e} (the model directory was set by DS2_MODEL)") from None
+        raise type(e)(f"{e} (the model path was set by DS2_MODEL)") from None
 
 
 def model_config(model_dir: Path | None) -> tuple[Path, DeepseekV2Config]:

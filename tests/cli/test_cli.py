@@ -143,12 +143,12 @@ def test_help_and_version():
 def test_model_from_environment_variable(tmp_path):
     r = CliRunner(env={"DS2_MODEL": str(tmp_path / "nowhere")}).invoke(main, ["generate", "hi"])
     assert r.exit_code == 1
-    assert r.stderr.startswith("error: model directory") and r.stderr.count("\n") == 1
-    assert r.stderr.rstrip().endswith("(the model directory was set by DS2_MODEL)")
+    assert r.stderr.startswith("error: no such file or directory") and "DS2_MODEL" in r.stderr and r.stderr.count("\n") == 1
+    assert r.stderr.rstrip().endswith("(the model path was set by DS2_MODEL)")
     r = CliRunner().invoke(main, ["generate", "hi", "-m", str(tmp_path / "nowhere")])
     assert r.exit_code == 1 and "DS2_MODEL" not in r.stderr
     r = CliRunner(env={"DS2_MODEL": str(tmp_path)}).invoke(main, ["inspect"])
-    assert r.exit_code == 1 and r.stderr.rstrip().endswith("(the model directory was set by DS2_MODEL)")
+    assert r.exit_code == 1 and r.stderr.rstrip().endswith("(the model path was set by DS2_MODEL)")
     r = CliRunner(env={"DS2_MODEL": str(tmp_path)}).invoke(main, ["inspect", str(tmp_path)])
     assert r.exit_code == 1 and "DS2_MODEL" not in r.stderr
 
