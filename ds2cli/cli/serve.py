@@ -40,10 +40,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve_forever(server: Server, state: State, thread: threading.Thread | None = None) -> None:
+def serve_forever(server: Server, state: State, thread: threading.Thread | None = None,
+                  ready: Callable[[], None] | None = None) -> None:
     """serve_until() a first SIGINT/SIGTERM; a second one aborts the running requests. Signals
     that come after are ignored: the work is done, and a late Ctrl-C arriving while Python shuts
-    down (where it would kill the process with the signal) must not turn a clean stop into a failure."""
+    down (where it would kill the process with the signal) must not turn a clean stop into a failure.
+    `ready()` (the line saying the server is up) runs once the handlers are in place, so a process
+    manager that signals as soon as it reads that line gets a clean stop."""
     stop, received = threading.Event(), []
 
     def on_signal(signum, frame):
@@ -54,6 +57,8 @@ def serve_forever(server: Server, state: State, thread: threading.Thread | None 
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if ready is not None:
+            ready()
         serve_until(server, state, stop, thread, received)
     except BaseException:
         for s, handler in previous.items():
@@ -157,18 +162,26 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
         server.shutdown()
         server.server_close()
         raise
+    warm = None
     with thread_limits(opts["threads"]):
         if grammars.available():    # llguidance's view of the vocabulary (1.5 s, 80 MB for DeepSeek's 100k
             # tokens), built off the first constrained request's path; that request waits for it if need be
-            threading.Thread(target=grammars.warm, daemon=True,
-                             args=(model.tokenizer, model.config.vocab_size, defaults.eos_ids)).start()
-        slots = scheduler.prompt_cache.slots
-        cache_each = human_bytes(model.new_cache(1).bytes_per_token * ctx)
-        state.log(f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
-                  f"request{'s' * (parallel != 1)} at once ({cache_each} of cache each) | prompt cache "
-                  f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)}, the running ones included "
-                  f"| queue {max_queue}")
-        serve_forever(server, state, thread)
+            warm = threading.Thread(target=grammars.warm, daemon=True,
+                                    args=(model.tokenizer, model.config.vocab_size, defaults.eos_ids))
+            warm.start()
+        try:
+            slots = scheduler.prompt_cache.slots
+            cache_each = human_bytes(model.new_cache(1).bytes_per_token * ctx)
+            line = (f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
+                    f"request{'s' * (parallel != 1)} at once ({cache_each} of cache each) | prompt cache "
+                    f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)}, the running ones "
+                    f"included | queue {max_queue}")
+            serve_forever(server, state, thread, ready=lambda: state.log(line))
+        finally:
+            if warm is not None:
+                # llguidance's native code still running when the interpreter ends crashes the
+                # process (SIGSEGV, about 1 stop in 20 right after start): let it finish first
+                warm.join()
     state.log("ds2 serve: stopped")
 
 

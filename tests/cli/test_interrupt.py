@@ -2,12 +2,10 @@
 traceback. Each interrupt is delivered deterministically: an import hook (or a patched function)
 sends SIGINT to the process at a chosen point, rather than a timer racing the start-up."""
 
-import re
 import signal
 import subprocess
 import sys
 import textwrap
-import urllib.request
 
 import pytest
 
@@ -79,24 +77,18 @@ def test_ctrl_c_while_loading_exits_130_quietly(when):
     assert_quiet_130(run_interrupted(when, "generate", "hi"))
 
 
-def test_sigterm_stops_serve_and_the_log_says_so_in_its_units():
+@pytest.mark.parametrize("run", range(3))
+def test_sigterm_stops_serve_and_the_log_says_so_in_its_units(run):
     """serve's log speaks of the signal it got (a process manager's SIGTERM is no Ctrl-C), and its
-    sizes are in the units of every other command (MB = 10^6 bytes)."""
-    # without the thread that builds llguidance's vocabulary at start: a stop while it runs
-    # crashes the interpreter's exit now and then (SIGSEGV), which is not what this test is about
-    driver = ("import sys; from ds2cli.generation import grammar; grammar.available = lambda: False; "
-              "sys.argv = ['ds2', *sys.argv[1:]]; from ds2cli.__main__ import main; main()")
-    p = subprocess.Popen([sys.executable, "-c", driver, "serve", "--port", "0", "--ctx", "1024"],
+    sizes are in the units of every other command (MB = 10^6 bytes). The signal is sent the moment
+    the ready line appears: the handlers are in place by then, and the thread that builds
+    llguidance's vocabulary at start (when the grammar extra is installed) is waited for, so the
+    stop is clean (it crashed with SIGSEGV about 1 stop in 20, or died of the SIGTERM itself)."""
+    p = subprocess.Popen([sys.executable, "-m", "ds2cli", "serve", "--port", "0", "--ctx", "1024"],
                          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         first = p.stderr.readline()              # written once the model has loaded
         assert first.startswith("ds2 serve: ds2-tiny"), first
-        # the line is logged just before serve installs its SIGINT/SIGTERM handlers; a request's
-        # round trip leaves the main thread the moment it needs (a signal sent before that would
-        # end the process by SIGTERM's default action: a known race of serve's, not tested here)
-        address = re.search(r" on (http://\S+) ", first).group(1)
-        with urllib.request.urlopen(address + "/health", timeout=30) as answer:
-            assert answer.status == 200
         p.send_signal(signal.SIGTERM)
         rest = p.communicate(timeout=60)[1]
     finally:
@@ -104,7 +96,7 @@ def test_sigterm_stops_serve_and_the_log_says_so_in_its_units():
     assert p.returncode == 0, rest
     cache_each = human_bytes(1024 * ds2cli.load().new_cache(1).bytes_per_token)
     assert f"({cache_each} of cache each)" in first and "prompt cache 1024 MB" in first
-    lines = [line for line in rest.splitlines() if line.startswith("ds2 serve: ")]   # not the request's
+    lines = [line for line in rest.splitlines() if line.startswith("ds2 serve: ")]
     assert lines[0].startswith("ds2 serve: stopping on SIGTERM: the running requests finish"), lines
     assert "second Ctrl-C" not in rest and "Traceback" not in rest
     assert lines[-1] == "ds2 serve: stopped"

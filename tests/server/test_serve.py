@@ -339,7 +339,7 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
                         "[assistant]")
     seen = {}
 
-    def serve_forever(server, state, thread=None):
+    def serve_forever(server, state, thread=None, ready=None):
         from threadpoolctl import threadpool_info
         seen.update(state=state, blas=[p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"],
                     cores=ds2cli.parallel.cores.workers().n)
