@@ -64,14 +64,18 @@ def download(repo: str, revision: str, cache_dir: Path) -> Path:
     except ImportError:
         raise ConfigError(f"{repo} is neither a local directory nor in the Hugging Face cache ({cache_dir});"
                           f" to download it, install the hub extra (pip install \"ds2cli[hub]\") or run"
-                          f" `huggingface-cli download {repo}`") from None
+                          f" `hf download {repo}`") from None
     try:
         path = huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=cache_dir,
                                                  allow_patterns=DOWNLOAD_PATTERNS)
     except Exception as e:  # network, authentication, unknown repo: huggingface_hub has many kinds
-        message = " ".join(str(e).split())[:300] or type(e).__name__
-        raise ConfigError(f"{repo} is not a local directory, and downloading {repo}@{revision} from "
-                          f"Hugging Face failed: {message}") from None
+        # its own text runs on for lines: its first sentence, then where ds2 looked and what to do
+        message = " ".join(str(e).split())
+        message = (message.split(". ")[0].rstrip(".")[:200] or type(e).__name__)
+        offline = " (HF_HUB_OFFLINE is set: huggingface_hub does not download)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise ConfigError(f"{repo} is neither a local directory nor in the Hugging Face cache ({cache_dir}), and "
+                          f"downloading {repo}@{revision} failed{offline}: {message}; download it where there is "
+                          f"a network (`hf download {repo}`) or pass a local directory") from None
     return Path(path)
 
 

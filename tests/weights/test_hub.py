@@ -76,7 +76,7 @@ def test_not_cached_without_huggingface_hub_says_how_to_get_it(hf_env, tmp_path)
     r = CliRunner().invoke(main, ["generate", "-m", "org/missing", "hi"])
     assert r.exit_code == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: org/missing is neither a local directory")
-    assert 'pip install "ds2cli[hub]"' in r.stderr and "huggingface-cli download org/missing" in r.stderr
+    assert 'pip install "ds2cli[hub]"' in r.stderr and "hf download org/missing" in r.stderr
 
 
 def test_a_snapshot_without_config_counts_as_not_cached(hf_env, tmp_path):
@@ -117,5 +117,10 @@ def test_a_failed_download_is_one_error_line(hf_env, tmp_path):
                    types.SimpleNamespace(snapshot_download=lambda repo, **kw: snapshot_download(**kw)))
     r = CliRunner().invoke(main, ["chat", "-m", "org/offline"], input="hi\n")
     assert r.exit_code == 1 and r.stderr.count("\n") == 1
-    assert r.stderr == ("error: org/offline is not a local directory, and downloading org/offline@main from Hugging"
-                        " Face failed: We couldn't connect to 'https://huggingface.co' Check your connection.\n")
+    assert r.stderr == (f"error: org/offline is neither a local directory nor in the Hugging Face cache "
+                        f"({tmp_path / 'cache'}), and downloading org/offline@main failed: We couldn't connect to "
+                        f"'https://huggingface.co' Check your connection; download it where there is a network "
+                        f"(`hf download org/offline`) or pass a local directory\n")
+    hf_env.setenv("HF_HUB_OFFLINE", "1")          # the variable that stops huggingface_hub is named
+    r = CliRunner().invoke(main, ["chat", "-m", "org/offline"], input="hi\n")
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "HF_HUB_OFFLINE is set" in r.stderr
