@@ -23,6 +23,7 @@ from ds2cli.cli.bench.settings import BenchError
 from ds2cli.cli.bench.synthetic import lite_config, synthesise
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.wording import human_bytes, human_count
 
 TINY_ARGS = ["--repeats", "1", "--contexts", "16,64", "--prompt-lengths", "4,16", "--decode-steps", "2", "--json"]
 
@@ -207,10 +208,57 @@ def test_piped_table_keeps_every_row_on_one_line(monkeypatch):
     result = run_bench(*[a for a in TINY_ARGS if a != "--json"])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert len(rows) == 12      # probes 3, the numpy ceiling, load, prefill 2, decode 2, passes 2, peak RSS
+    # probes 3, the ceiling's 4 formats, load, then a row for each figure: prefill 2 x 2, decode 2 x 2
+    # (tok/s, the ceiling), passes 2 x 2 (ms, what each reads), peak RSS and the weights + cache
+    assert len(rows) == 22
     for row in rows:
         cells = r"\s+".join(re.escape(cell) for cell in row if cell)
         assert any(re.search(cells, line) for line in lines), row
+
+
+def test_tables_fit_80_columns(report, monkeypatch):
+    """Every table fits an 80-column terminal as it is: rendered 80 columns wide it is the same as
+    rendered as wide as its cells want (nothing wrapped), no line is past 80 columns, and the
+    figures are all there, small ones to three significant figures, never "0.0"."""
+    from rich.console import Console
+
+    def rendered(draw, what, width):
+        console = Console(record=True, width=width)
+        draw(what, console)
+        return console.export_text()
+
+    small_probes(monkeypatch)
+    result = CliRunner().invoke(bench, ["-m", str(bundled_model_dir()), *TINY_ARGS[:-1], "--profile"],
+                                env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert max(map(len, result.stdout.splitlines())) <= 80
+    runs = {"f32": [report, report], "q8": [report, report], "q4": [report, report]}
+    tables = [(report_module.render, report),
+              (report_module.render_formats, {"formats": runs, "comparison": formats.format_ratios(runs)})]
+    for draw, what in tables:
+        text = rendered(draw, what, 80)
+        assert max(map(len, text.splitlines())) <= 80
+        assert text == rendered(draw, what, 1000)          # nothing wrapped: the same as unbounded
+    text = rendered(report_module.render, report, 80)
+    fig = report_module.fig
+    assert "vs probe" in text and "vs probe beside it" not in text and " 0.0 " not in text
+    for d in report["decode"]:
+        assert f"tg @ {d['context']} tok/s" in text and fig(d["tok_per_s"]["median"]) in text
+        assert f"{fig(d['gb_per_s'])} GB/s" in text and f"{fig(d['ceiling_tok_per_s'])} tok/s" in text
+    for p in report["prefill"]:
+        assert f"{fig(p['gflop_per_s']['median'])} GFLOP/s" in text and f"{fig(p['weight_gb_per_s'])} GB/s" in text
+    for r in report["passes"]:
+        assert f"{r['step_ratio']['median']:.2f}x" in text and f"{r['routed_experts_per_layer']:.1f} exp/layer" in text
+    for f, rate in report["probes"]["ceiling"]["g_weights_per_s"].items():
+        assert re.search(rf"ceiling {f} G w/s\s+{re.escape(fig(rate))}", text)
+    assert f"{human_count(report['model']['params'])} params" in text
+    assert f"peak RSS {human_bytes(report['memory']['peak_rss_bytes'])}" in " ".join(text.split())
+    assert f"{report['memory']['rss_ratio']:.2f}x weights + cache" in text
+    assert f"one core x {report['probes']['ceiling']['cores']}" in text      # the footnote
+    # three significant figures, whole numbers whole; a share below 1% is not 0%
+    assert [fig(x) for x in (994.54, 16.84, 1.234, 0.0703, 0.000123, 1322.05, 0)] == \
+        ["995", "16.8", "1.23", "0.0703", "0.000123", "1322", "0"]
+    assert [report_module.pct(x) for x in (0.104, 0.0012, 0)] == ["10%", "0.1%", "0%"]
 
 
 def test_compare_hf_is_skipped_with_a_note_without_torch(monkeypatch, capsys):
@@ -368,7 +416,7 @@ def test_side_by_side_pairs_samples_of_every_format_in_one_process(report, tmp_p
     text = " ".join(console.export_text().split())
     r = out["rows"]["pp8 tok/s"]["q8"]
     assert f"{r['ratio']:.2f}x ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})" in text
-    assert f"{r['tok_per_s']['median']:.2f}" in text and "100.00" not in text   # its figures too
+    assert report_module.fig(r["tok_per_s"]["median"]) in text and " 100 " not in text   # its figures too
     assert "0.10x (0.10-0.10)" in text and "medians of 3 samples of every format" in text
     # formats that would not fit in memory together are not loaded side by side
     monkeypatch.setattr(formats.memory, "available_bytes", lambda: 10**6)

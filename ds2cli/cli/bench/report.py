@@ -1,11 +1,17 @@
 """The tables `ds2 bench` prints, drawn with rich from a report: one run's figures against the
-probes (and transformers'), or the formats side by side."""
+probes (and transformers'), or the formats side by side. Each fits an 80-column terminal: short
+cells, a row per figure where one row would not fit, and the words that explain them in a few
+short lines below the table."""
 
 from __future__ import annotations
+
+import math
 
 from rich import box
 from ds2cli.cli import console
 from rich.table import Table
+
+from ds2cli.wording import human_bytes, human_count
 
 PIPED_WIDTH = 1000          # columns for a table on a pipe or in a file: past any row's width
 
@@ -17,67 +23,132 @@ def stdout_console():
     return console.stdout_console(piped_width=PIPED_WIDTH)
 
 
+def fig(x: float) -> str:
+    """A measured figure to three significant figures, whole numbers kept whole: 994.54 -> '995',
+    16.84 -> '16.8', 1.234 -> '1.23', 0.0703 -> '0.0703', 1322.05 -> '1322'; never '0.0' for
+    a figure that is not 0."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:.0f}"
+    places = max(0, 2 - math.floor(math.log10(abs(x))))
+    if places and math.floor(math.log10(abs(round(x, places)))) > math.floor(math.log10(abs(x))):
+        places -= 1                                 # rounded up a digit: 99.96 -> '100', not '100.0'
+    return f"{x:.{places}f}"
+
+
+def pct(share: float) -> str:
+    """A share as a percentage: '10%', and below 1% one significant figure ('0.1%'), not '0%'."""
+    p = 100 * share
+    return f"{p:.0f}%" if p == 0 or abs(p) >= 0.995 else f"{p:.1g}%"
+
+
+WIDTH = 80                  # the terminal every table fits
+
+
+def bench_table(title: str, caption: str | None = None) -> Table:
+    """No edge columns and no padding at the table's edges: every column of an 80-column
+    terminal goes to the cells. A table narrower than its title's or caption's lines widens to
+    them (up to 80 columns), so they are not wrapped."""
+    lines = [line for text in (title, caption or "") for line in text.splitlines()]
+    return Table(title=title, caption=caption, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                 caption_justify="left", collapse_padding=True, min_width=min(WIDTH, max(map(len, lines))))
+
+
+def model_line(m: dict, weight_bytes: int, form: str) -> str:
+    return (f"{m['num_hidden_layers']} layers, {human_count(m['params'])} params, "
+            f"{human_bytes(weight_bytes)} as {form}")
+
+
 def render(report: dict, out) -> None:
     m = report["model"]
-    table = Table(title=f"ds2 bench: {m['path']}\n{m['num_hidden_layers']} layers, "
-                        f"{m['params'] / 1e9:.2f} B params, {m['weight_bytes'] / 1e9:.2f} GB as {m['format']}",
-                  caption=machine_line(report["machine"]), box=box.SIMPLE_HEAD)
-    for name in ("test", "median", "min", "derived", "vs probe beside it"):
-        table.add_column(name, no_wrap=name == "test", justify="right" if name in ("median", "min") else "left")
+    grid = bench_table(f"ds2 bench: {m['path']}\n{model_line(m, m['weight_bytes'], m['format'])}",
+                   "\n".join([machine_line(report["machine"]), *footnotes(report)]))
+    for name in ("test", "median", "min", "derived", "vs probe"):
+        grid.add_column(name, no_wrap=True, justify="right" if name in ("median", "min") else "left")
     for row in table_rows(report):
-        table.add_row(*row)
-    out.print(table)
+        grid.add_row(*row)
+    out.print(grid)
     if report.get("profile"):
+        out.print()
         render_profile(report["profile"], out)
 
 
+def footnotes(report: dict) -> list[str]:
+    """What the short cells mean, a line each, only for the rows the table has."""
+    notes = ["vs probe: the figure's share of the probe re-run beside it"]
+    ceiling = report["probes"].get("ceiling")
+    if ceiling:
+        notes.append(f"ceiling: G weights/s numpy widens + multiplies, one core x {ceiling['cores']}, "
+                     "at most memory's")
+    if report.get("passes"):
+        notes.append("pass k @ c: k tokens after c, in decode steps of its repeat (median, range)")
+    if report.get("compare_hf"):
+        notes.append("hf: transformers on the same checkpoint; vs probe: ds2's median over its")
+    return notes
+
+
 def render_profile(p: dict, out) -> None:
-    """--profile: a decode step's time by where it goes, summing to the step."""
-    table = Table(title=f"a decode step after {p['context']} tokens: {1e3 * p['step_s']:.1f} ms "
-                        f"(mean of {p['steps']} steps)", box=box.SIMPLE_HEAD)
+    """--profile: a decode step's time by where it goes, summing to the step. A long name keeps
+    its head in the table ('the rest') and is written out in full below it."""
+    notes = [r["what"] for r in p["rows"] if len(r["what"]) > PROFILE_NAME]
+    grid = bench_table(f"a decode step after {p['context']} tokens: {fig(1e3 * p['step_s'])} ms "
+                   f"(mean of {p['steps']} steps)", "\n".join(notes) or None)
     for name in ("where", "ms", "share", "calls"):
-        table.add_column(name, justify="left" if name == "where" else "right")
+        grid.add_column(name, no_wrap=True, justify="left" if name == "where" else "right")
     for r in p["rows"]:
-        table.add_row(r["what"], f"{1e3 * r['per_step_s']:.2f}", f"{r['share']:.0%}",
-                      "" if r["calls_per_step"] is None else f"{r['calls_per_step']:.0f}")
-    out.print(table)
+        grid.add_row(short_name(r["what"]), fig(1e3 * r["per_step_s"]), pct(r["share"]),
+                       "" if r["calls_per_step"] is None else f"{r['calls_per_step']:.0f}")
+    out.print(grid)
 
 
-def stat_cells(s: dict, fmt: str) -> list[str]:
-    return [format(s["median"], fmt), format(s["min"], fmt)]
+PROFILE_NAME = 40           # a --profile row's name past this is cut to its head
+
+
+def short_name(what: str) -> str:
+    """'the rest: Python between them (...)' -> 'the rest'; a name that fits is left whole."""
+    if len(what) <= PROFILE_NAME:
+        return what
+    for mark in (":", " ("):
+        if mark in what:
+            return what.split(mark, 1)[0]
+    return what[:PROFILE_NAME - 3] + "..."
+
+
+def stat_cells(s: dict) -> list[str]:
+    return [fig(s["median"]), fig(s["min"])]
 
 
 def table_rows(report: dict) -> list[list[str]]:
+    """The rows of the table, each five cells: test, median, min, derived, vs probe."""
     p = report["probes"]
-    rows = [["matvec GB/s", *stat_cells(p["matvec"]["gb_per_s"], ".1f"),
-             "{}x{} float32".format(*p["matvec"]["shape"]), ""]]
-    rows += [[f"gemm {name} GFLOP/s", *stat_cells(g["gflop_per_s"], ".1f"), "{}x{}x{}".format(*g["shape"]), ""]
+    rows = [["matvec GB/s", *stat_cells(p["matvec"]["gb_per_s"]), "{}x{} float32".format(*p["matvec"]["shape"]), ""]]
+    rows += [[f"gemm {name} GFLOP/s", *stat_cells(g["gflop_per_s"]), "{}x{}x{}".format(*g["shape"]), ""]
              for name, g in p["gemm"].items()]
-    rows.append(["load s", *stat_cells(report["load_s"], ".2f"), "", ""])
-    rows += [[f"pp{r['tokens']} tok/s", *stat_cells(r["tok_per_s"], ".2f"),
-              f"{r['gflop_per_s']['median']:.1f} GFLOP/s, {r['weight_gb_per_s']:.1f} GB/s",
-              f"{r['gemm_ratio']:.0%} of {r['probes']['gemm_gflop_per_s']['median']:.0f} GFLOP/s, "
-              f"{r['matvec_ratio']:.0%} of {r['probes']['matvec_gb_per_s']['median']:.1f} GB/s"]
-             for r in report["prefill"]]
     ceiling = p.get("ceiling")
     if ceiling:
-        rows.append(["numpy ceiling G w/s", "", "", ", ".join(f"{f} {s:.1f}"
-                                                              for f, s in ceiling["g_weights_per_s"].items()),
-                     f"widen + multiply: one core x {ceiling['cores']}, at most memory's"])
-    rows += [[f"tg @ {r['context']} tok/s", *stat_cells(r["tok_per_s"], ".2f"),
-              f"{r['bytes_per_token'] / 1e6:.0f} MB/tok, {r['gb_per_s']:.1f} GB/s",
-              f"{r['matvec_ratio']:.0%} of {r['probes']['matvec_gb_per_s']['median']:.1f} GB/s"
-              + (f"; {r['ceiling_share']:.0%} of ceiling {r['ceiling_tok_per_s']:.2f} tok/s"
-                 if "ceiling_share" in r else "")]
-             for r in report["decode"]]
-    rows += [[f"pass of {r['tokens']} @ {r['context']} ms", *stat_cells({k: 1e3 * r["pass_s"][k] for k in ("median", "min")}, ".1f"),
-              f"{r['step_ratio']['median']:.2f}x a decode step ({r['step_ratio']['min']:.2f}-{r['step_ratio']['max']:.2f})",
-              f"{r['routed_experts_per_layer']:.1f} experts/layer, {r['weight_bytes'] / 1e6:.0f} MB"]
-             for r in report.get("passes", [])]
+        rows += [[f"ceiling {f} G w/s", "", "", fig(s), ""] for f, s in ceiling["g_weights_per_s"].items()]
+    rows.append(["load s", *stat_cells(report["load_s"]), "", ""])
+    for r in report["prefill"]:
+        beside = r["probes"]
+        rows.append([f"pp{r['tokens']} tok/s", *stat_cells(r["tok_per_s"]), f"{fig(r['gflop_per_s']['median'])} GFLOP/s",
+                     f"{pct(r['gemm_ratio'])} of {fig(beside['gemm_gflop_per_s']['median'])}"])
+        rows.append([f"pp{r['tokens']} weights", "", "", f"{fig(r['weight_gb_per_s'])} GB/s",
+                     f"{pct(r['matvec_ratio'])} of {fig(beside['matvec_gb_per_s']['median'])}"])
+    for r in report["decode"]:
+        rows.append([f"tg @ {r['context']} tok/s", *stat_cells(r["tok_per_s"]),
+                     f"{human_bytes(r['bytes_per_token'])}/tok, {fig(r['gb_per_s'])} GB/s",
+                     f"{pct(r['matvec_ratio'])} of {fig(r['probes']['matvec_gb_per_s']['median'])}"])
+        if "ceiling_share" in r:
+            rows.append([f"tg @ {r['context']} ceiling", "", "", f"{fig(r['ceiling_tok_per_s'])} tok/s",
+                         f"{pct(r['ceiling_share'])} of it"])
+    for r in report.get("passes", []):
+        ratio = r["step_ratio"]
+        rows.append([f"pass {r['tokens']} @ {r['context']} ms", *stat_cells({k: 1e3 * r["pass_s"][k] for k in ("median", "min")}),
+                     f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})", ""])
+        rows.append([f"pass {r['tokens']} @ {r['context']} reads", "", "",
+                     f"{human_bytes(r['weight_bytes'])}, {r['routed_experts_per_layer']:.1f} exp/layer", ""])
     mem = report["memory"]
-    rows.append(["peak RSS GB", f"{mem['peak_rss_bytes'] / 1e9:.2f}", "",
-                 f"weights {mem['weight_bytes'] / 1e9:.2f} + cache {mem['cache_bytes'] / 1e9:.2f}",
-                 f"{mem['rss_ratio']:.2f}x those"])
+    rows.append(["peak RSS", human_bytes(mem["peak_rss_bytes"]), "", f"{mem['rss_ratio']:.2f}x weights + cache", ""])
+    rows.append(["weights + cache", "", "", f"{human_bytes(mem['weight_bytes'])} + {human_bytes(mem['cache_bytes'])}", ""])
     return rows + hf_rows(report)
 
 
@@ -92,7 +163,7 @@ def hf_rows(report: dict) -> list[list[str]]:
         for r in runs:
             name = f"hf pp{r[key]}" if kind == "pp" else f"hf tg @ {r[key]}"
             mine = ours[(kind, r[key])]["tok_per_s"]["median"]
-            rows.append([f"{name} tok/s", *stat_cells(r["tok_per_s"], ".2f"), f"transformers {hf['transformers']}",
+            rows.append([f"{name} tok/s", *stat_cells(r["tok_per_s"]), f"transformers {hf['transformers']}",
                          f"ds2 {mine / r['tok_per_s']['median']:.2f}x"])
     return rows
 
@@ -102,34 +173,35 @@ def render_formats(report: dict, out) -> None:
     paired = (report.get("side_by_side") or {}).get("rows", {})
     first = next(iter(report["formats"].values()))[0]
     m = first["model"]
-    table = Table(title=f"ds2 bench --formats: {m['path']}\n{m['num_hidden_layers']} layers, "
-                        f"{m['params'] / 1e9:.2f} B params, {m['float32_weight_bytes'] / 1e9:.2f} GB as float32",
-                  caption=machine_line(first["machine"]) + f"; medians of {next(iter(comparison.values()))['rounds']} "
-                          "rounds, each running every format in its own process, in turn; ratio = this format "
-                          "/ the first (median, and range), within each round" + (
-                              f"; speed rows side by side: medians of {report['side_by_side']['samples']} "
-                              "samples of every format interleaved in one process, each ratio within a sample"
-                              if paired else ""),
-                  box=box.SIMPLE_HEAD)
-    table.add_column("test", no_wrap=True)
+    notes = [machine_line(first["machine"]),
+             f"medians of {next(iter(comparison.values()))['rounds']} rounds, each running every format in "
+             "its own process, in turn",
+             "ratio: this format / the first within each round, median (range)"]
+    if paired:
+        notes += [f"tok/s side by side: medians of {report['side_by_side']['samples']} samples of every format "
+                  "in one process", "(interleaved), the ratios taken within each sample"]
+    notes.append("peak RSS / f32: the highest peak RSS over the float32 weights' bytes")
+    grid = bench_table(f"ds2 bench --formats: {m['path']}\n{model_line(m, m['float32_weight_bytes'], 'float32')}",
+                   "\n".join(notes))
+    grid.add_column("test", no_wrap=True)
     for name in comparison:
-        table.add_column(name, justify="right")
+        grid.add_column(name, justify="right", no_wrap=True)
         if name != next(iter(comparison)):
-            table.add_column("ratio", justify="right")
+            grid.add_column("ratio", justify="right", no_wrap=True)
     for row in next(iter(comparison.values()))["figures"]:
         cells = [row]
         for k, (name, c) in enumerate(comparison.items()):
-            cells.append(f"{paired[row][name]['tok_per_s']['median'] if row in paired else c['figures'][row]:.2f}")
+            cells.append(fig(paired[row][name]["tok_per_s"]["median"] if row in paired else c["figures"][row]))
             if k:
                 ratio, lo_hi = ((paired[row][name]["ratio"], paired[row][name]["ratio_range"]) if row in paired
                                 else (c["ratios"][row], c["ratio_range"][row]))
                 cells.append("-" if ratio is None else f"{ratio:.2f}x ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})")
-        table.add_row(*cells)
-    cells = ["peak RSS / f32 weights"]
+        grid.add_row(*cells)
+    cells = ["peak RSS / f32"]
     for k, c in enumerate(comparison.values()):
         cells += [f"{c['rss_vs_float32_weights']:.2f}x"] + ([""] if k else [])
-    table.add_row(*cells)
-    out.print(table)
+    grid.add_row(*cells)
+    out.print(grid)
 
 
 def machine_line(machine: dict) -> str:
