@@ -8,8 +8,8 @@ a float weight, is scales.py's):
   q8b: one float32 scale per block of 32 *inputs of one row*, value = q * s[o, i // 32]: GGUF's
       Q8_0 blocks, held exactly (a Q8_0 file's integers and scales come back bit for bit), how a
       Q8_0 GGUF loads. Stored in panels of R output rows, each transposed: qweight int8
-      (..., out/R, in, R), scales (..., out/R, in/32, R), R the widest of Q8B_PANELS dividing
-      out. Why transposed: a block's scale varies along a row, so a row-major kernel must scale
+      (..., out/R, in, R), scales (..., out/R, in/32, R), R chosen by panel_width. Why
+      transposed: a block's scale varies along a row, so a row-major kernel must scale
       every widened weight (a pass NumPy makes 32 values at a time: half q8's decode speed);
       in a panel, block j of the inputs is a (32, R) slab whose product with the token's 32
       inputs gives every row's partial sum over that block at once (BLAS on rows of R), and
@@ -70,9 +70,9 @@ Q8B_PANELS = (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)  # q8b: output rows a panel
                               # to split evenly (panel_width); below 8 only test models' odd shapes
 ROW_ALIGN = 8                 # q8 row blocks and spans start at multiples of this (q4: its group)
 L2_BLOCK_BYTES = 1 << 20      # a decode row block's float32 buffer: fits one core's L2
-Q8B_BLOCK_BYTES = 2 << 20     # q8b's: its block costs five NumPy calls, not two, so fewer, larger
-                              # ones (from L3) measured faster: 2816x2048 on one core 1.6-2.1 G
-                              # values/s at 1 MB, 2.0-2.4 at 4 MB, 0.9 at 8 MB (q8: 2.2-2.3)
+Q8B_BLOCK_BYTES = 2 << 20     # q8b's: larger than q8's, fewer calls (from L3); decode of the
+                              # 4-layer slice against 8-bit, median of 6 rounds: 0.89x with 1 MB,
+                              # 0.90x with 2, 0.77x with 4 (two processes share the L3)
 Q8B_PARTIAL_SUMS = 1 << 18    # q8b weighs this many partial sums at once (1 MB)
 PREFILL_CHUNK_BYTES = 16 << 20  # prefill dequantizes at most this much float32 at once, a core
 DEQUANTIZE_BLOCK_BYTES = 4 << 20  # ... and scales it in blocks of this much
@@ -165,7 +165,7 @@ class Format:
         elif self.block is not None:
             d.update(scales="float32", scale_group="block", block_size=self.block,
                      layout=f"panels of R output rows, transposed: qweight (out/R, in, R), scales "
-                            f"(out/R, in/{self.block}, R), R the first of {list(Q8B_PANELS)} dividing out")
+                            f"(out/R, in/{self.block}, R), R dividing out, one of {list(Q8B_PANELS)}")
         elif self.group_size is None:
             d.update(scales="float32", scale_group="row")
         else:
