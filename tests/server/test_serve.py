@@ -340,6 +340,8 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
     seen = {}
 
     def serve_forever(server, state, thread=None, ready=None):
+        if ready is not None:
+            ready()                  # the ready line, logged once the real one's handlers are in place
         from threadpoolctl import threadpool_info
         seen.update(state=state, blas=[p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"],
                     cores=ds2cli.parallel.cores.workers().n)
