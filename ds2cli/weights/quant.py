@@ -262,8 +262,8 @@ def row_block(inp: int, f: Format, nbytes: int | None = None) -> int:
 
 
 def unpack(qweight: np.ndarray, f: Format, out: np.ndarray | None = None) -> np.ndarray:
-    """The stored values as float32 (..., rows, in), unscaled: q for q8 and q8b, q - 8 for q4,
-    the bfloat16 values widened for bf16."""
+    """The stored values as float32 (..., rows, in), unscaled: q for q8, q - 8 for q4, the
+    bfloat16 values widened for bf16 (q8b's panels have their own kernels: dequantize_panels)."""
     *lead, rows, stored = qweight.shape
     inp = stored * f.per_element
     if out is None:
@@ -557,11 +557,11 @@ class QuantMatrix:
         if out * inp <= SMALL_MATRIX:
             with workers().buffer(out * inp, slot="chunk") as buf:
                 return x @ dequantize(self.qweight, self.scales, f, buf.reshape(out, inp)).T
-        pool = workers()
         if f.block is not None:
             return self._many_q8b(x)
         chunk = row_block(inp, f, PREFILL_CHUNK_BYTES)
         yt = np.empty((out, len(x)), np.float32)                            # (out, T)
+        pool = workers()
         xt = np.ascontiguousarray(x.T)                                      # (in, T)
 
         def span(a: int, b: int) -> None:
