@@ -60,13 +60,23 @@ def describe_gguf(path: str | Path) -> dict:
     report.update(model=describe.model_section(cfg), mla=describe.mla_section(cfg), moe=describe.moe_section(cfg),
                   bulk_type=model.bulk_type,
                   loads_as="q8b (the file's own blocks)" if model.default_recipe else f"{bits}-bit" if bits else "float32",
-                  memory=memory_forms(cfg, bits, model.default_recipe))
+                  memory=memory_section(cfg, bits, model.default_recipe))
     return report
 
 
-def memory_forms(cfg, default_bits: int | None, default_recipe=None) -> list[dict]:
+def memory_section(cfg, default_bits: int | None, default_recipe=None) -> dict:
+    """A checkpoint's memory section (inspect_report.memory_section: float32 weights, caches, and
+    `formats`), its formats those the GGUF loads in."""
+    params = describe.params_section(cfg, describe.expected_tensors(cfg))["total"]
+    return {**describe.memory_section(cfg, params), "formats": memory_forms(cfg, default_bits, default_recipe)}
+
+
+def memory_forms(cfg, default_bits: int | None, default_recipe=None, available: int | None = None) -> list[dict]:
     """The weights and RAM (weights + cache at the default context + margin) of each form a GGUF
-    loads in, the default first (`default_recipe`: a Q8_0 file's own blocks, q8b)."""
+    loads in, the default first (`default_recipe`: a Q8_0 file's own blocks, q8b), and whether
+    it fits the memory available now, as memory.fits says a checkpoint's forms; with the option
+    that loads it."""
+    available = memory.available_bytes() if available is None else available
     forms = [(default_bits, default_recipe)] + [(b, None) for b in (8, 4, None)
                                                 if default_recipe is not None or b != default_bits]
     out = []
@@ -74,8 +84,10 @@ def memory_forms(cfg, default_bits: int | None, default_recipe=None) -> list[dic
         qc = recipe or (qcheckpoint.QuantConfig.recipe(bits) if bits else None)
         need = memory.required(cfg, qc, None, quantize_at_load=bits is not None)
         out.append({"format": memory.label(qc) + (" (q8b, the file's blocks)" if recipe is not None else ""),
+                    "weight_bytes": need["weights"], "ram_bytes": need["total"], "context": need["context"],
+                    "available_bytes": available,
+                    "fits": None if available is None else need["total"] <= available,
                     "default": i == 0,
                     "option": "--quantize exact" if recipe is not None else
-                    "--quantize auto" if bits is None else f"--quantize {bits}",
-                    "weight_bytes": need["weights"], "ram_bytes": need["total"], "context": need["context"]})
+                    "--quantize auto" if bits is None else f"--quantize {bits}"})
     return out

@@ -131,22 +131,28 @@ def _storage_table(r: dict, max_files: int = 8) -> Table:
     return table
 
 
+def _fits(form: dict) -> str:
+    return "" if form["fits"] is None else " (fits now)" if form["fits"] else " (does NOT fit now)"
+
+
 def _memory_table(r: dict) -> Table:
-    m = r["memory"]
-    n = m["context_length"]
     forms = [(f"{f['format']}: weights, RAM at {f['context']} tokens",
-              f"{human_bytes(f['weight_bytes'])}, {human_bytes(f['ram_bytes'])}"
-              + ("" if f["fits"] is None else " (fits now)" if f["fits"] else " (does NOT fit now)"))
-             for f in m["formats"]]
+              f"{human_bytes(f['weight_bytes'])}, {human_bytes(f['ram_bytes'])}{_fits(f)}")
+             for f in r["memory"]["formats"]]
+    return _kv_table("Memory", forms + _memory_rows(r["memory"]))
+
+
+def _memory_rows(m: dict) -> list[tuple[str, str]]:
+    """The rows under the forms, a checkpoint's and a GGUF file's alike: memory now, the caches."""
+    n = m["context_length"]
     available = m["formats"][0]["available_bytes"] if m["formats"] else None
-    return _kv_table("Memory", [
-        *forms,
+    return [
         ("available now", "unknown" if available is None else human_bytes(available)),
         ("latent cache per token", human_bytes(m["latent_cache_bytes_per_token"])),
         ("MHA cache per token", human_bytes(m["mha_cache_bytes_per_token"])),
         ("MHA / latent", f"{m['mha_to_latent_ratio']:.1f}x"),
         (f"latent cache at {n} tokens", human_bytes(m["latent_cache_bytes_at_context"])),
-        (f"MHA cache at {n} tokens", human_bytes(m["mha_cache_bytes_at_context"]))])
+        (f"MHA cache at {n} tokens", human_bytes(m["mha_cache_bytes_at_context"]))]
 
 
 def _tokenizer_table(r: dict) -> Table:
@@ -192,17 +198,25 @@ def _gguf_tables(r: dict) -> list:
     if "model" in r:
         tables += [_model_table(r), _kv_table("MLA", _words(r["mla"], MLA_WORDS)),
                    _moe_table(r),
-                   _kv_table("Memory (ds2 converts the blocks at load)", [
-                       ("bulk type", r["bulk_type"]),
-                       *((f"{f['format']} ({f['option']}{', default' if f['default'] else ''})",
-                          f"weights {human_bytes(f['weight_bytes'])}, RAM {human_bytes(f['ram_bytes'])} "
-                          f"at {f['context']} tokens") for f in r["memory"])])]
+                   _gguf_memory_table(r)]
     t = r["tokenizer"]
     tables.append(_kv_table("Tokenizer (tokenizer.ggml.*)", [
         ("model / pre", f"{t['model']} / {t['pre']}"), ("tokens", t["tokens"]),
         ("bos id", _show(t["bos_token_id"])), ("eos id", _show(t["eos_token_id"])),
         ("add bos token", _show(t["add_bos_token"])), ("chat template", t["chat_template"])]))
     return tables
+
+
+def _gguf_memory_table(r: dict) -> Table:
+    """The forms a GGUF loads in, each with the option that picks it; then a checkpoint's rows."""
+    forms = r["memory"]["formats"]
+    context = f"; RAM at {forms[0]['context']} tokens" if forms else ""
+    return _kv_table(f"Memory (ds2 converts the blocks at load{context})", [
+        ("bulk type", r["bulk_type"]),
+        *((f"{f['format']} ({f['option']}{', default' if f['default'] else ''})",
+           f"weights {human_bytes(f['weight_bytes'])}, RAM {human_bytes(f['ram_bytes'])}{_fits(f)}")
+          for f in forms),
+        *_memory_rows(r["memory"])])
 
 
 def render(report: dict, console: Console) -> None:

@@ -275,6 +275,18 @@ def test_check_on_a_gguf_says_it_read_nothing():
     assert "warning: --check scans a safetensors checkpoint's values; this GGUF file's were not read" in r.stderr
 
 
+def test_a_gguf_s_memory_is_its_source_checkpoint_s_with_the_option_of_each_form(monkeypatch):
+    """--json gives `memory` one shape: the F16 GGUF converted from a reference checkpoint reports
+    that checkpoint's memory section, figure for figure, each form also naming its option."""
+    monkeypatch.setenv("DS2_MEMORY_AVAILABLE", "8GB")
+    gguf = json.loads(inspect("--json", Path(__file__).parents[1] / "data" / "gguf" /
+                              "plain_rope_tied_fp16.f16.gguf").stdout)["memory"]
+    source = json.loads(inspect("--json", REFERENCE / "plain_rope_tied_fp16").stdout)["memory"]
+    options = [(f.pop("option"), f.pop("default")) for f in gguf["formats"]]
+    assert gguf == source
+    assert options == [("--quantize auto", True), ("--quantize 8", False), ("--quantize 4", False)]
+
+
 def test_tables_say_the_config_in_words():
     """Rows are words a reader knows; the config's field names stay in --json."""
     out = inspect(TINY).stdout

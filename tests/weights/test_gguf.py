@@ -368,7 +368,7 @@ def test_inspect_reports_types_memory_and_the_tokenizer():
     report = json.loads(r.stdout)
     assert report["architecture"] == "deepseek2" and report["bulk_type"] == "Q4_K"
     assert report["tensor_types"]["Q4_K"]["tensors"] == 15 and report["loads_as"] == "4-bit"
-    assert [f["format"] for f in report["memory"]] == ["4-bit", "8-bit", "float32"]
+    assert [f["format"] for f in report["memory"]["formats"]] == ["4-bit", "8-bit", "float32"]
     assert report["file_bytes"] == KQUANT_FIXTURE.stat().st_size and not report["problems"]
     assert run("inspect", KQUANT_FIXTURE).exit_code == 0
 
