@@ -2,6 +2,8 @@
 
 `describe` reads config.json, the safetensors headers, tokenizer_config.json, tokenizer.json and
 generation_config.json, never tensor data (unless `check`), so it is instant on a 30 GB checkpoint.
+A Hugging Face id whose shards are not downloaded is described from their headers read over
+HTTP (hub.resolve_headers, passed in as `shards`): the same report, from the same code.
 It loads the tokenizer exactly as `generate` would and renders the chat template once, so a
 checkpoint that `generate` refuses for its tokenizer does not pass inspect.
 Parameter counts come from the stored headers, not from the config, so they describe what is
@@ -40,7 +42,7 @@ from ds2cli.model import rope
 from ds2cli.weights.checkpoint import TensorInfo
 from ds2cli.json_files import read_json_object
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.errors import CheckpointError, Ds2Error
+from ds2cli.errors import CheckpointError, ConfigError, Ds2Error
 from ds2cli.weights.loader import check_model_dir, read_generation_config
 from ds2cli.text.tiktoken_convert import has_tiktoken, load_backend as load_tiktoken_backend
 from ds2cli.text.tokenizer import Tokenizer
@@ -50,23 +52,27 @@ PARAM_CATEGORIES = ("embeddings", "attention", "dense_mlp", "routed_experts", "s
                     "router", "norms", "lm_head", "other")
 
 
-def describe(model_dir: str | Path, check: bool = False) -> dict:
+def describe(model_dir: str | Path, check: bool = False, shards: checkpoint.Shards | None = None) -> dict:
     """The report for one checkpoint directory (JSON-serialisable).
 
     Raises ConfigError for a missing or invalid config.json; every other defect (safetensors
     files or headers that cannot be read, tensors that disagree with the config, a broken
     tokenizer or generation config, NaN/Inf weights found by `check`) is a string in `problems`,
     and the rest of the report is made of what can be read.
-    With `check`, every tensor's values are scanned, one tensor at a time."""
+    With `check`, every tensor's values are scanned, one tensor at a time.
+    `shards` is where the safetensors files are read, by default the directory's own; for a Hub
+    id, the shards' headers read over HTTP (hub.resolve_headers), which hold no data to check."""
     model_dir = check_model_dir(model_dir)
+    if check and shards is not None:
+        raise ConfigError("--check reads every weight: it needs the shards downloaded, not only their headers")
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
-    stored, qc, found, complete = read_checkpoint(model_dir, cfg)
+    stored, qc, found, complete = read_checkpoint(model_dir, cfg, shards)
     tensors = {n: t for n, t in stored.items() if not checkpoint.is_mtp(n, cfg)}  # what inference reads
     generation, gen_problems = _generation_config(model_dir)
     tok, tok_problems = tokenizer_section(model_dir, cfg, generation)
     tok["generation_config"] = (model_dir / "generation_config.json").is_file()
     params = params_section(cfg, tensors if qc is None and complete else expected_tensors(cfg))
-    storage = storage_section(model_dir, stored, qc)
+    storage = storage_section(model_dir, stored, qc, shards)
     mem = memory_section(cfg, params["total"])
     mem["formats"] = memory.fits(cfg, qc)
     scanned, scan_problems = scan_values(stored) if check else (None, [])
@@ -99,13 +105,13 @@ def describe(model_dir: str | Path, check: bool = False) -> dict:
     }
 
 
-def read_checkpoint(model_dir: Path, cfg: DeepseekV2Config
+def read_checkpoint(model_dir: Path, cfg: DeepseekV2Config, shards: checkpoint.Shards | None = None
                     ) -> tuple[dict[str, TensorInfo], qcheckpoint.QuantConfig | None, list[str], bool]:
     """(the tensors of every readable shard, the ds2 quantization_config, problems, whether every
     shard was read). The tensors are checked against the config only when every shard was read
     and the layout is known: otherwise each tensor of an unreadable shard, or of the ds2 layout
     read as Hugging Face's, would be one more problem that says nothing new."""
-    stored, found = checkpoint.read_readable_headers(model_dir)
+    stored, found = checkpoint.read_readable_headers(model_dir, shards)
     complete = not found
     qc, qc_problems = quantization_config(model_dir)
     found += qc_problems
@@ -270,11 +276,13 @@ def params_section(cfg: DeepseekV2Config, tensors: dict[str, TensorInfo]) -> dic
 
 # ---- storage and memory ----
 
-def storage_section(model_dir: Path, tensors: dict[str, TensorInfo],
-                    qc: qcheckpoint.QuantConfig | None) -> dict:
+def storage_section(model_dir: Path, tensors: dict[str, TensorInfo], qc: qcheckpoint.QuantConfig | None,
+                    shards: checkpoint.Shards | None = None) -> dict:
     """The files, and parameters and bytes by storage: the safetensors dtype, or for a ds2 low-bit
-    checkpoint its formats ("q4 (U8, 2 per byte)", "q8 scales (F32)": see qcheckpoint.stored_kind)."""
-    files = [{"name": p.name, "bytes": p.stat().st_size} for p in checkpoint.find_shards(model_dir)[0]]
+    checkpoint its formats ("q4 (U8, 2 per byte)", "q8 scales (F32)": see qcheckpoint.stored_kind).
+    A file's size is what its folder says, or for a Hub id's shard what the Hub said (hub.read_range)."""
+    shards = shards or checkpoint.LocalShards(model_dir)
+    files = [{"name": p.name, "bytes": shards.size(p.name)} for p in checkpoint.find_shards(model_dir, shards)[0]]
     dtypes: dict[str, dict] = {}
     for name, t in parameters(tensors).items():
         kind, weights_per_element = (t.dtype, 1) if qc is None else qcheckpoint.stored_kind(name, tensors)

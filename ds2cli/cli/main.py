@@ -17,7 +17,8 @@ import numpy as np
 from ds2cli import __version__
 from ds2cli.cli import console
 from ds2cli.weights.gguf import file as gguf_file
-from ds2cli.weights import memory
+from ds2cli.weights import checkpoint, memory
+from ds2cli.weights.hub import resolve_headers
 from ds2cli.cli.bench import bench
 from ds2cli.generation import saved_cache
 from ds2cli.generation.conversation import ChatSession, read_messages
@@ -364,15 +365,26 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
 @model_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-@click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data).")
+@click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data: a Hugging "
+                                            "Face id's shards are downloaded first, as generate does).")
 def inspect(directory, model_dir, as_json, check):
-    """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics."""
+    """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics.
+
+    A Hugging Face id whose shards are not cached is read without them: its small files are
+    downloaded, its shards' headers read over HTTP."""
     if directory is not None and model_dir is not None and not model_from_env():
         raise click.UsageError("give the checkpoint as DIRECTORY or with -m/--model, not both")
     with naming_ds2_model() if directory is None else contextlib.nullcontext():
-        path = check_model_dir(directory or model_dir or bundled_model_dir())
+        target = directory or model_dir or bundled_model_dir()
+        # headers only, unless --check, which reads every weight (and so downloads a Hub id whole)
+        path, shards = (target, None) if check else resolve_headers(target, checkpoint.MAX_HEADER_BYTES)
+        path = check_model_dir(path)
         # a GGUF's report is built from its metadata (gguf_inspect, on describe's sections)
-        report = describe_gguf(path.absolute()) if gguf_file.find(path) is not None else describe(path, check=check)
+        report = (describe_gguf(path.absolute()) if gguf_file.find(path) is not None
+                  else describe(path, check=check, shards=shards))
+    if shards is not None:
+        console.info("(the shards are not downloaded: their headers were read from the Hub; "
+                     "generate and chat download them)")
     if check and report.get("format") == "gguf":
         report["warnings"].append("--check scans a safetensors checkpoint's values; this GGUF file's were not read")
     if as_json:

@@ -15,7 +15,7 @@ import math
 import mmap
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator, Protocol
 
 import ml_dtypes  # registers bfloat16 with NumPy (so safetensors can return it); float8_e4m3fn
 import numpy as np
@@ -61,11 +61,42 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and bounds-check one safetensors file's header; the data is not read."""
+class Shards(Protocol):
+    """Where find_shards and read_header find a checkpoint's safetensors files: LocalShards, the
+    files of its folder, or hub.RemoteShards, a Hub repository's shards of which only the first
+    bytes (8 + the header) were read over HTTP, for `ds2 inspect ORG/NAME`."""
+    def names(self) -> list[str]: ...           # every *.safetensors file
+    def exists(self, name: str) -> bool: ...
+    def size(self, name: str) -> int: ...
+    def open(self, name: str) -> BinaryIO: ...
+
+
+class LocalShards:
+    """A checkpoint folder's safetensors files."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.model_dir.glob("*.safetensors") if p.is_file())
+
+    def exists(self, name: str) -> bool:
+        return (self.model_dir / name).is_file()
+
+    def size(self, name: str) -> int:
+        return (self.model_dir / name).stat().st_size
+
+    def open(self, name: str) -> BinaryIO:
+        return open(self.model_dir / name, "rb")
+
+
+def read_header(path: Path, shards: Shards | None = None) -> dict[str, TensorInfo]:
+    """Parse and bounds-check one safetensors file's header; the data is not read. The bytes come
+    from `shards` (default: path's own folder), which for a Hub id holds only the header."""
+    shards = shards or LocalShards(path.parent)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        size = shards.size(path.name)
+        with shards.open(path.name) as f:
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path.name}: truncated safetensors file ({size} bytes)")
@@ -79,6 +110,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    if len(raw) < n:
+        raise CheckpointError(f"{path.name}: the header ends after {len(raw)} of its {n} bytes")
     try:
         header = json.loads(raw.decode("utf-8"))
     except JSON_ERRORS:
@@ -165,9 +198,11 @@ def shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def find_shards(model_dir: Path) -> tuple[list[Path], list[str]]:
-    """shard_files without raising: the files that exist, and what is wrong with the rest (an
-    index that names shards outside the model folder names none that may be read)."""
+def find_shards(model_dir: Path, shards: Shards | None = None) -> tuple[list[Path], list[str]]:
+    """shard_files without raising: the files that exist (in `shards`, default the folder's own
+    files), and what is wrong with the rest (an index that names shards outside the model folder
+    names none that may be read)."""
+    shards = shards or LocalShards(model_dir)
     index = model_dir / INDEX_NAME
     if index.is_file():
         try:
@@ -178,14 +213,14 @@ def find_shards(model_dir: Path) -> tuple[list[Path], list[str]]:
         bad = [f for f in files if not isinstance(f, str) or Path(f).name != f]
         if bad:
             return [], [f"{index.name} names shard files outside the model folder: {bad[:3]}"]
-        missing = [f for f in files if not (model_dir / f).is_file()]
+        missing = [f for f in files if not shards.exists(f)]
         found = [f"{index.name} names shards that do not exist: {', '.join(missing)}"] if missing else []
         return [model_dir / f for f in files if f not in missing], found
-    if (model_dir / SINGLE_NAME).is_file():
+    if shards.exists(SINGLE_NAME):
         return [model_dir / SINGLE_NAME], []
-    found = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+    found = shards.names()
     if len(found) == 1:
-        return found, []
+        return [model_dir / found[0]], []
     return [], [f"no {SINGLE_NAME} or {INDEX_NAME} in {model_dir}"]
 
 
@@ -197,15 +232,17 @@ def read_headers(model_dir: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def read_readable_headers(model_dir: Path) -> tuple[dict[str, TensorInfo], list[str]]:
+def read_readable_headers(model_dir: Path, shards: Shards | None = None
+                          ) -> tuple[dict[str, TensorInfo], list[str]]:
     """read_headers without raising, for `ds2 inspect`, which reports a broken checkpoint rather
     than stopping at it: the tensors of every shard that can be read, and one problem for each
-    shard that cannot (and for each tensor a second shard holds again)."""
-    files, found = find_shards(model_dir)
+    shard that cannot (and for each tensor a second shard holds again). `shards` is where the
+    shards are read (default: the folder; hub.RemoteShards for a Hub id's headers)."""
+    files, found = find_shards(model_dir, shards)
     tensors: dict[str, TensorInfo] = {}
     for path in files:
         try:
-            header = read_header(path)
+            header = read_header(path, shards)
         except CheckpointError as e:
             found.append(str(e))
             continue

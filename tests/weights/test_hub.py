@@ -124,3 +124,40 @@ def test_a_failed_download_is_one_error_line(hf_env, tmp_path):
     hf_env.setenv("HF_HUB_OFFLINE", "1")          # the variable that stops huggingface_hub is named
     r = CliRunner().invoke(main, ["chat", "-m", "org/offline"], input="hi\n")
     assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "HF_HUB_OFFLINE is set" in r.stderr
+
+
+def test_a_snapshot_without_its_shards_is_downloaded_again(hf_env, tmp_path):
+    """`ds2 inspect` leaves a snapshot with config.json and no shard (tests/cli/test_inspect_remote.py):
+    generate must download the shards, not take it for a checkpoint."""
+    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    snapshot = fake_cache(tmp_path / "cache", repo="org/tiny") / "snapshots" / COMMIT
+    for shard in snapshot.glob("*.safetensors"):
+        shard.unlink()
+    calls = []
+
+    def snapshot_download(repo_id, revision, cache_dir, allow_patterns):
+        calls.append(allow_patterns)
+        return str(fake_cache(Path(cache_dir), repo_id) / "snapshots" / COMMIT)
+
+    hf_env.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
+    assert resolve_model_dir("org/tiny") == snapshot and "*.safetensors" in calls[0]
+    assert resolve_model_dir("org/tiny") == snapshot and len(calls) == 1     # now whole
+
+
+def test_a_snapshot_huggingface_hub_hands_back_without_shards_is_one_error_line(hf_env, tmp_path):
+    """Offline, huggingface_hub may return a cached snapshot as it found it: the shards still missing
+    are named, not left for the loader to stumble on."""
+    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    hf_env.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = fake_cache(tmp_path / "cache", repo="org/tiny") / "snapshots" / COMMIT
+    for shard in snapshot.glob("*.safetensors"):
+        shard.unlink()
+    as_found = types.SimpleNamespace(snapshot_download=lambda *args, **kwargs: str(snapshot))
+    hf_env.setitem(sys.modules, "huggingface_hub", as_found)
+    r = CliRunner().invoke(main, ["generate", "-m", "org/tiny", "hi"])
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1
+    assert r.stderr == (f"error: org/tiny is in the Hugging Face cache ({tmp_path / 'cache'}) without its safetensors "
+                        f"shards (model-00001-of-00002.safetensors and 1 more), and downloading org/tiny@main failed "
+                        f"(HF_HUB_OFFLINE is set: huggingface_hub does not download): the snapshot huggingface_hub "
+                        f"returned lacks them; download it where there is a network (`hf download org/tiny`) or pass "
+                        f"a local directory\n")
