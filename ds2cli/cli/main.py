@@ -29,9 +29,10 @@ from ds2cli.generation.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.cli.inspect_gguf import describe_gguf
 from ds2cli.weights.loader import bundled_model_dir, check_model_dir
 from ds2cli.model.transformer import Model
-from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, generation_options,
+from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, generation_options,
                             load_model, max_new_tokens_for, memory_options, model_config, model_from_env,
-                            model_option, naming_ds2_model, sampler_for, strip_bom, thread_limits, unescape)
+                            model_option, naming_ds2_model, sampler_for, stats_option, strip_bom, thread_limits,
+                            threads_option, unescape)
 from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.cli.chat_loop import CHAT_HELP, Repl
 from ds2cli.generation.sampling import CountingSampler
@@ -110,7 +111,8 @@ class Ds2Group(click.Group):
 def main():
     """ds2: run DeepSeek-V2 family models on a CPU with a pure-NumPy engine.
 
-    Without --model, ds2 runs the bundled demo model ds2-tiny."""
+    Without -m/--model, a command runs the bundled demo model ds2-tiny (bench: a synthetic
+    DeepSeek-V2-Lite slice)."""
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str) -> str:
@@ -142,30 +144,34 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str) -> 
 
 
 
-GENERATE_CTX_HELP = ("Cache capacity in tokens. Default: prompt + max-new-tokens, at most the model's "
-                     "max_position_embeddings; a larger value is refused.")
+GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_position_embeddings is refused "
+                     "(default: prompt + max-new-tokens, at most the model's max_position_embeddings).")
 
 
 @main.command()
 @click.argument("prompt", required=False)
-@click.option("-p", "--prompt", "prompt_option", metavar="TEXT", help="The prompt (instead of the PROMPT argument).")
 @model_option
+@click.option("-p", "--prompt", "prompt_option", metavar="TEXT", help="The prompt (instead of the PROMPT argument).")
 @click.option("--prompt-file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
-              help="Read the prompt from a file (- for stdin).")
-@click.option("--encoding", default="utf-8", show_default=True,
-              help="Encoding of the prompt file or stdin (and of arguments that are not UTF-8).")
+              help="Read the prompt from FILE (- for stdin).")
+@click.option("--encoding", default="utf-8", metavar="NAME",
+              help="Encoding of the prompt file or stdin, and of the prompt and --system arguments where "
+                   "they are not UTF-8 (default: utf-8).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as one user turn of the chat template.")
 @click.option("--system", help="A system message (implies --chat).")
 @chat_template_option(" (implies --chat)")
 @click.option("--from-bos", is_flag=True,
               help="Accept an empty prompt: generate from the bos token alone (raw completion only).")
-@click.option("--ignore-eos", is_flag=True, help="Do not stop at eos tokens (only -n, --ctx or --stop end).")
-@click.option("--verbose-prompt", is_flag=True, help="Print the prompt as the model sees it, and its token ids, on stderr.")
 @generation_options(GENERATE_CTX_HELP)
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at eos tokens (only -n, --ctx or --stop end).")
+@draft_option
+@threads_option
 @memory_options
-@click.option("--prompt-cache", "prompt_cache", type=click.Path(path_type=Path),
+@click.option("--prompt-cache", "prompt_cache", type=click.Path(path_type=Path), metavar="FILE",
               help="Reuse the part of the prompt that FILE holds (its latent cache) and save this prompt's "
                    "to it: a long document is read once across runs (llama-cli's option).")
+@click.option("--verbose-prompt", is_flag=True, help="Print the prompt as the model sees it, and its token ids, on stderr.")
+@stats_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, system, chat_template, from_bos,
              ignore_eos, verbose_prompt, prompt_cache, as_json, quantize, no_memory_check, **opts):
@@ -302,21 +308,24 @@ def generation_json(last: Chunk, load_s: float, draft: int = 0) -> dict:
     return out
 
 
-CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation. Default: "
-                 f"min(max_position_embeddings, {DEFAULT_CHAT_CTX}); a larger value is refused.")
+CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation; more than the model's "
+                 f"max_position_embeddings is refused (default: min(max_position_embeddings, {DEFAULT_CHAT_CTX})).")
 
 
 @main.command(epilog="\b\n" + CHAT_HELP)
 @model_option
 @click.option("--system", help="A system message.")
+@chat_template_option()
 @click.option("--load", "load_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Resume a conversation saved with /save (its transcript: it is read again).")
-@click.option("--session", "session_path", type=click.Path(path_type=Path),
+@click.option("--session", "session_path", type=click.Path(path_type=Path), metavar="FILE",
               help="Keep the conversation in FILE: resumed from it at start without reading it again "
                    "(its latent cache is in the file), saved to it on leaving.")
-@chat_template_option()
 @generation_options(CHAT_CTX_HELP)
+@draft_option
+@threads_option
 @memory_options
+@stats_option
 def chat(model_dir, system, load_path, session_path, chat_template, quantize, no_memory_check, **opts):
     """Chat with the model in a REPL.
 
@@ -402,18 +411,22 @@ def inspect(directory, model_dir, as_json, check):
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--bits", type=click.Choice(["8", "4"]), required=True,
-              help="8: every matrix 8-bit. 4: MLPs and experts 4-bit, attention, embedding and lm_head 8-bit.")
-@click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty.")
+              help="The recipe. 8: the routed and shared experts and lm_head q8 (8-bit); the embedding, "
+                   "attention and dense MLP bfloat16. 4: the routed experts q4 (4-bit), every other "
+                   "matrix q8. Both keep the router gate and w_uk/w_uv bfloat16, the norms float32.")
 @click.option("--calibration", "calibration_text", metavar="FILE|builtin", default=None,
-              help="Choose the scales from the float model's inputs on this text (builtin: a small "
-                   "text shipped with ds2): q8 rows weighted by each input's energy, GPTQ error "
-                   "compensation. Slower; the format and speed are the same.")
-@click.option("--json", "as_json", is_flag=True, help="Print a summary as one JSON object.")
+              help="Choose the scales from the float model's inputs on this text, of at least 256 tokens "
+                   "(builtin: a small text shipped with ds2): q8 rows weighted by each input's energy, "
+                   "GPTQ error compensation. Slower; the format and speed are the same (default: none, "
+                   "the scales fit the weights alone).")
+@click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty.")
+@click.option("--json", "as_json", is_flag=True, help="Print a summary as one JSON object (instead of the wrote line on stderr).")
 def quantize(src, dst, bits, force, calibration_text, as_json):
     """Write a low-bit copy of checkpoint SRC into directory DST, one layer at a time.
 
-    DST is a checkpoint every ds2 command loads (-m DST), memory-mapped: it loads in about a
-    second and takes about a quarter (--bits 8) or a sixth (--bits 4) of the float32 memory."""
+    DST is a checkpoint that generate, chat, serve, inspect and bench load (-m DST) as a
+    memory map, without converting it. Its weights take 0.26x (--bits 8) or 0.15x (--bits 4) of their float32 bytes for
+    DeepSeek-V2-Lite, more for a small model (ds2-tiny: 0.33x and 0.20x)."""
     progress = console.LoadProgress(delay=0, label="quantizing", then="the embeddings and lm_head")
     t0 = time.perf_counter()
     try:

@@ -65,9 +65,10 @@ class Seed(click.IntRange):
 
 
 def model_option(f, default: str = "the bundled ds2-tiny"):
-    return click.option("-m", "--model", "model_dir", envvar="DS2_MODEL", type=click.Path(path_type=Path),
-                        help="Checkpoint directory (Hugging Face layout) or Hugging Face id (org/name[@rev]); "
-                             f"the environment variable DS2_MODEL sets it too. Default: {default}.")(f)
+    return click.option("-m", "--model", "model_dir", envvar="DS2_MODEL", show_envvar=True,
+                        type=click.Path(path_type=Path),
+                        help="The model: a checkpoint directory (Hugging Face layout), a GGUF file, or a "
+                             f"Hugging Face id, org/name[@rev] (default: {default}).")(f)
 
 
 def chat_template_option(extra: str = ""):
@@ -76,40 +77,49 @@ def chat_template_option(extra: str = ""):
 
 
 def threads_option(f):
-    return click.option("--threads", type=click.IntRange(min=1),
-                        help="Threads for the matrix products (BLAS and the low-bit kernels). Default: "
-                             "what the BLAS library picks (usually one per core).")(f)
+    return click.option("--threads", type=click.IntRange(min=1), metavar="N",
+                        help="Threads for the matrix products, BLAS's and the low-bit kernels' (default: "
+                             "what the BLAS library picks, usually one per core; the kernels one per core, "
+                             "at most 8).")(f)
 
 
 def sampling_options(f):
     """The sampling options of generate, chat and serve (serve: the defaults of requests that do
-    not say), with -n and --threads. Values are range-checked by click, before any load."""
-    gen = "Default: generation_config.json's, else"
+    not say), with -n. Values are range-checked by click, before any load. A default is said as
+    "(default: X)" at the end of the help, in every command (tests/cli/test_help.py)."""
+    gen = "(default: generation_config.json's, else"
     options = [
         click.option("--temperature", "--temp", type=FiniteFloatRange(min=0),
-                     help=f"Sampling temperature; 0 = greedy. {gen} 0.7."),
-        click.option("--top-k", type=click.IntRange(min=0), help=f"Keep the k most likely tokens. {gen} 0 (off)."),
+                     help=f"Sampling temperature; 0 = greedy {gen} 0.7; a do_sample false there "
+                          f"means 0)."),
+        click.option("--top-k", type=click.IntRange(min=0),
+                     help=f"Keep only the k most likely tokens; 0 = off {gen} 0)."),
         click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True),
-                     help=f"Nucleus sampling: keep the most likely tokens up to this total probability. {gen} 1 (off)."),
+                     help=f"Nucleus sampling: keep the most likely tokens up to this total probability; "
+                          f"1 = off {gen} 1)."),
         click.option("--min-p", type=FiniteFloatRange(0, 1),
-                     help="Drop tokens below min-p x the top probability. Default: 0 (off)."),
+                     help="Drop tokens below min-p x the most likely token's probability; 0 = off (default: 0)."),
         click.option("--repetition-penalty", type=FiniteFloatRange(min=0, min_open=True),
-                     help=f"Penalise tokens already seen. {gen} 1 (off)."),
+                     help=f"Penalise tokens already in the prompt or the reply (Hugging Face's "
+                          f"multiplicative penalty); 1 = off {gen} 1)."),
         click.option("--seed", type=Seed(), help="Random seed: the same seed gives the same output; "
-                                                 "-1 = random. Default: random."),
-        click.option("-n", "--max-new-tokens", type=click.IntRange(min=1),
-                     help=f"Most tokens to generate. Default: generation_config.json's max_new_tokens, "
-                          f"else {DEFAULT_MAX_NEW_TOKENS}."),
+                                                 "-1 = random (default: random)."),
+        click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), metavar="N",
+                     help=f"Most tokens to generate (default: generation_config.json's max_new_tokens, "
+                          f"else {DEFAULT_MAX_NEW_TOKENS})."),
     ]
     for option in reversed(options):
         f = option(f)
-    return threads_option(f)
+    return f
 
 
 draft_option = click.option(
-    "--draft", type=click.IntRange(0, MAX_DRAFT), default=0, show_default=True,
+    "--draft", type=click.IntRange(0, MAX_DRAFT), default=0, metavar="N",
     help="Speculative decoding: draft up to N tokens by prompt lookup (copied from where the text's last "
-         "tokens occurred before) and verify them in one pass; the output is the same as without. 0 = off.")
+         "tokens occurred before) and verify them in one pass; the output is the same as without; "
+         "0 = off (default: 0).")
+
+stats_option = click.option("--stats", is_flag=True, help="Print timings and cache use on stderr.")
 
 
 def checked_stops(stops: tuple[str, ...]) -> tuple[str, ...]:
@@ -120,14 +130,13 @@ def checked_stops(stops: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def generation_options(ctx_help: str):
-    """generate's and chat's: the sampling options, then --stop, --ctx, --draft and --stats."""
+    """generate's and chat's: the sampling options and -n, then --stop and --ctx. The commands
+    place --draft, --threads, the memory options and --stats after them, in that order."""
     options = [
         click.option("--stop", multiple=True, callback=lambda ctx, param, value: checked_stops(value),
                      help="Stop at this string (repeatable; not printed). Understands the escapes "
-                          "\\n \\t \\r \\\\ \\\" \\' and \\xNN, as llama-cli does."),
-        click.option("--ctx", type=click.IntRange(min=1), help=ctx_help),
-        draft_option,
-        click.option("--stats", is_flag=True, help="Print timings and cache use on stderr."),
+                          "\\n \\t \\r \\0 \\\\ \\\" \\' and \\xNN, as llama-cli does."),
+        click.option("--ctx", type=click.IntRange(min=1), metavar="N", help=ctx_help),
     ]
 
     def decorate(f):
@@ -193,10 +202,10 @@ def thread_limits(n: int | None):
 def memory_options(f):
     options = [
         click.option("--quantize", type=click.Choice(["8", "4", "auto", "exact"]),
-                     help="Quantize a float checkpoint to 8 or 4 bits as it loads (auto: float32 if it "
-                          "fits in memory, else the most precise format that does; exact: a Q8_0 GGUF's "
-                          "own blocks, bit for bit, which is how such a file loads by default; 8 loads it into "
-                          "ds2's own 8-bit recipe)."),
+                     help="Quantize a float checkpoint as it loads, with the recipe of ds2 quantize "
+                          "--bits 8 or --bits 4; auto: float32 if it fits in memory, else the most precise "
+                          "format that does; exact: a Q8_0 GGUF's own blocks, bit for bit, which is how "
+                          "such a file loads without this option (8 loads it into the 8-bit recipe)."),
         click.option("--no-memory-check", is_flag=True,
                      help="Load even when the model looks too big for the memory available."),
     ]

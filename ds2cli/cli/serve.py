@@ -22,7 +22,7 @@ from ds2cli.server.prompt_disk import DiskPool
 from ds2cli.wording import human_bytes
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
                             max_new_tokens_for, memory_options, model_config, model_option, sampling_options,
-                            sampling_params, thread_limits)
+                            sampling_params, thread_limits, threads_option)
 
 
 DEFAULT_CTX = 4096                  # per-request context (cache capacity), as ds2 chat
@@ -94,38 +94,44 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 
 @click.command()
 @model_option
-@click.option("--alias", metavar="NAME", help="The model id the server reports (in /v1/models, responses and "
-              "the log). Default: what -m was given, else ds2-tiny.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
-              help="Port to listen on (0 = any free port).")
-@click.option("--ctx", type=click.IntRange(min=1), help=f"Context per request, in tokens. Default: "
-              f"min(max_position_embeddings, {DEFAULT_CTX}).")
-@click.option("--api-key", envvar="DS2_API_KEY", help="Require Authorization: Bearer KEY (or set DS2_API_KEY).")
-@click.option("--prompt-cache-mb", default=DEFAULT_PROMPT_CACHE_MB, show_default=True, type=click.IntRange(min=0),
-              help="Memory for latent caches of recent conversations, in MB (10^6 bytes; 0 = no reuse).")
-@click.option("--prompt-cache-dir", "prompt_cache_dir", type=click.Path(path_type=Path, file_okay=False),
-              help="Keep conversations the prompt cache evicts, and all of them at a stop, in DIR: a later "
-                   "request (or server) that continues one reads only what is new.")
-@click.option("--prompt-cache-dir-mb", default=DEFAULT_PROMPT_CACHE_DIR_MB, show_default=True,
-              type=click.IntRange(min=1), help="Disk for --prompt-cache-dir, in MB (10^6 bytes); "
-              "the conversations used longest ago go first.")
-@click.option("--queue", "max_queue", default=DEFAULT_QUEUE, show_default=True, type=click.IntRange(min=0),
-              help="Requests that may wait while one runs; beyond, 503.")
-@click.option("--parallel", default=DEFAULT_PARALLEL, show_default=True, type=click.IntRange(1, 64),
-              help="Requests decoded together, in one pass over the weights (continuous batching); "
-                   "each has a latent cache of --ctx tokens, allocated up front.")
-@click.option("--prefill-chunk", default=DEFAULT_PREFILL_CHUNK, show_default=True, type=click.IntRange(min=1),
-              help="While other requests decode, a new prompt runs this many tokens a pass: their "
-                   "streams wait at most one such pass for a token.")
-@draft_option
+@click.option("--alias", metavar="NAME", help="The model id the server reports in /v1/models, its responses "
+              "and the log (default: what -m or DS2_MODEL gave, else ds2-tiny).")
+@click.option("--host", default="127.0.0.1", metavar="HOST", help="Address to listen on; 0.0.0.0 or :: listens on the network "
+              "(default: 127.0.0.1, this machine only).")
+@click.option("--port", default=8000, type=click.IntRange(0, 65535), metavar="PORT",
+              help="Port to listen on; 0 picks a free one (default: 8000).")
+@click.option("--api-key", envvar="DS2_API_KEY", show_envvar=True, metavar="KEY",
+              help="Require Authorization: Bearer KEY on every endpoint but /health and the chat page.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN", callback=lambda ctx, p, v: check_origins(v),
-              help="Let pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser. "
-              "Repeatable; off by default.")
-@click.option("--system", metavar="TEXT", help="A default system message, for chat requests that bring "
-              "no system (or developer) message.")
+              help="Let pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser; "
+              "repeatable (default: none).")
+@click.option("--system", metavar="TEXT", help="A system message for the chat requests that bring none "
+              "(no system or developer message).")
 @chat_template_option()
 @sampling_options
+@draft_option
+@click.option("--ctx", type=click.IntRange(min=1), metavar="N", help=f"Tokens per request, prompt and reply; "
+              f"more than the model's max_position_embeddings is refused (default: "
+              f"min(max_position_embeddings, {DEFAULT_CTX})).")
+@click.option("--parallel", default=DEFAULT_PARALLEL, type=click.IntRange(1, 64), metavar="N",
+              help="Requests decoded together, in one pass over the weights (continuous batching); "
+                   f"each has a latent cache of --ctx tokens, allocated up front (default: {DEFAULT_PARALLEL}).")
+@click.option("--queue", "max_queue", default=DEFAULT_QUEUE, type=click.IntRange(min=0), metavar="N",
+              help=f"Requests that may wait for one of the --parallel slots; beyond, a 503 at once "
+                   f"(default: {DEFAULT_QUEUE}).")
+@click.option("--prefill-chunk", default=DEFAULT_PREFILL_CHUNK, type=click.IntRange(min=1), metavar="N",
+              help="While other requests decode, a new prompt runs this many tokens a pass: their "
+                   f"streams wait at most one such pass for a token (default: {DEFAULT_PREFILL_CHUNK}).")
+@click.option("--prompt-cache-mb", default=DEFAULT_PROMPT_CACHE_MB, type=click.IntRange(min=0), metavar="MB",
+              help="Memory for the latent caches of recent conversations, the running ones included, in MB "
+                   f"(10^6 bytes); 0 = no reuse (default: {DEFAULT_PROMPT_CACHE_MB}).")
+@click.option("--prompt-cache-dir", "prompt_cache_dir", type=click.Path(path_type=Path, file_okay=False),
+              metavar="DIR", help="Keep conversations the prompt cache evicts, and all of them at a stop, in DIR: "
+                                  "a later request (or server) that continues one reads only what is new.")
+@click.option("--prompt-cache-dir-mb", default=DEFAULT_PROMPT_CACHE_DIR_MB, type=click.IntRange(min=1), metavar="MB",
+              help="Disk for --prompt-cache-dir, in MB (10^6 bytes); the conversations used longest ago "
+                   f"go first (default: {DEFAULT_PROMPT_CACHE_DIR_MB}).")
+@threads_option
 @memory_options
 def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_cache_dir, prompt_cache_dir_mb,
           max_queue, parallel, prefill_chunk,

@@ -68,39 +68,41 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
 
 
 @click.command("bench")
-@functools.partial(model_option, default="the synthetic DeepSeek-V2-Lite slice (see --layers)")
-@threads_option
-@click.option("--layers", type=click.IntRange(1, LITE_LAYERS),
-              help=f"Layers of the synthetic DeepSeek-V2-Lite slice.  [default: {DEFAULT_LAYERS}]")
+@functools.partial(model_option, default="the synthetic DeepSeek-V2-Lite slice, see --layers")
+@click.option("--layers", type=click.IntRange(1, LITE_LAYERS), metavar="N",
+              help=f"Layers of the synthetic DeepSeek-V2-Lite slice; not with -m (default: {DEFAULT_LAYERS}).")
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), envvar="DS2_BENCH_DIR",
-              show_envvar=True, help="Where synthetic checkpoints are kept.  [default: ~/.cache/ds2/bench]")
-@click.option("-r", "--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Runs of each measurement (min, median and max are reported).")
-@click.option("-p", "--prompt-lengths", default="16,512", show_default=True, callback=parse_counts,
-              help="Prefill sizes in tokens, comma-separated (the default is cut to the positions "
-                   "the model holds).")
-@click.option("-c", "--contexts", default="128,1024,4096", show_default=True, callback=parse_counts,
-              help="Cached tokens to decode after, comma-separated (the default is cut to the "
+              show_envvar=True, metavar="DIR", help="Where the synthetic checkpoints and the quantized copies of "
+                                                    "--formats are kept (default: ~/.cache/ds2/bench).")
+@click.option("--quantize", type=click.Choice(["8", "4"]),
+              help="Quantize a float checkpoint as it loads, with the recipe of ds2 quantize --bits 8 or --bits 4.")
+@click.option("--formats", callback=parse_formats, metavar="LIST",
+              help="Compare formats, e.g. f32,8,4: f32 loads the float checkpoint, 8 and 4 its ds2 quantize "
+                   "copies, made once into --cache-dir. -r sets the rounds; each round runs every format "
+                   "once, in turn, each in its own process (load, memory and the figures); then, where "
+                   "they fit in memory together, one process holds them all and times -r samples of each, "
+                   "interleaved, for the speed ratios.")
+@click.option("-r", "--repeats", type=click.IntRange(min=1), default=3, metavar="N",
+              help="Runs of each measurement; min, median and max are reported (default: 3).")
+@click.option("-p", "--prompt-lengths", default="16,512", callback=parse_counts, metavar="LIST",
+              help="Prefill sizes in tokens, comma-separated (default: 16,512, cut to the positions the "
+                   "model holds).")
+@click.option("-c", "--contexts", default="128,1024,4096", callback=parse_counts, metavar="LIST",
+              help="Cached tokens to decode after, comma-separated (default: 128,1024,4096, cut to the "
                    "positions the model holds).")
-@click.option("-n", "--decode-steps", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Single-token steps timed at each context.")
-@click.option("--passes", default="2,4", show_default=True, callback=parse_counts,
+@click.option("-n", "--decode-steps", type=click.IntRange(min=1), default=16, metavar="N",
+              help="Single-token steps timed at each context (default: 16).")
+@click.option("--passes", default="2,4", callback=parse_counts, metavar="LIST",
               help="Token counts of the forward passes timed after the smallest context, against a "
-                   "decode step in the same repeat: what verifying k - 1 drafted tokens costs.")
+                   "decode step in the same repeat: what verifying k - 1 drafted tokens costs "
+                   "(default: 2,4).")
 @click.option("--compare-hf", is_flag=True,
               help="Also time Hugging Face transformers on the same checkpoint (where torch and "
                    "transformers are installed).")
-@click.option("--quantize", type=click.Choice(["8", "4"]),
-              help="Quantize the float checkpoint to 8 or 4 bits in memory as it loads.")
-@click.option("--formats", callback=parse_formats,
-              help="Compare formats, e.g. f32,8,4: f32 loads the float checkpoint, 8 and 4 load ds2 "
-                   "quantize copies kept beside it (made once). -r sets the rounds; each round runs "
-                   "every format once, in turn, each in its own process (load, memory and the figures); "
-                   "then, where they fit in memory together, one process holds them all and times -r "
-                   "samples of each, interleaved, for the speed ratios.")
 @click.option("--profile", is_flag=True,
               help="Also split a decode step after the smallest context: products by format, attention, "
                    "the router and the Python between them, summed to the step's time.")
+@threads_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
 def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, passes,
