@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 
 from ds2cli.parallel import cores
+from ds2cli.model.linear import float32, matmul_all
 from ds2cli.model.rope import apply_rope
 
 
@@ -35,13 +36,13 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def project_q(x: np.ndarray, w: dict, H: int, eps: float) -> np.ndarray:
-    if "q_proj" in w:
-        q = w["q_proj"].matmul(x)                                           # (T, H*(d+R))
-    else:
-        q_a = rms_norm(w["q_a_proj"].matmul(x), w["q_a_layernorm"], eps)    # (T, q_lora_rank)
-        q = w["q_b_proj"].matmul(q_a)                                       # (T, H*(d+R))
-    return q.reshape(len(x), H, -1)                                         # (T, H, d+R)
+def project_q_kv(x: np.ndarray, w: dict, H: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """q (T, H, d+R) and kv_a_proj_with_mqa's output (T, C+R): both read x, so together."""
+    q, kv = matmul_all([(w["q_proj"] if "q_proj" in w else w["q_a_proj"], x),
+                        (w["kv_a_proj_with_mqa"], x)])                      # (T, H*(d+R)) or (T, q_lora_rank), (T, C+R)
+    if "q_proj" not in w:
+        q = w["q_b_proj"].matmul(rms_norm(q, w["q_a_layernorm"], eps))      # (T, H*(d+R))
+    return q.reshape(len(x), H, -1), kv
 
 
 def causal_pairs(T: int, S: int) -> int:
@@ -209,12 +210,11 @@ def mla(x, w, spans, cos, sin, H, eps, scale) -> np.ndarray:
     Returns the attention output (N, D)."""
     N = len(x)
     C = w["kv_a_layernorm"].shape[0]
-    q = project_q(x, w, H, eps)                                             # (N, H, d+R)
+    q, kv = project_q_kv(x, w, H, eps)                                      # (N, H, d+R), (N, C+R)
     # kv_b_proj's halves in float32, once a pass (a low-bit checkpoint stores them bfloat16)
-    w_uk, w_uv = (np.asarray(w[k], np.float32) for k in ("w_uk", "w_uv"))  # (H, d, C), (H, C, v)
+    w_uk, w_uv = (float32(w[k]) for k in ("w_uk", "w_uv"))                 # (H, d, C), (H, C, v)
     d = w_uk.shape[1]
     q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
-    kv = w["kv_a_proj_with_mqa"].matmul(x)                                  # (N, C+R)
     latent_new = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)              # (N, C)
     k_pe_new = apply_rope(kv[:, C:], cos, sin)                              # (N, R)
     work = []                       # (sequence, heads) pieces: heads are independent

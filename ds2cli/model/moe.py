@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds2cli.parallel import cores
 from ds2cli.model.attention import softmax
 from ds2cli.model.config import DeepseekV2Config
+from ds2cli.model.linear import float32, matmul_all
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -25,6 +25,14 @@ def swiglu(x: np.ndarray, gate_up, down) -> np.ndarray:
     h = gate_up.matmul(x)                                                   # (T, 2I)
     inter = h.shape[1] // 2
     return down.matmul(silu(h[:, :inter]) * h[:, inter:])                   # (T, D)
+
+
+def swiglu_all(experts: list) -> list[np.ndarray]:
+    """[swiglu(x, gate_up, down) for x, gate_up, down in experts] for independent experts: the
+    gate/up products of all of them together, then the down products of all of them."""
+    hs = matmul_all((gate_up, x) for x, gate_up, _ in experts)             # each (T_e, 2I)
+    acts = [silu(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:] for h in hs]   # each (T_e, I)
+    return matmul_all((down, a) for (_, _, down), a in zip(experts, acts))  # each (T_e, D)
 
 
 def topk(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +102,7 @@ def route_noaux_tc(x: np.ndarray, gate: np.ndarray, bias: np.ndarray,
 def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
     """Run only the experts the gate selected, each once over the tokens routed to it; the
     chosen expert ids (T, k) are appended to `trace` when one is given."""
-    gate = np.asarray(w["gate"], np.float32)                                # (E, D)
+    gate = float32(w["gate"])                                               # (E, D)
     idx, weight = route(x, gate, cfg, w.get("e_score_correction_bias"))     # (T, k)
     if trace is not None:
         trace.append(idx)
@@ -106,15 +114,13 @@ def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None
     experts = np.flatnonzero(counts)
     picks = [order[bounds[e] - counts[e]:bounds[e]] for e in experts]       # each expert's (token, slot)s
 
-    def run(j: int) -> np.ndarray:
-        e = experts[j]
-        return swiglu(x[picks[j] // k], w["experts_gate_up"][e], w["experts_down"][e])
-
-    # the experts are independent: the cores may share them, each expert's tokens its cost
-    outs = cores.map(run, range(len(experts)), cost=[len(p) for p in picks])
+    # the experts are independent, the shared ones (over every token) too: their products run together
+    routed = [(x[p // k], w["experts_gate_up"][e], w["experts_down"][e]) for e, p in zip(experts, picks)]
+    shared = [(x, w["shared_gate_up"], w["shared_down"])] if "shared_gate_up" in w else []
+    outs = swiglu_all(routed + shared)
     y = np.zeros_like(x)                                                    # (T, D)
-    for j in range(len(experts)):                # summed in expert order, however they ran
+    for j in range(len(experts)):                # summed in expert order, then the shared experts
         y[picks[j] // k] += outs[j] * weight.ravel()[picks[j]][:, None]
-    if "shared_gate_up" in w:
-        y += swiglu(x, w["shared_gate_up"], w["shared_down"])
+    if shared:
+        y += outs[-1]
     return y

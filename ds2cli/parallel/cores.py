@@ -1,24 +1,27 @@
 """The cores a pass runs on: the worker pool, BLAS thread control, and splitting work.
 
-The model's math asks this module these things and nothing else (attention.py, moe.py):
+The model's math asks this module these things and nothing else (attention.py, moe.py, linear.py):
   split(n, tokens)         [0, n) as slices that the cores may run at once (independent heads)
   map(fn, items, cost)     [fn(item) for item in items], the items shared across the cores
   split_keys(S, tokens)    a long cache's positions [0, S) as one slice a core, for a few-token pass
   spread(fn, items)        [fn(item) for item in items], each item on a core of its own, now
+  together()               a block of independent products, sent to the helper processes at once
 Whether sharing pays is decided here, not in the math: only while a low-bit forward pass holds
 BLAS at one thread (`forward_pass`), and not in a pass of few tokens whose products the helper
 processes (parallel/processes.py) already split; the costliest items go first, so the cores finish together.
 
-The low-bit kernels (quant.py) split their own row blocks with `Workers.run` and borrow their
-scratch buffers here (`Workers.buffer`).
+The low-bit kernels (quant.py) hand their row spans to `Workers.split` (the helper processes in
+a few-token pass, else threads) and borrow their scratch buffers here (`Workers.buffer`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +34,19 @@ FEW_TOKENS = 64
 # A few-token pass (a decode step) attends to a cache of at least this many positions a share of
 # the keys a core: below it, handing the halves to a thread costs more than streaming them alone.
 SHARED_KEYS = 2048
+
+
+@dataclasses.dataclass(eq=False)
+class Rows:
+    """One product y = x @ W.T to be computed in row spans: m.span(x, y, a, b) fills columns a..b
+    of y (rows a..b of W); m.key names the matrix to a helper process."""
+    m: Any
+    x: np.ndarray                   # (in,) or (k, in)
+    y: np.ndarray                   # (out,) or (k, out)
+    spans: list[tuple[int, int]]
+
+    def span(self, a: int, b: int) -> None:
+        self.m.span(self.x, self.y, a, b)
 
 
 class Workers:
@@ -92,6 +108,29 @@ class Workers:
             self.part(fn, *spans[0])
             for future in futures:
                 future.result()
+
+    def split(self, product: Rows) -> None:
+        """Compute a product's row spans, one a core: with the helper processes in a pass of few
+        tokens (inside `together`, when the block ends, with the block's other products), else
+        on threads, now."""
+        if len(product.spans) > 1 and self.helpers_ready():
+            batch = getattr(self.local, "batch", None)
+            if batch is not None:
+                batch.append(product)
+                return
+            self.run_products([product])
+            return
+        self.run(product.span, product.spans)
+
+    def run_products(self, products: list[Rows]) -> None:
+        """Products' spans over the helper processes at once; whatever they leave, on threads."""
+        for product in self.helpers.run(products) if products else ():
+            self.run(product.span, product.spans)
+
+    def helpers_ready(self) -> bool:
+        """This thread's products go to the helper processes: a few-token low-bit pass's, not
+        from inside a part (which runs on its core alone)."""
+        return bool(self.held and self.few and not self.inside and self.helpers_running())
 
     def part(self, fn, *args):
         """Run one of several parts: a kernel called inside it runs on this thread alone."""
@@ -213,6 +252,24 @@ def blas_controllers() -> list:
         from threadpoolctl import ThreadpoolController
         _blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
     return _blas
+
+
+@contextlib.contextmanager
+def together():
+    """Products started in the block are independent of each other: in a pass of few tokens
+    whose products the helper processes share, their row spans are gathered (Workers.split) and
+    sent as one plan when the block ends, one message and one wait for all of them instead of
+    one each. Their outputs are complete once the block has ended, not before."""
+    pool = workers()
+    if getattr(pool.local, "batch", None) is not None or not pool.helpers_ready():
+        yield
+        return
+    pool.local.batch = batch = []
+    try:
+        yield
+    finally:
+        pool.local.batch = None
+    pool.run_products(batch)
 
 
 def split_rows(rows: int, parts: int, g: int) -> list[tuple[int, int]]:

@@ -3,15 +3,18 @@
 Two threads that both call NumPy in short calls spend much of their time handing the GIL to
 each other (measured: the q8 decode kernel run on two cores scaled 1.3-1.6x as two threads and
 1.9x as two processes). So a one-token step, or a pass of a few tokens (cores.FEW_TOKENS),
-hands the other cores' rows of each product to helper processes instead. A helper is forked from this process once the weights exist, so it
-sees every weight at the same address: memory-mapped files and copy-on-write pages are shared
-with it, never copied. For each matvec this process writes x into the helper's shared memory,
-sends it one small message through a pipe (which matrix, which rows), runs its own rows, and
-reads the helper's rows back from the shared memory.
+hands the other cores' rows of each product to helper processes instead. A helper is forked from
+this process once the weights exist, so it sees every weight at the same address: memory-mapped
+files and copy-on-write pages are shared with it, never copied.
 
-The protocol: a JOB message (seq, matrix key, expert, rows a..b, in, out, k) on the helper's job
-pipe, x (k, in) in its shared memory; the helper writes its columns a..b of y (k, out) beside x
-and answers DONE (seq, ok).
+The protocol: this process sends a helper a *plan*, one or more products at once (the products
+that `cores.together` gathered: a layer's experts, or q and kv beside each other). It writes
+each product's x (k, in) into the helper's shared memory, the plan's table beside them (one row
+a product: matrix key, expert, rows a..b, in, out, k, where x is, where y goes), and one small
+PLAN message (seq, products) on the helper's job pipe; then it runs its own rows of every
+product while the helper runs its rows, writes them into its y's in the shared memory and
+answers DONE (seq, ok). One message and one wait a plan, not one a product: the message, the
+helper's wake-up and the wait for the slower process are paid once for all of them.
 A matrix is known to a helper by its key (`register`), given before the fork.
 """
 
@@ -35,10 +38,13 @@ from ds2cli.parallel import cores
 
 _matrices: list[weakref.ref] = []    # a matrix's key -> the matrix, in this and every helper
 _helpers_failed = False               # a helper died or could not start: threads from then on
-JOB = struct.Struct("<qqqqqqqq")      # seq, key, expert (-1: none), rows a, b, in, out, k
+PLAN = struct.Struct("<qq")           # seq, products in the plan (its first rows of the table)
+ENTRY = 9                             # a table row: key, expert (-1: none), rows a, b, in, out, k,
+                                      # x's offset and y's offset in the values (float32 units)
 DONE = struct.Struct("<qq")           # seq, 1 if the rows are in shared memory, 0 if not
-HELPER_VALUES = 1 << 23               # float32 values of shared memory a helper: x, then y (32 MB
-                                      # reserved, touched only as far as a product's k rows reach)
+PLAN_PRODUCTS = 1024                  # a plan's table holds at most this many products (72 KB)
+HELPER_VALUES = 1 << 23               # float32 values of shared memory a helper: the x's, then the
+                                      # y's (32 MB reserved, touched only as far as a plan reaches)
 HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
 HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec is taken as stuck
 
@@ -52,12 +58,21 @@ def helpers_wanted() -> bool:
             and os.environ.get("DS2_HELPERS", "1") != "0")
 
 
+TABLE_BYTES = 8 * ENTRY * PLAN_PRODUCTS
+
+
+def shared_views(shared: mmap.mmap) -> tuple[np.ndarray, np.ndarray]:
+    """A helper's shared memory as its plan table (PLAN_PRODUCTS, ENTRY) int64 and its values."""
+    table = np.frombuffer(shared, np.int64, ENTRY * PLAN_PRODUCTS).reshape(PLAN_PRODUCTS, ENTRY)
+    return table, np.frombuffer(shared, np.float32, HELPER_VALUES, offset=TABLE_BYTES)
+
+
 class Helper:
     """One forked helper, from this process's side: its pid, its two pipes and its memory."""
 
     def __init__(self, pid: int, jobs: int, done: int, shared: mmap.mmap):
         self.pid, self.jobs, self.done, self.shared = pid, jobs, done, shared
-        self.values = np.frombuffer(shared, np.float32)                     # x (in,), then y (out,)
+        self.table, self.values = shared_views(shared)
         self.closed = False
 
 
@@ -66,7 +81,8 @@ class Helpers:
 
     def __init__(self, n: int):
         self.horizon = len(_matrices)
-        self.seq = 0
+        self.seq = 0                 # plans sent
+        self.products = 0            # products the plans held
         self.lock = threading.Lock()
         self.procs: list[Helper] = []
         try:
@@ -81,7 +97,7 @@ class Helpers:
         return helpers_wanted()
 
     def fork(self) -> Helper:
-        shared = mmap.mmap(-1, 4 * HELPER_VALUES)     # anonymous and shared across the fork
+        shared = mmap.mmap(-1, TABLE_BYTES + 4 * HELPER_VALUES)   # anonymous, shared across the fork
         jobs_r, jobs_w = os.pipe()
         done_r, done_w = os.pipe()
         parent = os.getpid()
@@ -95,7 +111,7 @@ class Helpers:
             try:
                 for fd in (jobs_w, done_r, *(fd for h in self.procs for fd in (h.jobs, h.done))):
                     os.close(fd)
-                helper_main(parent, with_parent, jobs_r, done_w, np.frombuffer(shared, np.float32))
+                helper_main(parent, with_parent, jobs_r, done_w, shared)
             finally:
                 os._exit(0)
         os.close(jobs_r)
@@ -107,41 +123,63 @@ class Helpers:
         stop_helpers(self.procs)
         self.procs = []
 
-    def matvec(self, m, x: np.ndarray, y: np.ndarray, spans: list[tuple[int, int]], span) -> bool:
-        """Rows spans[0] here, spans[1:] on the helpers; False (nothing done) if they are busy
-        with another thread's step or cannot take the matrix."""
+    def run(self, products: list) -> list:
+        """Each product's rows spans[0] here and spans[1:] on the helpers, in as few plans as the
+        shared memory allows (one for a decode step's); returns the products left to the caller:
+        those the helpers do not know, or all of them if the helpers are busy with another
+        thread's pass or one of them is gone (the caller runs them on threads, writing again
+        whatever this process already wrote into their y). A product (cores.Rows) has m (with
+        .key and .span), x (in,) or (k, in), y (out,) or (k, out), and its spans."""
         global _helpers_failed
-        key, expert = m.key
-        inp, out = x.shape[-1], y.shape[-1]
-        k = x.size // inp        # x (in,) or (k, in), y (out,) or (k, out): k tokens at once
-        if key >= self.horizon or (inp + out) * k > HELPER_VALUES or not self.lock.acquire(blocking=False):
-            return False
+        known = [p for p in products if p.m.key[0] < self.horizon and ends(p, 0) <= HELPER_VALUES]
+        if not known or not self.lock.acquire(blocking=False):
+            return products
         try:
-            self.seq += 1
-            sent = []
-            for h, (a, b) in zip(self.procs, spans[1:]):
-                h.values[:inp * k] = x.reshape(-1)
-                os.write(h.jobs, JOB.pack(self.seq, key, expert, a, b, inp, out, k))
-                sent.append((h, a, b))
-            span(x, y, *spans[0])
-            for h, a, b in sent:
-                if self.wait(h):
-                    y[..., a:b] = h.values[k * inp:k * (inp + out)].reshape(y.shape)[..., a:b]
-                else:
-                    span(x, y, a, b)
-            for a, b in spans[1 + len(sent):]:
-                span(x, y, a, b)
-            return True
+            for plan in plans(known):
+                self.run_plan(plan)
+            return [p for p in products if not any(p is q for q in known)]
         except OSError:      # a helper is gone (killed, out of memory) or stuck: carry on without
             _helpers_failed = True                                                # them
-            raise HelperGone from None
+            return products
         finally:
             self.lock.release()
             if _helpers_failed:
                 stop_helpers_now()
 
+    def run_plan(self, plan: list) -> None:
+        """One plan: every helper is sent its rows of every product, then this process runs its
+        own, then it reads theirs."""
+        self.seq += 1
+        self.products += len(plan)
+        helpers = self.procs[:max(len(p.spans) for p in plan) - 1]
+        for i, h in enumerate(helpers, start=1):
+            at = 0
+            for row, p in enumerate(plan):
+                inp, out = p.x.shape[-1], p.y.shape[-1]
+                k = p.x.size // inp
+                a, b = p.spans[i] if i < len(p.spans) else (0, 0)
+                h.values[at:at + inp * k] = p.x.reshape(-1)
+                h.table[row] = (*p.m.key, a, b, inp, out, k, at, at + inp * k)
+                at = ends(p, at)
+            os.write(h.jobs, PLAN.pack(self.seq, len(plan)))
+        for p in plan:
+            p.m.span(p.x, p.y, *p.spans[0])
+            for a, b in p.spans[1 + len(helpers):]:       # spans beyond the helpers: here too
+                p.m.span(p.x, p.y, a, b)
+        for i, h in enumerate(helpers, start=1):
+            ok = self.wait(h)
+            for row, p in enumerate(plan):
+                if i >= len(p.spans):
+                    continue
+                a, b = p.spans[i]
+                if ok:
+                    out, k, y_at = p.y.shape[-1], p.x.size // p.x.shape[-1], int(h.table[row, 8])
+                    p.y.reshape(k, out)[:, a:b] = h.values[y_at:y_at + k * out].reshape(k, out)[:, a:b]
+                else:
+                    p.m.span(p.x, p.y, a, b)
+
     def wait(self, h: Helper) -> bool:
-        """Read h's replies up to this step's (an interrupted step leaves its reply unread)."""
+        """Read h's replies up to this plan's (an interrupted pass leaves its reply unread)."""
         while True:
             reply = receive(h.done, DONE.size, HELPER_TIMEOUT)
             if reply is None:
@@ -151,8 +189,21 @@ class Helpers:
                 return bool(ok)
 
 
-class HelperGone(Exception):
-    """Raised by Helpers.matvec when a helper dies; the caller then runs the matvec itself."""
+def ends(p, at: int) -> int:
+    """Where product p's x and y end in a helper's shared memory if they start at `at`."""
+    return at + (p.x.shape[-1] + p.y.shape[-1]) * (p.x.size // p.x.shape[-1])
+
+
+def plans(products: list) -> list[list]:
+    """The products in order, as plans that each fit a helper's table and shared memory."""
+    out, at = [[]], 0
+    for p in products:
+        if out[-1] and (len(out[-1]) == PLAN_PRODUCTS or ends(p, at) > HELPER_VALUES):
+            out.append([])
+            at = 0
+        out[-1].append(p)
+        at = ends(p, at)
+    return out
 
 
 def receive(fd: int, size: int, timeout: float | None = None) -> bytes | None:
@@ -196,9 +247,10 @@ def stop_helpers(procs: list[Helper]) -> None:
             os.waitpid(h.pid, 0)
 
 
-def helper_main(parent: int, with_parent: bool, jobs: int, done: int, values: np.ndarray) -> None:
-    """A helper's life: run the rows it is sent until the job pipe closes (this process's parent
-    exited or stopped it). Ctrl-C is the parent's to handle; the helper dies with the parent."""
+def helper_main(parent: int, with_parent: bool, jobs: int, done: int, shared: mmap.mmap) -> None:
+    """A helper's life: run its rows of each plan it is sent until the job pipe closes (this
+    process's parent exited or stopped it). Ctrl-C is the parent's to handle; the helper dies
+    with the parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(Exception):   # Linux: be killed with the parent, however it dies
@@ -215,17 +267,17 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, values: np
     os.set_blocking(jobs, False)
     for c in cores.blas_controllers():
         c.set_num_threads(1)
-    while (job := receive(jobs, JOB.size)) is not None:
-        seq, key, expert, a, b, inp, out, k = JOB.unpack(job)
-        ok = 0
+    table, values = shared_views(shared)
+    while (message := receive(jobs, PLAN.size)) is not None:
+        seq, n = PLAN.unpack(message)
         try:
-            m = _matrices[key]() if key < len(_matrices) else None   # a QuantMatrix (quant.py)
-            if m is not None:
-                m = m[expert] if expert >= 0 else m
-                x, y = values[:inp * k], values[inp * k:(inp + out) * k]
-                m.span(x.reshape(k, inp), y.reshape(k, out), a, b)
-                ok = 1
-        except Exception:    # noqa: BLE001 - any failure: the parent runs the rows itself
+            for key, expert, a, b, inp, out, k, x_at, y_at in table[:n].tolist():
+                if b > a:
+                    m = _matrices[key]()                                    # a QuantMatrix (quant.py)
+                    m = m[expert] if expert >= 0 else m
+                    m.span(values[x_at:x_at + inp * k].reshape(k, inp), values[y_at:y_at + out * k].reshape(k, out), a, b)
+            ok = 1
+        except Exception:    # noqa: BLE001 - any failure (a matrix gone too): the parent runs the rows
             ok = 0
         os.write(done, DONE.pack(seq, ok))
 
@@ -267,16 +319,6 @@ def helper_private_bytes() -> int:
             total += sum(int(line.split()[1]) * 1024 for line in f
                          if line.startswith(("Private_Clean:", "Private_Dirty:")))
     return total
-
-
-def helpers_for() -> Helpers | None:
-    """The helper processes, if this product is in a pass of few tokens (a decode step, a
-    verification pass, a short prompt: cores.FEW_TOKENS); Helpers.matvec declines a matrix they
-    do not know."""
-    pool = cores.workers()
-    if pool.helpers is None or not (pool.held and pool.few) or pool.inside or not helpers_wanted():
-        return None
-    return pool.helpers
 
 
 def register(matrix) -> int:

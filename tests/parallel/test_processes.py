@@ -67,9 +67,11 @@ def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
     assert helpers is not None and len(helpers.procs) == cores.workers().n - 1
     assert all(alive(h.pid) for h in helpers.procs)
     ids = [0, 74, 75, 76, 77]
-    sent = helpers.seq
+    sent, plans = helpers.products, helpers.seq
     with_helpers = decode(model, ids)
-    assert helpers.seq - sent >= 6 * 50     # every projection of every step (57 a step) went through them
+    assert helpers.products - sent >= 6 * 50     # every projection of every step (57 a step) went through them
+    # in plans of several: q with kv, the experts' gate/up products, then their down products
+    assert helpers.seq - plans < 0.6 * (helpers.products - sent)
     monkeypatch.setenv("DS2_HELPERS", "0")
     sent = helpers.seq
     with_threads = decode(model, ids)
@@ -101,13 +103,16 @@ def test_an_interrupted_step_leaves_no_stale_rows():
     x1, x2 = np.random.default_rng(1).standard_normal((2, 256), dtype=np.float32)
     spans = cores.split_rows(512, 2, 8)
 
-    def interrupted(*args):
-        raise KeyboardInterrupt
+    class Interrupted:
+        key = m.key
+
+        def span(self, *args):
+            raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):   # the helper's reply to this step stays unread
-        helpers.matvec(m, x1, np.empty(512, np.float32), spans, interrupted)
+        helpers.run([cores.Rows(Interrupted(), x1, np.empty(512, np.float32), spans)])
     y = np.empty(512, np.float32)
-    assert helpers.matvec(m, x2, y, spans, m.span)
+    assert helpers.run([cores.Rows(m, x2, y, spans)]) == []
     expected = np.empty(512, np.float32)
     for a, b in spans:                       # the same kernel calls on the same row spans
         m.span(x2, expected, a, b)
