@@ -147,8 +147,18 @@ class Helpers:
                 stop_helpers_now()
 
     def run_plan(self, plan: list) -> None:
-        """One plan: every helper is sent its rows of every product, then this process runs its
-        own, then it reads theirs."""
+        """One plan: every helper is sent its rows of every product, this process runs its own,
+        then it reads theirs."""
+        helpers = self.send(plan)
+        for p in plan:
+            p.m.span(p.x, p.y, *p.spans[0])
+            for a, b in p.spans[1 + len(helpers):]:       # spans beyond the helpers: here too
+                p.m.span(p.x, p.y, a, b)
+        self.collect(plan, helpers)
+
+    def send(self, plan: list) -> list[Helper]:
+        """Each helper's rows of the plan, its x's and table into its shared memory, then the
+        PLAN message; returns the helpers that got one."""
         self.seq += 1
         self.products += len(plan)
         helpers = self.procs[:max(len(p.spans) for p in plan) - 1]
@@ -162,10 +172,11 @@ class Helpers:
                 h.table[row] = (*p.m.key, a, b, inp, out, k, at, at + inp * k)
                 at = ends(p, at)
             os.write(h.jobs, PLAN.pack(self.seq, len(plan)))
-        for p in plan:
-            p.m.span(p.x, p.y, *p.spans[0])
-            for a, b in p.spans[1 + len(helpers):]:       # spans beyond the helpers: here too
-                p.m.span(p.x, p.y, a, b)
+        return helpers
+
+    def collect(self, plan: list, helpers: list[Helper]) -> None:
+        """Wait for each helper's answer and copy its rows into the plan's y's (or, if it could
+        not run them, run them here)."""
         for i, h in enumerate(helpers, start=1):
             ok = self.wait(h)
             for row, p in enumerate(plan):

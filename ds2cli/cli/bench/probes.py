@@ -4,8 +4,10 @@ prefill); and what the machine is (CPUs, numpy, BLAS)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import time
 
 import numpy as np
 
@@ -39,16 +41,19 @@ def probe_gemm(m: int, k: int, n: int, runs: int) -> dict:
 
 
 # The ceiling probe: plain NumPy's rate of widening each storage format to float32 and
-# multiplying by one token, over a matrix past the caches. Measured on one core (this thread,
-# BLAS at one thread) and scaled by the cores, capped by what memory can deliver of that format
-# (the matvec probe's GB/s over its bytes a value): what a decode step's products could reach
-# in NumPy at best. Threads measured together fall short of it (the GIL between their short
-# calls: 1.5x on 2 cores for int8), which is why ds2 hands decode's rows to processes. ds2's
-# kernels do the same work plus their own bookkeeping, so decode's share of this ceiling is how
+# multiplying by one token, over a matrix past the caches, on every core at once: this process
+# and cores - 1 forked processes each take their share of the rows (processes, as decode's
+# helpers are: threads share the GIL between short calls), capped by what memory can deliver of
+# that format (the matvec probe's GB/s over its bytes a value). One core alone is measured too
+# ("core"): the cores share memory, caches and, on many machines, a physical core, so n cores are
+# not n times one (on the 2-core EPYC VM: q8 1.6-1.9x, bf16 1.2-1.5x, float32 memory-bound).
+# That is what a decode step's products could reach in NumPy at best; ds2's kernels do the same
+# work plus their own bookkeeping (or, for q4, less), so decode's share of this ceiling is how
 # much of NumPy's speed ds2 keeps.
 CEILING_VALUES = 64 << 20       # weights in each probe matrix: 64M, past any CPU cache in every format
 CEILING_ROW = 4096              # values a row
 CEILING_BLOCK_ROWS = 64         # rows widened at once: 1 MB of float32, the fastest of 16-128 here
+CEILING_PASSES = 2              # passes over the matrix a timing (one pass is 10-30 ms)
 BYTES_PER_VALUE = {"f32": 4.0, "bf16": 2.0, "q8": 1.0, "q4": 0.5}
 
 
@@ -85,28 +90,86 @@ def _widen_and_multiply(fmt: str, block: np.ndarray, x: np.ndarray, buf: np.ndar
     buf @ x
 
 
-def probe_ceiling(runs: int, matvec_gb_per_s: float) -> dict:
-    """Per format: one core's G weights/s of plain NumPy widen-and-multiply ("core"), and the
-    ceiling of all the cores, min(cores x that, memory GB/s / bytes a value) ("g_weights_per_s")."""
-    from ds2cli.parallel import cores
-    n = cores.workers().n
-    rows = CEILING_VALUES // CEILING_ROW
+def _passes(fmt: str, w: np.ndarray, rows: slice) -> None:
+    """CEILING_PASSES passes of widen-and-multiply over w's rows `rows`, a block at a time."""
     x = np.ones(CEILING_ROW, np.float32)
     buf = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW), np.float32)
     tmp = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW // 2), np.uint8)
-    core, ceiling = {}, {}
+    for _ in range(CEILING_PASSES):
+        for r in range(rows.start, rows.stop, CEILING_BLOCK_ROWS):
+            _widen_and_multiply(fmt, w[r:r + CEILING_BLOCK_ROWS], x, buf, tmp)
+
+
+class _Team:
+    """cores - 1 forked processes that each run their share of the rows when told to; this
+    process runs the first share. Forked after the matrix exists, so they read the same pages."""
+
+    def __init__(self, fmt: str, w: np.ndarray, n: int):
+        bounds = [len(w) * k // n // CEILING_BLOCK_ROWS * CEILING_BLOCK_ROWS for k in range(n)] + [len(w)]
+        self.shares = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        self.fmt, self.w, self.members = fmt, w, []
+        for share in self.shares[1:]:
+            go_r, go_w = os.pipe()
+            done_r, done_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:        # a member: one share each time it is told, until the pipe closes
+                try:
+                    os.close(go_w)
+                    os.close(done_r)
+                    while os.read(go_r, 1) == b"g":
+                        _passes(fmt, w, share)
+                        os.write(done_w, b"d")
+                finally:
+                    os._exit(0)
+            os.close(go_r)
+            os.close(done_w)
+            self.members.append((pid, go_w, done_r))
+
+    def seconds(self) -> float:
+        t0 = time.perf_counter()
+        for _, go, _ in self.members:
+            os.write(go, b"g")
+        _passes(self.fmt, self.w, self.shares[0])
+        for _, _, done in self.members:
+            if os.read(done, 1) != b"d":
+                raise OSError("a ceiling probe process ended early")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for pid, go, done in self.members:
+            for fd in (go, done):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.waitpid(pid, 0)
+
+
+def probe_ceiling(runs: int, matvec_gb_per_s: float) -> dict:
+    """Per format: one core's G weights/s of plain NumPy widen-and-multiply ("core"), every
+    core's at once ("cores_at_once"), and the ceiling, min(every core's, memory GB/s / bytes a
+    value) ("g_weights_per_s"), from the best run of each: a ceiling is what NumPy reaches at
+    best, and on a shared machine one busy core slows every core's run."""
+    from ds2cli.parallel import cores
+    n = cores.workers().n
+    rows = CEILING_VALUES // CEILING_ROW
+    values = CEILING_PASSES * CEILING_VALUES
+    core, together, ceiling = {}, {}, {}
     with cores.blas_threads(1):
         for fmt in BYTES_PER_VALUE:
             w = _ceiling_matrix(fmt, rows)
-
-            def one_pass(fmt=fmt, w=w) -> None:
-                for r in range(0, rows, CEILING_BLOCK_ROWS):
-                    _widen_and_multiply(fmt, w[r:r + CEILING_BLOCK_ROWS], x, buf, tmp)
-            one_pass()                              # pages warm, outside the timing
-            core[fmt] = summary([CEILING_VALUES / seconds(one_pass) / 1e9 for _ in range(runs)])
-            ceiling[fmt] = min(n * core[fmt]["median"], matvec_gb_per_s / BYTES_PER_VALUE[fmt])
+            _passes(fmt, w, slice(0, rows))           # pages warm, outside the timing
+            core[fmt] = summary([values / seconds(lambda: _passes(fmt, w, slice(0, rows))) / 1e9
+                                 for _ in range(runs)])
+            team = _Team(fmt, w, n) if n > 1 else None
+            try:
+                together[fmt] = summary([values / (team.seconds() if team else seconds(lambda: _passes(fmt, w, slice(0, rows)))) / 1e9
+                                         for _ in range(runs)])
+            finally:
+                if team is not None:
+                    team.close()
+            ceiling[fmt] = min(together[fmt]["max"], matvec_gb_per_s / BYTES_PER_VALUE[fmt])
             del w
-    return {"cores": n, "core": core, "g_weights_per_s": ceiling}
+    return {"cores": n, "core": core, "cores_at_once": together, "g_weights_per_s": ceiling}
 
 
 def probe_beside() -> dict:
@@ -115,7 +178,7 @@ def probe_beside() -> dict:
     matvec = probe_matvec(POINT_PROBE_RUNS)
     return {"matvec_gb_per_s": matvec,
             "gemm_gflop_per_s": probe_gemm(*GEMM_SHAPES["prefill"], POINT_PROBE_RUNS),
-            "ceiling": probe_ceiling(2, matvec["median"])}
+            "ceiling": probe_ceiling(POINT_PROBE_RUNS, matvec["max"])}
 
 
 def machine_info() -> dict:
@@ -138,4 +201,4 @@ def probe_machine() -> dict:
     return {"matvec": {"shape": [MATVEC_N, MATVEC_N], "gb_per_s": matvec},
             "gemm": {name: {"shape": list(shape), "gflop_per_s": probe_gemm(*shape, PROBE_RUNS)}
                      for name, shape in GEMM_SHAPES.items()},
-            "ceiling": {"values": CEILING_VALUES, **probe_ceiling(POINT_PROBE_RUNS, matvec["median"])}}
+            "ceiling": {"values": CEILING_VALUES, **probe_ceiling(POINT_PROBE_RUNS, matvec["max"])}}

@@ -1,10 +1,15 @@
 """`ds2 bench --profile`: where a decode step's time goes. Decode steps run with timers around
-the products (by storage format and shape, the helper processes' messages and waits inside
-them), attention, the router and the embedding and head, each counted exclusive of what it
-calls; the rest of the step is the Python between them. The sum is the step's measured time.
+the products (by storage format: this process's share of their rows, wherever it runs, in the
+call or when a plan of products is sent to the helper processes), the coordination with the
+helpers (writing a plan and its inputs, waiting for their answer and reading their rows back),
+attention and the router, each counted exclusive of what it calls; the rest of the step is the
+Python between them. The sum is the step's measured time. Each product row also gives the rate
+of ds2's own kernels, the weights its products multiplied a second (G w/s, all cores: this
+process's share is timed while the helpers run theirs), to set beside the ceiling probe's.
 
-The timers wrap the classes' methods (Dense.matmul, QuantMatrix.matmul) and the model module's
-functions for the duration of the profile only, so the engine carries no instrumentation."""
+The timers wrap the classes' methods (Dense.matmul, QuantMatrix.matmul and .span, the helpers'
+send and collect) and the model module's functions for the duration of the profile only, so
+the engine carries no instrumentation."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import time
 from ds2cli.cli.bench.accounting import storage_format
 from ds2cli.model import linear, moe, transformer
 from ds2cli.model.transformer import Model
+from ds2cli.parallel import processes
 from ds2cli.weights import quant
 
 
@@ -23,11 +29,17 @@ class Clock:
     def __init__(self):
         self.spent: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.values: dict[str, float] = {}   # weights multiplied, by label (products)
         self.stack: list[list] = []          # [label, start, time of the regions inside]
 
-    def timed(self, label_of, fn):
+    def timed(self, label_of, fn, values_of=None, count: bool = True):
+        """fn timed under label_of(*args); a call counted (with values_of(*args) weights) where
+        values_of is given, else where `count` and no values are kept for the label."""
         def run(*args, **kwargs):
             label = label_of(*args)
+            if values_of is not None:
+                self.values[label] = self.values.get(label, 0.0) + values_of(*args)
+                self.calls[label] = self.calls.get(label, 0) + 1
             self.stack.append([label, time.perf_counter(), 0.0])
             try:
                 return fn(*args, **kwargs)
@@ -35,28 +47,39 @@ class Clock:
                 lab, t0, inner = self.stack.pop()
                 took = time.perf_counter() - t0
                 self.spent[lab] = self.spent.get(lab, 0.0) + took - inner
-                self.calls[lab] = self.calls.get(lab, 0) + 1
+                self.calls.setdefault(lab, 0)
+                if values_of is None and count and lab not in self.values:
+                    self.calls[lab] += 1
                 if self.stack:
                     self.stack[-1][2] += took
         return run
 
 
-def product_label(w, x) -> str:
-    kind = "1 token" if len(x) == 1 else f"{len(x)} tokens"
-    return f"products {storage_format(w)} ({kind})"
+def product_label(w, *_) -> str:
+    return f"products {storage_format(w)}"
+
+
+def product_values(w, x) -> float:
+    return len(x) * w.shape[-1] * w.shape[-2]
+
+
+COORDINATION = "coordination: plans sent, helpers awaited"
 
 
 @contextlib.contextmanager
 def instrumented(clock: Clock):
     """The timers in place for the block, the originals restored after."""
-    patches = [(linear.Dense, "matmul", lambda self, x: product_label(self, x)),
-               (quant.QuantMatrix, "matmul", lambda self, x: product_label(self, x)),
-               (transformer, "mla", lambda *a: "attention (latent cache, heads)"),
-               (moe, "route", lambda *a: "router")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    patches = [(linear.Dense, "matmul", product_label, product_values, True),
+               (quant.QuantMatrix, "matmul", product_label, product_values, True),
+               (quant.QuantMatrix, "span", product_label, None, True),
+               (processes.Helpers, "send", lambda *a: COORDINATION, None, True),
+               (processes.Helpers, "collect", lambda *a: COORDINATION, None, False),
+               (transformer, "mla", lambda *a: "attention (latent cache, heads)", None, True),
+               (moe, "route", lambda *a: "router", None, True)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, *_ in patches]
     try:
-        for owner, name, label in patches:
-            setattr(owner, name, clock.timed(label, getattr(owner, name)))
+        for owner, name, label, values, count in patches:
+            setattr(owner, name, clock.timed(label, getattr(owner, name), values, count))
         yield
     finally:
         for owner, name, original in saved:
@@ -74,7 +97,9 @@ def profile_decode(model: Model, cache, context: int, steps: int, rng) -> dict:
             model.forward(token[None], cache)
         total = time.perf_counter() - t0
     cache.truncate(context)
-    rows = [{"what": label, "per_step_s": s / steps, "share": s / total, "calls_per_step": clock.calls[label] / steps}
+    rows = [{"what": label, "per_step_s": s / steps, "share": s / total,
+             "calls_per_step": clock.calls[label] / steps if clock.calls.get(label) else None}
+            | ({"g_weights_per_s": clock.values[label] / s / 1e9} if label in clock.values and s > 0 else {})
             for label, s in sorted(clock.spent.items(), key=lambda kv: -kv[1])]
     rest = total - sum(clock.spent.values())
     rows.append({"what": "the rest: Python between them (norms, residuals, routing's gathers)",

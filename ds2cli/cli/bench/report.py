@@ -77,7 +77,7 @@ def footnotes(report: dict) -> list[str]:
     notes = ["vs probe: the figure's share of the probe re-run beside it"]
     ceiling = report["probes"].get("ceiling")
     if ceiling:
-        notes.append(f"ceiling: G weights/s numpy widens + multiplies, one core x {ceiling['cores']}, "
+        notes.append(f"ceiling: G weights/s numpy widens + multiplies, {ceiling['cores']} cores at once, "
                      "at most memory's")
     if report.get("passes"):
         notes.append("pass k @ c: k tokens after c, in decode steps of its repeat (median, range)")
@@ -92,11 +92,12 @@ def render_profile(p: dict, out) -> None:
     notes = [r["what"] for r in p["rows"] if len(r["what"]) > PROFILE_NAME]
     grid = bench_table(f"a decode step after {p['context']} tokens: {fig(1e3 * p['step_s'])} ms "
                    f"(mean of {p['steps']} steps)", "\n".join(notes) or None)
-    for name in ("where", "ms", "share", "calls"):
+    for name in ("where", "ms", "share", "calls", "G w/s"):
         grid.add_column(name, no_wrap=True, justify="left" if name == "where" else "right")
     for r in p["rows"]:
         grid.add_row(short_name(r["what"]), fig(1e3 * r["per_step_s"]), pct(r["share"]),
-                       "" if r["calls_per_step"] is None else f"{r['calls_per_step']:.0f}")
+                     "" if r["calls_per_step"] is None else f"{r['calls_per_step']:.0f}",
+                     fig(r["g_weights_per_s"]) if "g_weights_per_s" in r else "")
     out.print(grid)
 
 
