@@ -157,11 +157,11 @@ class MessageReader:
 CHAT_HELP = """commands:
   /clear         start a new conversation (the system message stays)
   /system [TEXT] set the system message (without TEXT: show it)
-  /save PATH     save the conversation as JSON (ds2 chat --load PATH resumes it)
+  /save PATH     save the conversation as JSON (ds2 chat --load resumes it)
   /help          this help
   /exit, /quit   leave (Ctrl-D too; Ctrl-C clears the line or stops a reply)
 input:
-  a line holding only \""" starts a multi-line message; the next such line sends it
+  a line holding only \""" starts a multi-line message; the next one sends it
   a bracketed paste (most terminals) arrives as one message, newlines kept
   on a terminal: line editing, and Up/Down for the history kept in
   $XDG_DATA_HOME/ds2/chat_history (default ~/.local/share/ds2/chat_history)"""

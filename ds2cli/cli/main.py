@@ -46,7 +46,8 @@ PIPE_CLOSED_EXIT = 0     # every command, when the reader of stdout goes away (`
 
 class Ds2Group(click.Group):
     """Turns every ds2 error into one red line on stderr and exit code 1, and click's usage
-    errors (three lines ending in "Error: ...") into one line too, with exit code 2."""
+    errors (three lines ending in "Error: ...") into one line too, with exit code 2, naming the
+    command's --help. A bare `ds2` prints the help as click does (stderr, exit code 2)."""
 
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         console.utf8_streams()
@@ -65,6 +66,15 @@ class Ds2Group(click.Group):
             console.info("")
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """A bare `ds2` prints the help on stderr with exit code 2, click 8.2's rule, whatever click
+        is installed (8.1 printed it on stdout with 0; 8.2 raises it as a usage error, which main
+        would squash into one line)."""
+        if not args and not ctx.resilient_parsing:
+            click.echo(ctx.get_help(), err=True, color=ctx.color)
+            ctx.exit(2)
+        return super().parse_args(ctx, args)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Each command's first sentence in full (click would cut it at the terminal's width)."""
@@ -88,6 +98,14 @@ class Ds2Group(click.Group):
             # numpy's own floating-point RuntimeWarnings would only add lines to stderr.
             with np.errstate(all="ignore"):
                 return super().invoke(ctx)
+        except click.UsageError as e:
+            # click's parser raises "Option '--x' requires an argument." without a context: give it
+            # the subcommand's, so that main names that command's --help as for every usage error
+            name = ctx.invoked_subcommand
+            command = self.get_command(ctx, name) if e.ctx is None and name else None
+            if command is not None:
+                e.ctx = click.Context(command, info_name=name, parent=ctx)
+            raise
         except Ds2Error as e:
             console.error(str(e))
             ctx.exit(1)
@@ -373,9 +391,9 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
 @main.command()
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
 @model_option
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data: a Hugging "
                                             "Face id's shards are downloaded first, as generate does).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def inspect(directory, model_dir, as_json, check):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics.
 

@@ -80,6 +80,23 @@ def cached_snapshot(repo: str, revision: str, cache_dir: Path) -> Path | None:
     return snapshot if COMMIT.fullmatch(commit) and (snapshot / "config.json").is_file() else None
 
 
+def snapshot_id(path: Path) -> str | None:
+    """The Hub id a cached snapshot directory (models--org--name/snapshots/<commit>) stands for,
+    to name the model in messages as the user names it: 'org/name' when refs/main names the
+    commit, else 'org/name@<commit>' (both resolve to this snapshot); None for any other path."""
+    root = path.parent.parent
+    parts = root.name.split("--")
+    if not (COMMIT.fullmatch(path.name) and path.parent.name == "snapshots" and len(parts) == 3
+            and parts[0] == "models" and parse_hub_id(f"{parts[1]}/{parts[2]}")):
+        return None
+    repo = f"{parts[1]}/{parts[2]}"
+    try:
+        main = (root / "refs" / "main").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        main = None
+    return repo if main == path.name else f"{repo}@{path.name}"
+
+
 def index_shards(snapshot: Path) -> list[str] | None:
     """The shard files model.safetensors.index.json names (None: no index). An unreadable index
     names none: checkpoint.find_shards reports it, as it reports names that are no file names."""

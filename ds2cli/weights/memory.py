@@ -24,6 +24,7 @@ from pathlib import Path
 from ds2cli.model import attention, transformer
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights import checkpoint
+from ds2cli.weights import hub
 from ds2cli.weights import qcheckpoint
 from ds2cli.errors import Ds2Error
 from ds2cli.weights.qcheckpoint import QuantConfig
@@ -187,7 +188,8 @@ def choose_auto(cfg: DeepseekV2Config, context: int | None, available: int | Non
 
 
 def model_name(cfg: DeepseekV2Config, path: Path | None = None) -> str:
-    name = path.name if path is not None else cfg.model_type
+    """The model as the user names it: a Hub snapshot by its id (org/name), a directory by its name."""
+    name = cfg.model_type if path is None else hub.snapshot_id(path) or path.name
     return f"{name} ({describe_params(cfg)})"
 
 
@@ -214,6 +216,7 @@ def suggestion(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | Non
         return "use a smaller --ctx or a machine with more memory" if stored.bits == 4 else \
             "a 4-bit copy (ds2 quantize from the float checkpoint with --bits 4) takes " \
             f"{gb(required(cfg, QuantConfig.recipe(4), context)['total'])}"
+    source = hub.snapshot_id(model_dir) or model_dir   # `ds2 quantize` takes a Hub id as SRC too
     options = []
     for bits in (8, 4):
         if quantize is not None and bits >= quantize:
@@ -222,7 +225,7 @@ def suggestion(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | Non
         at_load = required(cfg, QuantConfig.recipe(bits), context, quantize_at_load=True)["total"]
         if on_disk <= available:
             size = gb(weight_bytes(cfg, QuantConfig.recipe(bits)))
-            how = f"ds2 quantize {model_dir} OUT --bits {bits} makes {article(size)} {size} copy that fits"
+            how = f"ds2 quantize {source} OUT --bits {bits} makes {article(size)} {size} copy that fits"
             options.append(how + (f" (or add --quantize {bits})" if at_load <= available else ""))
     if options:
         return "; ".join(options)

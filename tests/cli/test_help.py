@@ -68,8 +68,6 @@ def test_help_exits_0_and_fits_80_columns(args):
     assert not too_wide, "\n".join(too_wide)
 
 
-@pytest.mark.xfail(strict=True, reason="two lines of chat_loop.CHAT_HELP are 80 and 82 characters, "
-                                       "82 and 84 as the indented epilog of `ds2 chat --help`")
 def test_chat_epilog_fits_80_columns():
     too_wide = [line for line in help_of("chat").splitlines() if len(line) > WIDTH]
     assert not too_wide, "\n".join(too_wide)
@@ -105,14 +103,8 @@ def test_the_model_comes_first_and_json_last(name):
     names = [option.name for option in options(name) if option.name != "help"]
     if "model_dir" in names:
         assert names[0] == "model_dir", names
-    if "as_json" in names and name != "inspect":
+    if "as_json" in names:
         assert names[-1] == "as_json", names
-
-
-@pytest.mark.xfail(strict=True, reason="inspect lists --check after --json; its decorators are "
-                                       "another change's to make")
-def test_inspect_lists_json_last():
-    assert [option.name for option in options("inspect")][-1] == "as_json"
 
 
 @pytest.mark.parametrize("name", COMMANDS)

@@ -161,3 +161,19 @@ def test_a_snapshot_huggingface_hub_hands_back_without_shards_is_one_error_line(
                         f"(HF_HUB_OFFLINE is set: huggingface_hub does not download): the snapshot huggingface_hub "
                         f"returned lacks them; download it where there is a network (`hf download org/tiny`) or pass "
                         f"a local directory\n")
+
+
+def test_the_memory_check_names_a_hub_model_by_its_id(hf_env, tmp_path):
+    """The memory check's error names the id, not the snapshot's commit, and suggests a quantize
+    command with the id as SRC, which runs; a revision other than main is named by its commit."""
+    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    fake_cache(tmp_path / "cache", refs={"main": COMMIT, "v2": OTHER})
+    hf_env.setenv("DS2_MEMORY_AVAILABLE", "390MB")   # ds2-tiny: float32 needs 0.40 GB, its 8-bit copy 0.38
+    repo = "deepseek-ai/DeepSeek-V2-Lite-Chat"
+    for given, named in ((repo, repo), (f"{repo}@v2", f"{repo}@{OTHER}")):
+        r = CliRunner().invoke(main, ["generate", "-m", given, "hi"])
+        assert r.exit_code == 1 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith(f"error: {named} (") and "as float32" in r.stderr, r.stderr
+        assert f"ds2 quantize {named} OUT --bits 8 makes" in r.stderr and "snapshots" not in r.stderr
+    r = CliRunner().invoke(main, ["quantize", repo, str(tmp_path / "OUT"), "--bits", "8"])
+    assert r.exit_code == 0 and (tmp_path / "OUT" / "config.json").is_file(), r.stderr
