@@ -39,11 +39,17 @@ SHARED_KEYS = 2048
 @dataclasses.dataclass(eq=False)
 class Rows:
     """One product y = x @ W.T to be computed in row spans: m.span(x, y, a, b) fills columns a..b
-    of y (rows a..b of W); m.key names the matrix to a helper process."""
+    of y (rows a..b of W), spans starting at multiples of `align`; m.key names the matrix to a
+    helper process. Who runs it sets the spans, one for each core that takes a share."""
     m: Any
     x: np.ndarray                   # (in,) or (k, in)
     y: np.ndarray                   # (out,) or (k, out)
-    spans: list[tuple[int, int]]
+    align: int
+    spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return self.y.shape[-1]
 
     def span(self, a: int, b: int) -> None:
         self.m.span(self.x, self.y, a, b)
@@ -110,9 +116,10 @@ class Workers:
                 future.result()
 
     def split(self, product: Rows) -> None:
-        """Compute a product's row spans, one a core: with the helper processes in a pass of few
+        """Compute a product's rows, a share a core: with the helper processes in a pass of few
         tokens (inside `together`, when the block ends, with the block's other products), else
         on threads, now."""
+        product.spans = split_rows(product.rows, self.parts, product.align)
         if len(product.spans) > 1 and self.helpers_ready():
             batch = getattr(self.local, "batch", None)
             if batch is not None:
@@ -277,6 +284,18 @@ def split_rows(rows: int, parts: int, g: int) -> list[tuple[int, int]]:
     groups = -(-rows // g)
     bounds = [min(rows, g * (groups * k // parts)) for k in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def split_shares(rows: int, shares: list[float], g: int) -> list[tuple[int, int]]:
+    """[0, rows) as one span of whole groups for each share (fractions summing to 1), in order;
+    a share too small for a group gets an empty span, so span k is always core k's."""
+    groups = -(-rows // g)
+    bounds, total = [0], 0.0
+    for share in shares:
+        total += share
+        bounds.append(min(rows, g * round(groups * min(total, 1.0))))
+    bounds[-1] = rows
+    return list(zip(bounds, bounds[1:]))
 
 
 def split(n: int, tokens: int) -> list[slice]:

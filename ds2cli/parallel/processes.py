@@ -35,18 +35,27 @@ import weakref
 import numpy as np
 
 from ds2cli.parallel import cores
+from ds2cli.parallel.cores import split_shares
 
 _matrices: list[weakref.ref] = []    # a matrix's key -> the matrix, in this and every helper
 _helpers_failed = False               # a helper died or could not start: threads from then on
 PLAN = struct.Struct("<qq")           # seq, products in the plan (its first rows of the table)
 ENTRY = 9                             # a table row: key, expert (-1: none), rows a, b, in, out, k,
                                       # x's offset and y's offset in the values (float32 units)
-DONE = struct.Struct("<qq")           # seq, 1 if the rows are in shared memory, 0 if not
+DONE = struct.Struct("<qqd")          # seq, 1 if the rows are in shared memory (0 if not), the
+                                      # seconds the helper spent on them
 PLAN_PRODUCTS = 1024                  # a plan's table holds at most this many products (72 KB)
 HELPER_VALUES = 1 << 23               # float32 values of shared memory a helper: the x's, then the
                                       # y's (32 MB reserved, touched only as far as a plan reaches)
 HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
 HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec is taken as stuck
+# Each process's share of a plan's rows follows how fast it ran the last ones (an average of the
+# rows a second, weighing each new plan this much): a core that another program also uses, or
+# that waits on memory more, gets fewer rows, so that the processes finish together. Measured on
+# the 4-layer slice at 8 bits (2 cores): without it this process waited 6 ms a step for its
+# helper. A share never falls below SHARE_FLOOR of an even one, so every core keeps being timed.
+SHARE_WEIGHT = 0.2
+SHARE_FLOOR = 0.25
 
 
 def helpers_wanted() -> bool:
@@ -83,6 +92,7 @@ class Helpers:
         self.horizon = len(_matrices)
         self.seq = 0                 # plans sent
         self.products = 0            # products the plans held
+        self.speeds = [1.0] * (n + 1)  # G weights a second of this process, then of each helper
         self.lock = threading.Lock()
         self.procs: list[Helper] = []
         try:
@@ -134,6 +144,9 @@ class Helpers:
         known = [p for p in products if p.m.key[0] < self.horizon and ends(p, 0) <= HELPER_VALUES]
         if not known or not self.lock.acquire(blocking=False):
             return products
+        shares = self.shares()
+        for p in known:
+            p.spans = split_shares(p.rows, shares, p.align)
         try:
             for plan in plans(known):
                 self.run_plan(plan)
@@ -150,11 +163,25 @@ class Helpers:
         """One plan: every helper is sent its rows of every product, this process runs its own,
         then it reads theirs."""
         helpers = self.send(plan)
+        t0 = time.perf_counter()
         for p in plan:
-            p.m.span(p.x, p.y, *p.spans[0])
-            for a, b in p.spans[1 + len(helpers):]:       # spans beyond the helpers: here too
-                p.m.span(p.x, p.y, a, b)
+            for a, b in [p.spans[0], *p.spans[1 + len(helpers):]]:   # spans beyond the helpers: here too
+                if b > a:
+                    p.m.span(p.x, p.y, a, b)
+        self.timed(0, plan, time.perf_counter() - t0)
         self.collect(plan, helpers)
+
+    def shares(self) -> list[float]:
+        """Each process's share of the next plan's rows, by its speed on the last ones."""
+        floor = SHARE_FLOOR * sum(self.speeds) / len(self.speeds)
+        speeds = [max(floor, v) for v in self.speeds]
+        return [v / sum(speeds) for v in speeds]
+
+    def timed(self, i: int, plan: list, seconds: float) -> None:
+        """Process i (0: this one) ran its spans of the plan in `seconds`: its speed, averaged."""
+        rows = sum((p.spans[i][1] - p.spans[i][0]) * p.x.size for p in plan if i < len(p.spans))
+        if rows and seconds > 0:
+            self.speeds[i] += SHARE_WEIGHT * (rows / seconds / 1e9 - self.speeds[i])
 
     def send(self, plan: list) -> list[Helper]:
         """Each helper's rows of the plan, its x's and table into its shared memory, then the
@@ -178,7 +205,9 @@ class Helpers:
         """Wait for each helper's answer and copy its rows into the plan's y's (or, if it could
         not run them, run them here)."""
         for i, h in enumerate(helpers, start=1):
-            ok = self.wait(h)
+            ok, seconds = self.wait(h)
+            if ok:
+                self.timed(i, plan, seconds)
             for row, p in enumerate(plan):
                 if i >= len(p.spans):
                     continue
@@ -189,15 +218,16 @@ class Helpers:
                 else:
                     p.m.span(p.x, p.y, a, b)
 
-    def wait(self, h: Helper) -> bool:
-        """Read h's replies up to this plan's (an interrupted pass leaves its reply unread)."""
+    def wait(self, h: Helper) -> tuple[bool, float]:
+        """Read h's replies up to this plan's (an interrupted pass leaves its reply unread):
+        whether it ran its rows, and in how many seconds."""
         while True:
             reply = receive(h.done, DONE.size, HELPER_TIMEOUT)
             if reply is None:
                 raise OSError("a helper process exited")
-            seq, ok = DONE.unpack(reply)
+            seq, ok, seconds = DONE.unpack(reply)
             if seq == self.seq:
-                return bool(ok)
+                return bool(ok), seconds
 
 
 def ends(p, at: int) -> int:
@@ -281,6 +311,7 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, shared: mm
     table, values = shared_views(shared)
     while (message := receive(jobs, PLAN.size)) is not None:
         seq, n = PLAN.unpack(message)
+        t0 = time.perf_counter()
         try:
             for key, expert, a, b, inp, out, k, x_at, y_at in table[:n].tolist():
                 if b > a:
@@ -290,7 +321,7 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, shared: mm
             ok = 1
         except Exception:    # noqa: BLE001 - any failure (a matrix gone too): the parent runs the rows
             ok = 0
-        os.write(done, DONE.pack(seq, ok))
+        os.write(done, DONE.pack(seq, ok, time.perf_counter() - t0))
 
 
 def start_helpers() -> None:

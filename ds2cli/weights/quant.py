@@ -388,8 +388,7 @@ class QuantMatrix:
     def spread(self, x: np.ndarray, y: np.ndarray) -> None:
         """y = x @ W.T (x (in,) or (k, in)) in row spans over the cores: with the helper
         processes in a few-token pass (they run the other spans), else with threads."""
-        pool = workers()
-        pool.split(Rows(self, x, y, split_rows(self.shape[0], pool.parts, self.row_align)))
+        workers().split(Rows(self, x, y, self.row_align))
 
     def span(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """Columns a..b of y = x @ W.T on this thread (rows a..b of W): x (in,) and y (out,) for

@@ -101,7 +101,6 @@ def test_an_interrupted_step_leaves_no_stale_rows():
     procs.start_helpers()                    # forked after m exists, so the helper knows it
     helpers = procs.running()
     x1, x2 = np.random.default_rng(1).standard_normal((2, 256), dtype=np.float32)
-    spans = cores.split_rows(512, 2, 8)
 
     class Interrupted:
         key = m.key
@@ -110,13 +109,43 @@ def test_an_interrupted_step_leaves_no_stale_rows():
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):   # the helper's reply to this step stays unread
-        helpers.run([cores.Rows(Interrupted(), x1, np.empty(512, np.float32), spans)])
+        helpers.run([cores.Rows(Interrupted(), x1, np.empty(512, np.float32), 8)])
     y = np.empty(512, np.float32)
-    assert helpers.run([cores.Rows(m, x2, y, spans)]) == []
+    product = cores.Rows(m, x2, y, 8)
+    assert helpers.run([product]) == [] and len(product.spans) == 2
     expected = np.empty(512, np.float32)
-    for a, b in spans:                       # the same kernel calls on the same row spans
+    for a, b in product.spans:               # the same kernel calls on the same row spans
         m.span(x2, expected, a, b)
     np.testing.assert_array_equal(y, expected)
+
+
+def test_each_process_gets_rows_by_its_speed(monkeypatch):
+    """Each process's share of a plan's rows follows its measured speed: a helper three times
+    slower than this process gets about a quarter of the rows (never less than the floor), the
+    speeds follow what each plan took, and the rows still come out right."""
+    m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((4096, 512), dtype=np.float32),
+                               quant.FORMATS["q8"])
+    procs.start_helpers()
+    helpers = procs.running()
+    if len(helpers.procs) != 1:
+        pytest.skip("the shares are checked with one helper (two cores)")
+    x = np.random.default_rng(1).standard_normal(512, dtype=np.float32)
+    expected = m.dequantize() @ x
+    helpers.speeds = [3.0, 1.0]
+    y = np.empty(4096, np.float32)
+    product = cores.Rows(m, x, y, 8)
+    helpers.timed = lambda *args: None                              # hold the speeds for this plan
+    try:
+        assert helpers.run([product]) == []
+    finally:
+        del helpers.timed
+    assert product.spans == [(0, 3072), (3072, 4096)]
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    helpers.speeds = [100.0, 1.0]                                   # a helper all but stopped
+    assert procs.Helpers.shares(helpers)[1] == pytest.approx(procs.SHARE_FLOOR / (2 + procs.SHARE_FLOOR), rel=0.05)
+    helpers.speeds = [1.0, 1.0]
+    helpers.timed(1, [product], 1024 * 512 / 4e9)                   # the helper's 1024 rows at 4 G weights/s
+    assert helpers.speeds[1] == pytest.approx(1.0 + procs.SHARE_WEIGHT * (4.0 - 1.0))
 
 
 def test_a_killed_helper_falls_back_to_threads(monkeypatch):
