@@ -134,12 +134,13 @@ class Helpers:
         self.procs = []
 
     def run(self, products: list) -> list:
-        """Each product's rows spans[0] here and spans[1:] on the helpers, in as few plans as the
-        shared memory allows (one for a decode step's); returns the products left to the caller:
-        those the helpers do not know, or all of them if the helpers are busy with another
-        thread's pass or one of them is gone (the caller runs them on threads, writing again
-        whatever this process already wrote into their y). A product (cores.Rows) has m (with
-        .key and .span), x (in,) or (k, in), y (out,) or (k, out), and its spans."""
+        """Each product's rows split by the processes' shares (`shares`), the first span here and
+        one on each helper, in as few plans as the shared memory allows (one for a decode
+        step's); returns the products left to the caller: those the helpers do not know, or all
+        of them if the helpers are busy with another thread's pass or one of them is gone (the
+        caller runs them on threads, writing again whatever this process already wrote into
+        their y). A product (cores.Rows) has m (with .key and .span), x (in,) or (k, in),
+        y (out,) or (k, out) and its alignment; this sets its spans."""
         global _helpers_failed
         known = [p for p in products if p.m.key[0] < self.horizon and ends(p, 0) <= HELPER_VALUES]
         if not known or not self.lock.acquire(blocking=False):
@@ -162,14 +163,14 @@ class Helpers:
     def run_plan(self, plan: list) -> None:
         """One plan: every helper is sent its rows of every product, this process runs its own,
         then it reads theirs."""
-        helpers = self.send(plan)
+        self.send(plan)
         t0 = time.perf_counter()
         for p in plan:
-            for a, b in [p.spans[0], *p.spans[1 + len(helpers):]]:   # spans beyond the helpers: here too
-                if b > a:
-                    p.m.span(p.x, p.y, a, b)
+            a, b = p.spans[0]
+            if b > a:
+                p.m.span(p.x, p.y, a, b)
         self.timed(0, plan, time.perf_counter() - t0)
-        self.collect(plan, helpers)
+        self.collect(plan)
 
     def shares(self) -> list[float]:
         """Each process's share of the next plan's rows, by its speed on the last ones."""
@@ -179,39 +180,37 @@ class Helpers:
 
     def timed(self, i: int, plan: list, seconds: float) -> None:
         """Process i (0: this one) ran its spans of the plan in `seconds`: its speed, averaged."""
-        rows = sum((p.spans[i][1] - p.spans[i][0]) * p.x.size for p in plan if i < len(p.spans))
-        if rows and seconds > 0:
-            self.speeds[i] += SHARE_WEIGHT * (rows / seconds / 1e9 - self.speeds[i])
+        values = sum((p.spans[i][1] - p.spans[i][0]) * p.x.size for p in plan)
+        if values and seconds > 0:
+            self.speeds[i] += SHARE_WEIGHT * (values / seconds / 1e9 - self.speeds[i])
 
-    def send(self, plan: list) -> list[Helper]:
+    def send(self, plan: list) -> None:
         """Each helper's rows of the plan, its x's and table into its shared memory, then the
-        PLAN message; returns the helpers that got one."""
+        PLAN message."""
         self.seq += 1
         self.products += len(plan)
-        helpers = self.procs[:max(len(p.spans) for p in plan) - 1]
-        for i, h in enumerate(helpers, start=1):
+        for i, h in enumerate(self.procs, start=1):
             at = 0
             for row, p in enumerate(plan):
                 inp, out = p.x.shape[-1], p.y.shape[-1]
                 k = p.x.size // inp
-                a, b = p.spans[i] if i < len(p.spans) else (0, 0)
+                a, b = p.spans[i]
                 h.values[at:at + inp * k] = p.x.reshape(-1)
                 h.table[row] = (*p.m.key, a, b, inp, out, k, at, at + inp * k)
                 at = ends(p, at)
             os.write(h.jobs, PLAN.pack(self.seq, len(plan)))
-        return helpers
 
-    def collect(self, plan: list, helpers: list[Helper]) -> None:
+    def collect(self, plan: list) -> None:
         """Wait for each helper's answer and copy its rows into the plan's y's (or, if it could
         not run them, run them here)."""
-        for i, h in enumerate(helpers, start=1):
+        for i, h in enumerate(self.procs, start=1):
             ok, seconds = self.wait(h)
             if ok:
                 self.timed(i, plan, seconds)
             for row, p in enumerate(plan):
-                if i >= len(p.spans):
-                    continue
                 a, b = p.spans[i]
+                if b <= a:
+                    continue
                 if ok:
                     out, k, y_at = p.y.shape[-1], p.x.size // p.x.shape[-1], int(h.table[row, 8])
                     p.y.reshape(k, out)[:, a:b] = h.values[y_at:y_at + k * out].reshape(k, out)[:, a:b]
