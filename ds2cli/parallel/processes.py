@@ -49,11 +49,16 @@ HELPER_VALUES = 1 << 23               # float32 values of shared memory a helper
                                       # y's (32 MB reserved, touched only as far as a plan reaches)
 HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
 HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec is taken as stuck
-# Each process's share of a plan's rows follows how fast it ran the last ones (an average of the
-# rows a second, weighing each new plan this much): a core that another program also uses, or
-# that waits on memory more, gets fewer rows, so that the processes finish together. Measured on
-# the 4-layer slice at 8 bits (2 cores): without it this process waited 6 ms a step for its
-# helper. A share never falls below SHARE_FLOOR of an even one, so every core keeps being timed.
+# Each process's share of a one-token plan's rows follows how fast it ran the last ones (an
+# average of the weights a second, weighing each new plan this much): a core that another
+# program also uses, or that waits on memory more, gets fewer rows, so that the processes finish
+# together (the 4-layer slice at 8 bits, 2 cores: this process ran its spans at 2.6 G weights/s,
+# its helper at 3.3, and waited 6 ms a step for it with even halves). Only one token's: its rows
+# are each one dot product with the token, which OpenBLAS's gemv gives as the same bits whoever
+# computes them (measured here for every cut of q8, q4, bf16 and q8b), so the split does not show
+# in the results; a plan of several tokens (GEMM tiles, whose bits depend on the cut) is split
+# evenly, always the same way, so that its results do not depend on the timing. A share never
+# falls below SHARE_FLOOR of an even one, so every core keeps being timed.
 SHARE_WEIGHT = 0.2
 SHARE_FLOOR = 0.25
 
@@ -145,12 +150,13 @@ class Helpers:
         known = [p for p in products if p.m.key[0] < self.horizon and ends(p, 0) <= HELPER_VALUES]
         if not known or not self.lock.acquire(blocking=False):
             return products
-        shares = self.shares()
+        adapt = all(p.x.size == p.x.shape[-1] for p in known)              # one token each
+        shares = self.shares() if adapt else [1 / len(self.speeds)] * len(self.speeds)
         for p in known:
             p.spans = split_shares(p.rows, shares, p.align)
         try:
             for plan in plans(known):
-                self.run_plan(plan)
+                self.run_plan(plan, adapt)
             return [p for p in products if not any(p is q for q in known)]
         except OSError:      # a helper is gone (killed, out of memory) or stuck: carry on without
             _helpers_failed = True                                                # them
@@ -160,17 +166,18 @@ class Helpers:
             if _helpers_failed:
                 stop_helpers_now()
 
-    def run_plan(self, plan: list) -> None:
+    def run_plan(self, plan: list, timed: bool = True) -> None:
         """One plan: every helper is sent its rows of every product, this process runs its own,
-        then it reads theirs."""
+        then it reads theirs; with `timed`, each process's time updates its speed."""
         self.send(plan)
         t0 = time.perf_counter()
         for p in plan:
             a, b = p.spans[0]
             if b > a:
                 p.m.span(p.x, p.y, a, b)
-        self.timed(0, plan, time.perf_counter() - t0)
-        self.collect(plan)
+        if timed:
+            self.timed(0, plan, time.perf_counter() - t0)
+        self.collect(plan, timed)
 
     def shares(self) -> list[float]:
         """Each process's share of the next plan's rows, by its speed on the last ones."""
@@ -200,12 +207,12 @@ class Helpers:
                 at = ends(p, at)
             os.write(h.jobs, PLAN.pack(self.seq, len(plan)))
 
-    def collect(self, plan: list) -> None:
+    def collect(self, plan: list, timed: bool = True) -> None:
         """Wait for each helper's answer and copy its rows into the plan's y's (or, if it could
         not run them, run them here)."""
         for i, h in enumerate(self.procs, start=1):
             ok, seconds = self.wait(h)
-            if ok:
+            if ok and timed:
                 self.timed(i, plan, seconds)
             for row, p in enumerate(plan):
                 a, b = p.spans[i]
