@@ -13,8 +13,9 @@ each product's x (k, in) into the helper's shared memory, the plan's table besid
 a product: matrix key, expert, rows a..b, in, out, k, where x is, where y goes), and one small
 PLAN message (seq, products) on the helper's job pipe; then it runs its own rows of every
 product while the helper runs its rows, writes them into its y's in the shared memory and
-answers DONE (seq, ok). One message and one wait a plan, not one a product: the message, the
-helper's wake-up and the wait for the slower process are paid once for all of them.
+answers DONE (seq, ok, seconds). One message and one wait a plan, not one a product: the
+message, the helper's wake-up and the wait for the slower process are paid once for all of
+them. How many rows each process takes follows the seconds each took (SHARE_WEIGHT below).
 A matrix is known to a helper by its key (`register`), given before the fork.
 """
 
@@ -258,9 +259,9 @@ def receive(fd: int, size: int, timeout: float | None = None) -> bytes | None:
     TimeoutError after `timeout` seconds without one.
 
     Polls for HELPER_SPIN seconds before sleeping in select: a process that sleeps between a
-    step's matvecs is woken up to a millisecond late on this VM (a 2816x2048 q4 matvec split
+    step's plans is woken up to a millisecond late on this VM (a 2816x2048 q4 matvec split
     over two processes took 2.4 ms, median, against 1.2 ms for either half), and a decode step
-    sends the next matvec well within the spin. Messages are shorter than PIPE_BUF, so each is
+    sends the next plan well within the spin. Messages are shorter than PIPE_BUF, so each is
     written, and read, whole."""
     start = time.perf_counter()
     sleep = None
