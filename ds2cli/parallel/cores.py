@@ -130,8 +130,10 @@ class Workers:
         self.run(product.span, product.spans)
 
     def run_products(self, products: list[Rows]) -> None:
-        """Products' spans over the helper processes at once; whatever they leave, on threads."""
-        for product in self.helpers.run(products) if products else ():
+        """Products' spans over the helper processes at once; whatever they leave, on threads
+        (all of them if the helpers were stopped meanwhile: a helper died, another model loaded)."""
+        helpers = self.helpers
+        for product in helpers.run(products) if helpers is not None and products else products:
             self.run(product.span, product.spans)
 
     def helpers_ready(self) -> bool:
