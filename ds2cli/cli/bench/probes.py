@@ -113,9 +113,9 @@ class _Team:
             done_r, done_w = os.pipe()
             pid = os.fork()
             if pid == 0:        # a member: one share each time it is told, until the pipe closes
-                try:
-                    os.close(go_w)
-                    os.close(done_r)
+                try:            # (holding no other member's pipe open, or it would never close)
+                    for fd in (go_w, done_r, *(fd for _, go, done in self.members for fd in (go, done))):
+                        os.close(fd)
                     while os.read(go_r, 1) == b"g":
                         _passes(fmt, w, share)
                         os.write(done_w, b"d")
@@ -136,10 +136,12 @@ class _Team:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        for pid, go, done in self.members:
+        """Close every pipe first (each member then reads the end of its own), then reap them."""
+        for _, go, done in self.members:
             for fd in (go, done):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        for pid, _, _ in self.members:
             with contextlib.suppress(OSError):
                 os.waitpid(pid, 0)
 
