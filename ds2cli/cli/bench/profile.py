@@ -33,13 +33,14 @@ class Clock:
         self.stack: list[list] = []          # [label, start, time of the regions inside]
 
     def timed(self, label_of, fn, values_of=None, count: bool = True):
-        """fn timed under label_of(*args); a call counted (with values_of(*args) weights) where
-        values_of is given, else where `count` and no values are kept for the label."""
+        """fn timed under label_of(*args), exclusive of the timed regions inside it; a call
+        counted where `count`, and values_of(*args) weights added to the label's where given."""
         def run(*args, **kwargs):
             label = label_of(*args)
+            if count:
+                self.calls[label] = self.calls.get(label, 0) + 1
             if values_of is not None:
                 self.values[label] = self.values.get(label, 0.0) + values_of(*args)
-                self.calls[label] = self.calls.get(label, 0) + 1
             self.stack.append([label, time.perf_counter(), 0.0])
             try:
                 return fn(*args, **kwargs)
@@ -47,9 +48,6 @@ class Clock:
                 lab, t0, inner = self.stack.pop()
                 took = time.perf_counter() - t0
                 self.spent[lab] = self.spent.get(lab, 0.0) + took - inner
-                self.calls.setdefault(lab, 0)
-                if values_of is None and count and lab not in self.values:
-                    self.calls[lab] += 1
                 if self.stack:
                     self.stack[-1][2] += took
         return run
@@ -71,9 +69,9 @@ def instrumented(clock: Clock):
     """The timers in place for the block, the originals restored after."""
     patches = [(linear.Dense, "matmul", product_label, product_values, True),
                (quant.QuantMatrix, "matmul", product_label, product_values, True),
-               (quant.QuantMatrix, "span", product_label, None, True),
+               (quant.QuantMatrix, "span", product_label, None, False),     # the calls are matmul's
                (processes.Helpers, "send", lambda *a: COORDINATION, None, True),
-               (processes.Helpers, "collect", lambda *a: COORDINATION, None, False),
+               (processes.Helpers, "collect", lambda *a: COORDINATION, None, False),  # a plan: send's
                (transformer, "mla", lambda *a: "attention (latent cache, heads)", None, True),
                (moe, "route", lambda *a: "router", None, True)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, *_ in patches]
