@@ -248,7 +248,7 @@ def dequantize_scale(w: np.ndarray, scales: np.ndarray, r0: int, f: Format) -> N
         w *= scales[r0:r0 + rows, None]
         return
     g = f.group_size
-    s = scales[r0 // g:-(-(r0 + rows) // g)].astype(np.float32)             # (G, in)
+    s = float32(scales[r0 // g:-(-(r0 + rows) // g)])                         # (G, in)
     full = rows // g * g
     grouped = w[:full].reshape(full // g, g, w.shape[1])                    # (G, g, in), a view
     grouped *= s[:full // g, None, :]
@@ -345,7 +345,7 @@ class QuantMatrix:
             return w
         if self.f.group_size is None:
             return w * self.scales[ids][:, None]
-        return w * self.scales[ids // self.f.group_size].astype(np.float32)
+        return w * float32(self.scales[ids // self.f.group_size])
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         if len(x) == 1:
@@ -484,7 +484,8 @@ class QuantMatrix:
         cast and multiplied in one batched product a token."""
         inp = self.shape[1]
         half, g = inp // 2, self.f.group_size
-        xs = self.scales[a // g:-(-b // g)].astype(np.float32)                        # (G, in)
+        s = self.scales[a // g:-(-b // g)]
+        xs = float32(s, np.empty(s.shape, np.float32))                                # (G, in), scaled in place below
         if len(x) == 1:
             xs *= x[0]
             xs = xs[None]                                                             # (1, G, in)
