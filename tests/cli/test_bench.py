@@ -2,6 +2,7 @@
 made here from the config, and the synthetic checkpoint it writes."""
 
 import json
+import os
 import math
 import re
 import sys
@@ -488,3 +489,18 @@ def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
         # fewer plans than products: a plan carries several (q with kv, the experts)
         assert 0 < coordination["calls_per_step"] < sum(r["calls_per_step"] for r in products)
     assert (quant.QuantMatrix.span, processes.Helpers.send, processes.Helpers.collect) == originals
+
+
+def test_the_ceiling_probes_team_of_several_ends_whole():
+    """Every member of the all-cores probe runs its share when told and ends when its pipe
+    closes, however many there are (each holds only its own pipes)."""
+    from ds2cli.cli.bench import probes
+    w = probes._ceiling_matrix("q8", 4 * probes.CEILING_BLOCK_ROWS)
+    team = probes._Team("q8", w, 4)
+    pids = [pid for pid, _, _ in team.members]
+    assert len(pids) == 3 and [s.stop - s.start for s in team.shares] == [probes.CEILING_BLOCK_ROWS] * 4
+    assert team.seconds() > 0 and team.seconds() > 0
+    team.close()
+    for pid in pids:                          # reaped: no such child any more
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
