@@ -468,6 +468,45 @@ def test_profile_accounts_for_the_whole_step(monkeypatch):
     assert products["g_weights_per_s"] > 0 and products["calls_per_step"] > 0
 
 
+def test_numpy_at_the_steps_shapes_replays_exactly_what_the_ceiling_counts(monkeypatch):
+    """The step-shapes probe replays the profiled steps' own matrices: a step's weights by
+    format are exactly those the ceiling divides (a one-token step routes exactly top-k
+    experts a layer), low-bit formats included; its rates and the decode's share of it follow."""
+    from ds2cli.weights import quant
+    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
+    small_probes(monkeypatch)
+    for extra in ([], ["--quantize", "4"]):
+        result = run_bench(*TINY_ARGS, "--profile", *extra)
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        shapes, point = report["profile"]["numpy_at_step_shapes"], report["decode"][0]
+        values = {f: r["values_per_step"] for f, r in shapes["by_format"].items()}
+        assert values == pytest.approx(point["weights_by_format"], rel=1e-12)
+        assert all(r["g_weights_per_s"] > 0 for r in shapes["by_format"].values())
+        assert shapes["products_s"] == pytest.approx(sum(r["seconds_per_step"] for r in shapes["by_format"].values()))
+        assert shapes["ceiling_share"] == pytest.approx(point["tok_per_s"]["median"] / shapes["ceiling_tok_per_s"])
+    args = [a for a in TINY_ARGS if a != "--json"]
+    text = run_bench(*args, "--profile").stdout
+    assert "numpy at this step's shapes" in text and "products at these shapes:" in text
+
+
+def test_stored_rows_are_the_weights_own_bytes():
+    """The probes read a weight's stored values in place: every format's rows hold its weights
+    (q4 two a byte) without a copy."""
+    from ds2cli.cli.bench.probes import stored_rows
+    from ds2cli.model.linear import Dense
+    from ds2cli.weights import quant, scales
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 96), dtype=np.float32)
+    for f in ("q8", "q4", "q8b", "bf16"):
+        q = scales.quantize_matrix(w, quant.FORMATS[f])
+        fmt, a = stored_rows(q)
+        assert fmt == ("q8" if f == "q8b" else f)
+        assert a.size * (2 if f == "q4" else 1) == w.size and np.shares_memory(a, q.qweight)
+    fmt, a = stored_rows(Dense(w))
+    assert fmt == "f32" and np.shares_memory(a, w)
+
+
 def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
     """At 8 bits a decode step's products go to the helper processes in plans: the products'
     rows hold this process's share of them (with the kernels' rate), the coordination its own
@@ -494,12 +533,18 @@ def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
 def test_the_ceiling_probes_team_of_several_ends_whole():
     """Every member of the all-cores probe runs its share when told and ends when its pipe
     closes, however many there are (each holds only its own pipes)."""
+    import mmap
     from ds2cli.cli.bench import probes
-    w = probes._ceiling_matrix("q8", 4 * probes.CEILING_BLOCK_ROWS)
-    team = probes._Team("q8", w, 4)
+    ran = mmap.mmap(-1, 4)                    # anonymous and shared: the forked members write it too
+
+    def share(i):
+        ran[i] += 1
+
+    team = probes._Team(share, 4)
     pids = [pid for pid, _, _ in team.members]
-    assert len(pids) == 3 and [s.stop - s.start for s in team.shares] == [probes.CEILING_BLOCK_ROWS] * 4
+    assert len(pids) == 3
     assert team.seconds() > 0 and team.seconds() > 0
+    assert ran[:] == bytes([2, 2, 2, 2])     # each member its own share, once a run
     team.close()
     for pid in pids:                          # reaped: no such child any more
         with pytest.raises(ChildProcessError):

@@ -208,6 +208,10 @@ def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[in
         cache = model.new_cache(min(contexts) + steps * repeats)
         fill_cache(model, cache, rng.integers(model.config.vocab_size, size=min(contexts)))
         profiled = profile_decode(model, cache, min(contexts), steps * repeats, rng)
+        shapes, point = profiled["numpy_at_step_shapes"], decode[0]        # decode[0]: the smallest context
+        shapes["probe_g_weights_per_s"] = point["probes"]["ceiling"]["g_weights_per_s"]
+        shapes["ceiling_tok_per_s"] = 1 / shapes["products_s"]
+        shapes["ceiling_share"] = point["tok_per_s"]["median"] * shapes["products_s"]
     cfg = model.config
     report = {
         "model": {"path": str(Path(path).absolute()), "synthetic": synthetic, "num_hidden_layers": cfg.num_hidden_layers,

@@ -54,6 +54,7 @@ CEILING_VALUES = 64 << 20       # weights in each probe matrix: 64M, past any CP
 CEILING_ROW = 4096              # values a row
 CEILING_BLOCK_ROWS = 64         # rows widened at once: 1 MB of float32, the fastest of 16-128 here
 CEILING_PASSES = 2              # passes over the matrix a timing (one pass is 10-30 ms)
+BLOCK_VALUES = CEILING_BLOCK_ROWS * CEILING_ROW
 BYTES_PER_VALUE = {"f32": 4.0, "bf16": 2.0, "q8": 1.0, "q4": 0.5}
 
 
@@ -69,55 +70,61 @@ def _ceiling_matrix(fmt: str, rows: int) -> np.ndarray:
 
 
 def _widen_and_multiply(fmt: str, block: np.ndarray, x: np.ndarray, buf: np.ndarray, tmp: np.ndarray) -> None:
-    """The plainest NumPy for one block: widen to float32 (buf), then one gemv."""
+    """The plainest NumPy for one block of rows (stored values; q4 two a byte): widen to
+    float32 into the flat scratch buf, then one gemv (tmp: q4's nibbles)."""
     if fmt == "f32":
         block @ x
         return
-    buf = buf[:len(block)]
+    rows, stored = block.shape
     if fmt == "bf16":
-        u32 = buf.view(np.uint32)
+        w = buf[:block.size].reshape(rows, stored)
+        u32 = w.view(np.uint32)
         np.copyto(u32, block)
         u32 <<= 16                         # bfloat16 is the top half of a float32
     elif fmt == "q8":
-        np.copyto(buf, block)              # int8 -> float32
+        w = buf[:block.size].reshape(rows, stored)
+        np.copyto(w, block)                # int8 -> float32
     else:
-        half, tmp = block.shape[1], tmp[:len(block)]
-        np.bitwise_and(block, 15, out=tmp)
-        np.copyto(buf[:, :half], tmp)
-        np.right_shift(block, 4, out=tmp)
-        np.copyto(buf[:, half:], tmp)
-        buf -= 8.0
-    buf @ x
+        w, t = buf[:2 * block.size].reshape(rows, 2 * stored), tmp[:block.size].reshape(rows, stored)
+        np.bitwise_and(block, 15, out=t)
+        np.copyto(w[:, :stored], t)
+        np.right_shift(block, 4, out=t)
+        np.copyto(w[:, stored:], t)
+        w -= 8.0
+    w @ x
+
+
+def _scratch() -> tuple[np.ndarray, np.ndarray]:
+    """The float32 block buffer (1 MB) and q4's nibble scratch, flat."""
+    return np.empty(BLOCK_VALUES, np.float32), np.empty(BLOCK_VALUES // 2, np.uint8)
 
 
 def _passes(fmt: str, w: np.ndarray, rows: slice) -> None:
     """CEILING_PASSES passes of widen-and-multiply over w's rows `rows`, a block at a time."""
     x = np.ones(CEILING_ROW, np.float32)
-    buf = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW), np.float32)
-    tmp = np.empty((CEILING_BLOCK_ROWS, CEILING_ROW // 2), np.uint8)
+    buf, tmp = _scratch()
     for _ in range(CEILING_PASSES):
         for r in range(rows.start, rows.stop, CEILING_BLOCK_ROWS):
             _widen_and_multiply(fmt, w[r:r + CEILING_BLOCK_ROWS], x, buf, tmp)
 
 
 class _Team:
-    """cores - 1 forked processes that each run their share of the rows when told to; this
-    process runs the first share. Forked after the matrix exists, so they read the same pages."""
+    """cores - 1 forked processes that each run their share of the work when told to, share(i)
+    for member i; this process runs share(0). Forked after the work's arrays exist, so they
+    read the same pages."""
 
-    def __init__(self, fmt: str, w: np.ndarray, n: int):
-        bounds = [len(w) * k // n // CEILING_BLOCK_ROWS * CEILING_BLOCK_ROWS for k in range(n)] + [len(w)]
-        self.shares = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-        self.fmt, self.w, self.members = fmt, w, []
-        for share in self.shares[1:]:
+    def __init__(self, share, n: int):
+        self.share, self.members = share, []
+        for i in range(1, n):
             go_r, go_w = os.pipe()
             done_r, done_w = os.pipe()
             pid = os.fork()
-            if pid == 0:        # a member: one share each time it is told, until the pipe closes
+            if pid == 0:        # a member: its share each time it is told, until the pipe closes
                 try:            # (holding no other member's pipe open, or it would never close)
                     for fd in (go_w, done_r, *(fd for _, go, done in self.members for fd in (go, done))):
                         os.close(fd)
                     while os.read(go_r, 1) == b"g":
-                        _passes(fmt, w, share)
+                        share(i)
                         os.write(done_w, b"d")
                 finally:
                     os._exit(0)
@@ -126,10 +133,11 @@ class _Team:
             self.members.append((pid, go_w, done_r))
 
     def seconds(self) -> float:
+        """One run of every member's share at once: the time until the last one is done."""
         t0 = time.perf_counter()
         for _, go, _ in self.members:
             os.write(go, b"g")
-        _passes(self.fmt, self.w, self.shares[0])
+        self.share(0)
         for _, _, done in self.members:
             if os.read(done, 1) != b"d":
                 raise OSError("a ceiling probe process ended early")
@@ -144,6 +152,17 @@ class _Team:
         for pid, _, _ in self.members:
             with contextlib.suppress(OSError):
                 os.waitpid(pid, 0)
+
+
+def _best_of(share, n: int, runs: int) -> list[float]:
+    """Seconds of `runs` runs of share(0..n-1) on n cores at once (a team of forked processes)."""
+    if n < 2:
+        return [seconds(lambda: share(0)) for _ in range(runs)]
+    team = _Team(share, n)
+    try:
+        return [team.seconds() for _ in range(runs)]
+    finally:
+        team.close()
 
 
 def probe_ceiling(runs: int, matvec_gb_per_s: float) -> dict:
@@ -162,16 +181,71 @@ def probe_ceiling(runs: int, matvec_gb_per_s: float) -> dict:
             _passes(fmt, w, slice(0, rows))           # pages warm, outside the timing
             core[fmt] = summary([values / seconds(lambda: _passes(fmt, w, slice(0, rows))) / 1e9
                                  for _ in range(runs)])
-            team = _Team(fmt, w, n) if n > 1 else None
-            try:
-                together[fmt] = summary([values / (team.seconds() if team else seconds(lambda: _passes(fmt, w, slice(0, rows)))) / 1e9
-                                         for _ in range(runs)])
-            finally:
-                if team is not None:
-                    team.close()
+            bounds = [rows * k // n // CEILING_BLOCK_ROWS * CEILING_BLOCK_ROWS for k in range(n)] + [rows]
+            together[fmt] = summary([values / t / 1e9 for t in _best_of(
+                lambda i: _passes(fmt, w, slice(bounds[i], bounds[i + 1])), n, runs)])
             ceiling[fmt] = min(together[fmt]["max"], matvec_gb_per_s / BYTES_PER_VALUE[fmt])
             del w
     return {"cores": n, "core": core, "cores_at_once": together, "g_weights_per_s": ceiling}
+
+
+# The same widen-and-multiply over the matrices a decode step multiplied: the model's own arrays,
+# in the step's own shapes (a routed expert's 1408 x 2048, not 16k x 4096), each product's rows
+# split evenly over every core at once, and nothing between the products, no message, no wait,
+# no Python of ds2's. The ceiling probe above is what NumPy reaches over one large matrix; this
+# is what it reaches over the step's: the difference is what the shapes themselves keep (a gemv
+# and a cast a block, whatever the block's size; a share's last, short block). ds2's own kernels
+# do the same work plus their bookkeeping and the helpers' coordination.
+STEP_SHAPES_RUNS = 3
+
+
+def stored_rows(w) -> tuple[str, np.ndarray]:
+    """A weight as the probes widen it: its storage format and its stored values as rows (q4:
+    two a byte). A q8b matrix's panels are read as rows of the same bytes; a stacked per-head
+    array (w_uk, w_uv) as its rows, (H * d, C) or (H * C, v)."""
+    from ds2cli.cli.bench.accounting import storage_format
+    fmt = storage_format(w)
+    a = getattr(w, "qweight", getattr(w, "w", w))
+    if fmt == "bf16":
+        a = a.view(np.uint16)
+    row = w.shape[-1] // 2 if fmt == "q4" else w.shape[-1]
+    return fmt, a.reshape(-1, row)
+
+
+def _replay(matrices: list[tuple[str, np.ndarray]], i: int, n: int) -> None:
+    """Core i's share of every matrix, in order: its rows (an even split, multiples of 8) widened
+    and multiplied a block of about BLOCK_VALUES at a time."""
+    buf, tmp = _scratch()
+    xs: dict[int, np.ndarray] = {}
+    for fmt, a in matrices:
+        rows, stored = a.shape
+        inp = 2 * stored if fmt == "q4" else stored
+        x = xs.setdefault(inp, np.ones(inp, np.float32))
+        r0, r1 = rows * i // n // 8 * 8, rows if i == n - 1 else rows * (i + 1) // n // 8 * 8
+        block = max(8, BLOCK_VALUES // inp // 8 * 8)
+        for r in range(r0, r1, block):
+            _widen_and_multiply(fmt, a[r:min(r + block, r1)], x, buf, tmp)
+
+
+def probe_step_shapes(matrices: list, steps: int, runs: int = STEP_SHAPES_RUNS) -> dict:
+    """Per format: plain NumPy's G weights/s over the weights a decode step multiplied
+    (`matrices`: those of `steps` steps, in order), every core at once, the best of `runs`;
+    and the seconds a step's products take at those rates, summed over the formats."""
+    from ds2cli.parallel import cores
+    n = cores.workers().n
+    by_format: dict[str, list] = {}
+    for w in matrices:
+        fmt, a = stored_rows(w)
+        by_format.setdefault(fmt, []).append((fmt, a))
+    out = {}
+    with cores.blas_threads(1):
+        for fmt, group in by_format.items():
+            values = sum(a.size * (2 if fmt == "q4" else 1) for _, a in group)
+            best = min(_best_of(lambda i: _replay(group, i, n), n, runs))
+            out[fmt] = {"values_per_step": values / steps, "seconds_per_step": best / steps,
+                        "g_weights_per_s": values / best / 1e9}
+    return {"cores": n, "steps": steps, "by_format": out,
+            "products_s": sum(f["seconds_per_step"] for f in out.values())}
 
 
 def probe_beside() -> dict:

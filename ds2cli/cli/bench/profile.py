@@ -30,6 +30,7 @@ class Clock:
         self.spent: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.values: dict[str, float] = {}   # weights multiplied, by label (products)
+        self.weights: list = []              # the weight of each product, in order
         self.stack: list[list] = []          # [label, start, time of the regions inside]
 
     def timed(self, label_of, fn, values_of=None, count: bool = True):
@@ -41,6 +42,7 @@ class Clock:
                 self.calls[label] = self.calls.get(label, 0) + 1
             if values_of is not None:
                 self.values[label] = self.values.get(label, 0.0) + values_of(*args)
+                self.weights.append(args[0])
             self.stack.append([label, time.perf_counter(), 0.0])
             try:
                 return fn(*args, **kwargs)
@@ -84,14 +86,32 @@ def instrumented(clock: Clock):
             setattr(owner, name, original)
 
 
+# The last few profiled steps' matrices are replayed by the step-shapes probe (probes.py):
+# enough steps that their routed experts are a fair sample, few enough to take seconds.
+REPLAY_STEPS = 4
+
+
+def unmultiplied(model: Model) -> list:
+    """The weights a decode step reads outside the products: each layer's w_uk and w_uv (the
+    absorbed attention multiplies by all of them) and the router's gate."""
+    return [w for layer in model.layers for w in (layer["attn"].get("w_uk"), layer["attn"].get("w_uv"),
+                                                     layer["mlp"].get("gate") if layer["is_moe"] else None)
+            if w is not None]
+
+
 def profile_decode(model: Model, cache, context: int, steps: int, rng) -> dict:
-    """Seconds a decode step spends where, over `steps` steps after `context` tokens."""
+    """Seconds a decode step spends where, over `steps` steps after `context` tokens; then plain
+    NumPy over the last steps' own matrices (probes.probe_step_shapes), for the rates ds2's
+    kernels could reach at those shapes."""
+    from ds2cli.cli.bench.probes import probe_step_shapes
     clock = Clock()
     cache.truncate(context)
     ids = rng.integers(model.config.vocab_size, size=steps)
+    marks = []
     with instrumented(clock):
         t0 = time.perf_counter()
         for token in ids:
+            marks.append(len(clock.weights))
             model.forward(token[None], cache)
         total = time.perf_counter() - t0
     cache.truncate(context)
@@ -102,4 +122,7 @@ def profile_decode(model: Model, cache, context: int, steps: int, rng) -> dict:
     rest = total - sum(clock.spent.values())
     rows.append({"what": "the rest: Python between them (norms, residuals, routing's gathers)",
                  "per_step_s": rest / steps, "share": rest / total, "calls_per_step": None})
-    return {"context": context, "steps": steps, "step_s": total / steps, "rows": rows}
+    replayed = min(REPLAY_STEPS, steps)
+    matrices = clock.weights[marks[-replayed]:] + unmultiplied(model) * replayed
+    return {"context": context, "steps": steps, "step_s": total / steps, "rows": rows,
+            "numpy_at_step_shapes": probe_step_shapes(matrices, replayed)}

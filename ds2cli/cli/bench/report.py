@@ -99,6 +99,31 @@ def render_profile(p: dict, out) -> None:
                      "" if r["calls_per_step"] is None else f"{r['calls_per_step']:.0f}",
                      fig(r["g_weights_per_s"]) if "g_weights_per_s" in r else "")
     out.print(grid)
+    if p.get("numpy_at_step_shapes"):
+        out.print()
+        render_step_shapes(p, out)
+
+
+def render_step_shapes(p: dict, out) -> None:
+    """Plain NumPy over the step's own matrices, per format, beside the ceiling probe's large
+    matrix and ds2's kernels (the profile's product rows)."""
+    s = p["numpy_at_step_shapes"]
+    ours = {r["what"].removeprefix("products "): r.get("g_weights_per_s") for r in p["rows"]
+            if r["what"].startswith("products ")}
+    lines = [f"step shapes: the last {s['steps']} steps' own matrices, plain widen + multiply",
+             f"on {s['cores']} cores at once, rows split evenly, nothing between products",
+             "(bf16: attention's w_uk, w_uv and the gate too, as in the ceiling)"]
+    if "ceiling_tok_per_s" in s:
+        lines.append(f"products at these shapes: {fig(1e3 * s['products_s'])} ms a step, "
+                     f"{fig(s['ceiling_tok_per_s'])} tok/s; decode {pct(s['ceiling_share'])} of it")
+    grid = bench_table("G weights/s: the ceiling probe, numpy at this step's shapes, ds2", "\n".join(lines))
+    for name in ("format", "weights/step", "probe", "step shapes", "ds2 kernels"):
+        grid.add_column(name, no_wrap=True, justify="left" if name == "format" else "right")
+    probe = s.get("probe_g_weights_per_s", {})
+    for fmt, f in s["by_format"].items():
+        grid.add_row(fmt, human_count(f["values_per_step"]), fig(probe[fmt]) if fmt in probe else "",
+                     fig(f["g_weights_per_s"]), fig(ours[fmt]) if ours.get(fmt) else "")
+    out.print(grid)
 
 
 PROFILE_NAME = 40           # a --profile row's name past this is cut to its head
