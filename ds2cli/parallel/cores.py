@@ -288,18 +288,6 @@ def split_rows(rows: int, parts: int, g: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def split_shares(rows: int, shares: list[float], g: int) -> list[tuple[int, int]]:
-    """[0, rows) as one span of whole groups for each share (fractions summing to 1), in order;
-    a share too small for a group gets an empty span, so span k is always core k's."""
-    groups = -(-rows // g)
-    bounds, total = [0], 0.0
-    for share in shares:
-        total += share
-        bounds.append(min(rows, g * round(groups * min(total, 1.0))))
-    bounds[-1] = rows
-    return list(zip(bounds, bounds[1:]))
-
-
 def split(n: int, tokens: int) -> list[slice]:
     """[0, n) as consecutive slices, one for each core that may run them at once: several in a
     low-bit prefill (Workers.lanes), else the whole (a decode step's attention is too small to be

@@ -7,15 +7,18 @@ hands the other cores' rows of each product to helper processes instead. A helpe
 this process once the weights exist, so it sees every weight at the same address: memory-mapped
 files and copy-on-write pages are shared with it, never copied.
 
-The protocol: this process sends a helper a *plan*, one or more products at once (the products
-that `cores.together` gathered: a layer's experts, or q and kv beside each other). It writes
-each product's x (k, in) into the helper's shared memory, the plan's table beside them (one row
-a product: matrix key, expert, rows a..b, in, out, k, where x is, where y goes), and one small
-PLAN message (seq, products) on the helper's job pipe; then it runs its own rows of every
-product while the helper runs its rows, writes them into its y's in the shared memory and
-answers DONE (seq, ok, seconds). One message and one wait a plan, not one a product: the
-message, the helper's wake-up and the wait for the slower process are paid once for all of
-them. How many rows each process takes follows the seconds each took (SHARE_WEIGHT below).
+The protocol: this process sends the helpers a *plan*, one or more products at once (the
+products that `cores.together` gathered: a layer's experts, or q and kv beside each other). It
+writes each product's x (k, in) into every helper's shared memory, with the plan's tables beside
+them: one row a product (matrix key, expert, in, out, k, where x is, where y goes) and one row a
+*unit* of work (a product's rows a..b). Then it puts one token a unit into a pipe that every
+process reads (the claims pipe) and sends each helper one small PLAN message. From then on every
+process, this one included, takes the next token, runs that unit's rows and takes another, until
+the pipe is empty: a pipe hands each token to exactly one reader, so the units are shared out as
+each process is free, and a core that another program slows down simply takes fewer of them. A
+helper writes its units' rows into its y's in the shared memory, lists them, and answers DONE;
+this process then copies those rows into place. One message and one wait a plan, not one a
+product; and the wait is for the last unit, not for a share fixed beforehand.
 A matrix is known to a helper by its key (`register`), given before the fork.
 """
 
@@ -36,32 +39,37 @@ import weakref
 import numpy as np
 
 from ds2cli.parallel import cores
-from ds2cli.parallel.cores import split_shares
+from ds2cli.parallel.cores import split_rows
 
 _matrices: list[weakref.ref] = []    # a matrix's key -> the matrix, in this and every helper
 _helpers_failed = False               # a helper died or could not start: threads from then on
-PLAN = struct.Struct("<qq")           # seq, products in the plan (its first rows of the table)
-ENTRY = 9                             # a table row: key, expert (-1: none), rows a, b, in, out, k,
-                                      # x's offset and y's offset in the values (float32 units)
-DONE = struct.Struct("<qqd")          # seq, 1 if the rows are in shared memory (0 if not), the
-                                      # seconds the helper spent on them
-PLAN_PRODUCTS = 1024                  # a plan's table holds at most this many products (72 KB)
+PLAN = struct.Struct("<qqq")          # seq, products and units in the plan (the tables' first rows)
+ENTRY = 7                             # a product's row: key, expert (-1: none), in, out, k, x's
+                                      # offset and y's offset in the values (float32 units)
+UNIT = 3                              # a unit's row: its product's row, rows a, b
+TOKEN = struct.Struct("<ii")          # in the claims pipe: the plan's seq (mod 2**31), a unit
+DONE = struct.Struct("<qqq")          # seq, 1 if the units' rows are in shared memory (0 if not,
+                                      # this process runs them), how many units the helper ran
+PLAN_PRODUCTS = 64                    # a plan holds at most this many products ...
+PLAN_UNITS = 512                      # ... and units: a plan's tokens are one pipe write of at
+                                      # most PIPE_BUF (4096) bytes, which Linux writes whole
 HELPER_VALUES = 1 << 23               # float32 values of shared memory a helper: the x's, then the
                                       # y's (32 MB reserved, touched only as far as a plan reaches)
 HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
 HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec is taken as stuck
-# Each process's share of a one-token plan's rows follows how fast it ran the last ones (an
-# average of the weights a second, weighing each new plan this much): a core that another
-# program also uses, or that waits on memory more, gets fewer rows, so that the processes finish
-# together (the 4-layer slice at 8 bits, 2 cores: this process ran its spans at 2.6 G weights/s,
-# its helper at 3.3, and waited 6 ms a step for it with even halves). Only one token's: its rows
-# are each one dot product with the token, which OpenBLAS's gemv gives as the same bits whoever
-# computes them (measured here for every cut of q8, q4, bf16 and q8b), so the split does not show
-# in the results; a plan of several tokens (GEMM tiles, whose bits depend on the cut) is split
-# evenly, always the same way, so that its results do not depend on the timing. A share never
-# falls below SHARE_FLOOR of an even one, so every core keeps being timed.
-SHARE_WEIGHT = 0.2
-SHARE_FLOOR = 0.25
+# The units of a one-token plan: guided self-scheduling, each unit 1/(UNIT_SPLIT x processes) of
+# the plan's weights still to cut, so the first are large (few tokens to take) and the last
+# small (the processes finish within a small unit of each other), never below UNIT_MIN_VALUES
+# (two decode row blocks, 2 MB widened) and never across two products. Measured on the 4-layer
+# slice at 8 bits (2 cores, one process, the ways alternating, 150 plans each): a layer's seven
+# gate/up products took 4.32 ms a plan (median) cut this way, 4.44 with UNIT_SPLIT 2, 4.59 in even
+# halves; the seven down products 2.24, 2.29, 2.41. A one-token unit's rows are each one dot
+# product with the token, which OpenBLAS's gemv gives as the same bits wherever the cut falls
+# (measured here for every cut of q8, q4, bf16 and q8b). A plan of several tokens (GEMM tiles,
+# whose bits depend on the cut) is cut into one even part a process, as the threads cut it:
+# whoever takes a unit, its rows come out the same.
+UNIT_SPLIT = 1
+UNIT_MIN_VALUES = 1 << 19
 
 
 def helpers_wanted() -> bool:
@@ -73,13 +81,16 @@ def helpers_wanted() -> bool:
             and os.environ.get("DS2_HELPERS", "1") != "0")
 
 
-TABLE_BYTES = 8 * ENTRY * PLAN_PRODUCTS
+TABLE_BYTES = 8 * (ENTRY * PLAN_PRODUCTS + UNIT * PLAN_UNITS + PLAN_UNITS)
 
 
-def shared_views(shared: mmap.mmap) -> tuple[np.ndarray, np.ndarray]:
-    """A helper's shared memory as its plan table (PLAN_PRODUCTS, ENTRY) int64 and its values."""
-    table = np.frombuffer(shared, np.int64, ENTRY * PLAN_PRODUCTS).reshape(PLAN_PRODUCTS, ENTRY)
-    return table, np.frombuffer(shared, np.float32, HELPER_VALUES, offset=TABLE_BYTES)
+def shared_views(shared: mmap.mmap) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A helper's shared memory as its plan's tables, int64: products (PLAN_PRODUCTS, ENTRY),
+    units (PLAN_UNITS, UNIT), the units it ran (PLAN_UNITS,); then its float32 values."""
+    tables = np.frombuffer(shared, np.int64, TABLE_BYTES // 8)
+    products, units = ENTRY * PLAN_PRODUCTS, UNIT * PLAN_UNITS
+    return (tables[:products].reshape(PLAN_PRODUCTS, ENTRY), tables[products:products + units].reshape(PLAN_UNITS, UNIT),
+            tables[products + units:], np.frombuffer(shared, np.float32, HELPER_VALUES, offset=TABLE_BYTES))
 
 
 class Helper:
@@ -87,7 +98,7 @@ class Helper:
 
     def __init__(self, pid: int, jobs: int, done: int, shared: mmap.mmap):
         self.pid, self.jobs, self.done, self.shared = pid, jobs, done, shared
-        self.table, self.values = shared_views(shared)
+        self.table, self.units, self.ran, self.values = shared_views(shared)
         self.closed = False
 
 
@@ -97,17 +108,22 @@ class Helpers:
     def __init__(self, n: int):
         self.horizon = len(_matrices)
         self.seq = 0                 # plans sent
+        self.settled = 0             # the last plan whose answers were all read
         self.products = 0            # products the plans held
-        self.speeds = [1.0] * (n + 1)  # G weights a second of this process, then of each helper
+        self.units = 0               # units the plans held
+        self.helper_units = 0        # units the helpers took (the rest: this process)
         self.lock = threading.Lock()
         self.procs: list[Helper] = []
+        self.claims, self.claims_w = os.pipe()    # every process reads it; this one writes it
+        os.set_blocking(self.claims, False)
+        self.fds = [self.claims, self.claims_w]
         try:
             for _ in range(n):
                 self.procs.append(self.fork())
         except OSError:
             self.stop()
             raise
-        weakref.finalize(self, stop_helpers, list(self.procs))
+        weakref.finalize(self, stop_helpers, list(self.procs), self.fds)
 
     def wanted(self) -> bool:
         return helpers_wanted()
@@ -125,9 +141,9 @@ class Helpers:
             pid = os.fork()
         if pid == 0:
             try:
-                for fd in (jobs_w, done_r, *(fd for h in self.procs for fd in (h.jobs, h.done))):
+                for fd in (jobs_w, done_r, self.claims_w, *(fd for h in self.procs for fd in (h.jobs, h.done))):
                     os.close(fd)
-                helper_main(parent, with_parent, jobs_r, done_w, shared)
+                helper_main(parent, with_parent, jobs_r, done_w, self.claims, shared)
             finally:
                 os._exit(0)
         os.close(jobs_r)
@@ -136,28 +152,24 @@ class Helpers:
         return Helper(pid, jobs_w, done_r, shared)
 
     def stop(self) -> None:
-        stop_helpers(self.procs)
+        stop_helpers(self.procs, self.fds)
         self.procs = []
 
     def run(self, products: list) -> list:
-        """Each product's rows split by the processes' shares (`shares`), the first span here and
-        one on each helper, in as few plans as the shared memory allows (one for a decode
-        step's); returns the products left to the caller: those the helpers do not know, or all
-        of them if the helpers are busy with another thread's pass or one of them is gone (the
-        caller runs them on threads, writing again whatever this process already wrote into
-        their y). A product (cores.Rows) has m (with .key and .span), x (in,) or (k, in),
-        y (out,) or (k, out) and its alignment; this sets its spans."""
+        """Each product's rows cut into units (`cut`) that this process and the helpers take as
+        each is free, in as few plans as the shared memory allows (one for a decode step's);
+        returns the products left to the caller: those the helpers do not know, or all of them
+        if the helpers are busy with another thread's pass or one of them is gone (the caller
+        runs them on threads, writing again whatever this process already wrote into their y).
+        A product (cores.Rows) has m (with .key and .span), x (in,) or (k, in), y (out,) or
+        (k, out) and its alignment; its spans are set to the units its rows were computed in."""
         global _helpers_failed
         known = [p for p in products if p.m.key[0] < self.horizon and ends(p, 0) <= HELPER_VALUES]
         if not known or not self.lock.acquire(blocking=False):
             return products
-        adapt = all(p.x.size == p.x.shape[-1] for p in known)              # one token each
-        shares = self.shares() if adapt else [1 / len(self.speeds)] * len(self.speeds)
-        for p in known:
-            p.spans = split_shares(p.rows, shares, p.align)
         try:
             for plan in plans(known):
-                self.run_plan(plan, adapt)
+                self.run_plan(plan)
             return [p for p in products if not any(p is q for q in known)]
         except OSError:      # a helper is gone (killed, out of memory) or stuck: carry on without
             _helpers_failed = True                                                # them
@@ -167,74 +179,116 @@ class Helpers:
             if _helpers_failed:
                 stop_helpers_now()
 
-    def run_plan(self, plan: list, timed: bool = True) -> None:
-        """One plan: every helper is sent its rows of every product, this process runs its own,
-        then it reads theirs; with `timed`, each process's time updates its speed."""
-        self.send(plan)
-        t0 = time.perf_counter()
-        for p in plan:
-            a, b = p.spans[0]
-            if b > a:
-                p.m.span(p.x, p.y, a, b)
-        if timed:
-            self.timed(0, plan, time.perf_counter() - t0)
-        self.collect(plan, timed)
+    def run_plan(self, plan: list) -> None:
+        """One plan: its units are put up for the taking, this process takes its part, then it
+        reads the helpers' rows."""
+        units = cut(plan, len(self.procs) + 1)
+        for j, p in enumerate(plan):
+            p.spans = [(a, b) for i, a, b in units if i == j]
+        self.send(plan, units)
+        self.take(plan, units)
+        self.collect(plan, units)
 
-    def shares(self) -> list[float]:
-        """Each process's share of the next plan's rows, by its speed on the last ones."""
-        floor = SHARE_FLOOR * sum(self.speeds) / len(self.speeds)
-        speeds = [max(floor, v) for v in self.speeds]
-        return [v / sum(speeds) for v in speeds]
-
-    def timed(self, i: int, plan: list, seconds: float) -> None:
-        """Process i (0: this one) ran its spans of the plan in `seconds`: its speed, averaged."""
-        values = sum((p.spans[i][1] - p.spans[i][0]) * p.x.size for p in plan)
-        if values and seconds > 0:
-            self.speeds[i] += SHARE_WEIGHT * (values / seconds / 1e9 - self.speeds[i])
-
-    def send(self, plan: list) -> None:
-        """Each helper's rows of the plan, its x's and table into its shared memory, then the
-        PLAN message."""
+    def send(self, plan: list, units: list) -> None:
+        """The plan's x's and tables into each helper's shared memory, a token a unit into the
+        claims pipe, then the PLAN message to each helper."""
+        self.settle()
         self.seq += 1
         self.products += len(plan)
-        for i, h in enumerate(self.procs, start=1):
+        self.units += len(units)
+        for h in self.procs:
             at = 0
             for row, p in enumerate(plan):
                 inp, out = p.x.shape[-1], p.y.shape[-1]
                 k = p.x.size // inp
-                a, b = p.spans[i]
                 h.values[at:at + inp * k] = p.x.reshape(-1)
-                h.table[row] = (*p.m.key, a, b, inp, out, k, at, at + inp * k)
+                h.table[row] = (*p.m.key, inp, out, k, at, at + inp * k)
                 at = ends(p, at)
-            os.write(h.jobs, PLAN.pack(self.seq, len(plan)))
+            h.units[:len(units)] = units
+        tag = self.seq % 2 ** 31
+        os.write(self.claims_w, b"".join(TOKEN.pack(tag, u) for u in range(len(units))))
+        for h in self.procs:
+            os.write(h.jobs, PLAN.pack(self.seq, len(plan), len(units)))
 
-    def collect(self, plan: list, timed: bool = True) -> None:
-        """Wait for each helper's answer and copy its rows into the plan's y's (or, if it could
-        not run them, run them here)."""
-        for i, h in enumerate(self.procs, start=1):
-            ok, seconds = self.wait(h)
-            if ok and timed:
-                self.timed(i, plan, seconds)
-            for row, p in enumerate(plan):
-                a, b = p.spans[i]
-                if b <= a:
-                    continue
+    def settle(self) -> None:
+        """Before a new plan: if the last one was interrupted (Ctrl-C in this process's part),
+        take its tokens still in the pipe and read every helper's answer to it, so that no
+        helper still works on it and no stale token is left."""
+        if self.settled == self.seq:
+            return
+        while self.claim() is not None:
+            pass
+        for h in self.procs:
+            self.wait(h)
+        self.settled = self.seq
+
+    def claim(self) -> int | None:
+        """The next unit of this plan from the claims pipe, or None once it is empty."""
+        tag = self.seq % 2 ** 31
+        while True:
+            try:
+                token = os.read(self.claims, TOKEN.size)
+            except BlockingIOError:
+                return None
+            seq, unit = TOKEN.unpack(token)
+            if seq == tag:
+                return unit
+
+    def take(self, plan: list, units: list) -> None:
+        """This process's part of the plan: units from the pipe until none is left."""
+        while (u := self.claim()) is not None:
+            j, a, b = units[u]
+            plan[j].span(a, b)
+
+    def collect(self, plan: list, units: list) -> None:
+        """Wait for each helper's answer and copy the rows of the units it ran into the plan's
+        y's (or, if it could not run them, run them here)."""
+        for h in self.procs:
+            ok, count = self.wait(h)
+            self.helper_units += count if ok else 0
+            for u in h.ran[:count].tolist():
+                j, a, b = units[u]
+                p = plan[j]
                 if ok:
-                    out, k, y_at = p.y.shape[-1], p.x.size // p.x.shape[-1], int(h.table[row, 8])
+                    out, k, y_at = p.y.shape[-1], p.x.size // p.x.shape[-1], int(h.table[j, 6])
                     p.y.reshape(k, out)[:, a:b] = h.values[y_at:y_at + k * out].reshape(k, out)[:, a:b]
                 else:
-                    p.m.span(p.x, p.y, a, b)
+                    p.span(a, b)
+        self.settled = self.seq
 
-    def wait(self, h: Helper) -> tuple[bool, float]:
+    def wait(self, h: Helper) -> tuple[bool, int]:
         """Read h's replies up to this plan's (an interrupted pass leaves its reply unread):
-        whether it ran its rows, and in how many seconds."""
+        whether it ran its units, and how many it took."""
         while True:
             reply = receive(h.done, DONE.size, HELPER_TIMEOUT)
             if reply is None:
                 raise OSError("a helper process exited")
-            seq, ok, seconds = DONE.unpack(reply)
+            seq, ok, count = DONE.unpack(reply)
             if seq == self.seq:
-                return bool(ok), seconds
+                return bool(ok), count
+
+
+def cut(plan: list, processes: int) -> list[tuple[int, int, int]]:
+    """A plan's units, (product's row in the plan, a, b), in order; each product's rows a..b
+    start at multiples of its alignment. One token: guided (see UNIT_SPLIT), the plan's values
+    still to cut divided by UNIT_SPLIT x processes, at least UNIT_MIN_VALUES and at least
+    2/PLAN_UNITS of the plan (so a plan never has more than PLAN_UNITS units: the floors give at
+    most PLAN_UNITS / 2, each product's last partial unit one more, PLAN_PRODUCTS in all).
+    Several tokens: one even part a process, as cores.split_rows gives the threads."""
+    if any(p.x.size != p.x.shape[-1] for p in plan):
+        return [(j, a, b) for j, p in enumerate(plan) for a, b in split_rows(p.rows, processes, p.align)]
+    left = sum(p.rows * p.x.size for p in plan)
+    floor = max(UNIT_MIN_VALUES, 2 * left // PLAN_UNITS)
+    units = []
+    for j, p in enumerate(plan):
+        a = 0
+        while a < p.rows:
+            want = max(floor, left // (UNIT_SPLIT * processes))
+            b = min(p.rows, a + max(p.align, want // p.x.size // p.align * p.align))
+            units.append((j, a, b))
+            left -= (b - a) * p.x.size
+            a = b
+    return units
 
 
 def ends(p, at: int) -> int:
@@ -243,7 +297,7 @@ def ends(p, at: int) -> int:
 
 
 def plans(products: list) -> list[list]:
-    """The products in order, as plans that each fit a helper's table and shared memory."""
+    """The products in order, as plans that each fit a helper's tables and shared memory."""
     out, at = [[]], 0
     for p in products:
         if out[-1] and (len(out[-1]) == PLAN_PRODUCTS or ends(p, at) > HELPER_VALUES):
@@ -279,12 +333,17 @@ def receive(fd: int, size: int, timeout: float | None = None) -> bytes | None:
                 sleep.poll(None if timeout is None else 1000 * (timeout - waited) + 1)
 
 
-def stop_helpers(procs: list[Helper]) -> None:
-    """Close the helpers' pipes, end them and reap them. A helper holds nothing to clean up
-    (it writes no file), and one that is stuck must not hold this process up: SIGKILL."""
+def stop_helpers(procs: list[Helper], fds: list[int]) -> None:
+    """Close the helpers' pipes and the claims pipe (`fds`, emptied), end the helpers and reap
+    them. A helper holds nothing to clean up (it writes no file), and one that is stuck must not
+    hold this process up: SIGKILL."""
     procs = [h for h in procs if not h.closed]
+    for fd in fds:          # once only: a closed descriptor's number may be reused by then
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
     for h in procs:
-        h.closed = True     # once only: a closed descriptor's number may be reused by then
+        h.closed = True
         for fd in (h.jobs, h.done):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -295,8 +354,8 @@ def stop_helpers(procs: list[Helper]) -> None:
             os.waitpid(h.pid, 0)
 
 
-def helper_main(parent: int, with_parent: bool, jobs: int, done: int, shared: mmap.mmap) -> None:
-    """A helper's life: run its rows of each plan it is sent until the job pipe closes (this
+def helper_main(parent: int, with_parent: bool, jobs: int, done: int, claims: int, shared: mmap.mmap) -> None:
+    """A helper's life: take units of each plan it is sent until the job pipe closes (this
     process's parent exited or stopped it). Ctrl-C is the parent's to handle; the helper dies
     with the parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -315,20 +374,33 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, shared: mm
     os.set_blocking(jobs, False)
     for c in cores.blas_controllers():
         c.set_num_threads(1)
-    table, values = shared_views(shared)
+    table, units, ran, values = shared_views(shared)
     while (message := receive(jobs, PLAN.size)) is not None:
-        seq, n = PLAN.unpack(message)
-        t0 = time.perf_counter()
+        seq, n, n_units = PLAN.unpack(message)
+        products, cuts, tag = table[:n].tolist(), units[:n_units].tolist(), seq % 2 ** 31
+        matrices: dict[int, object] = {}
+        count, ok = 0, 1
         try:
-            for key, expert, a, b, inp, out, k, x_at, y_at in table[:n].tolist():
-                if b > a:
+            while True:
+                try:
+                    token = os.read(claims, TOKEN.size)
+                except BlockingIOError:
+                    break                                                   # every unit is taken
+                token_seq, u = TOKEN.unpack(token)
+                if token_seq != tag:
+                    continue
+                ran[count] = u                      # listed before it runs: if it fails, this
+                count += 1                          # process's parent runs it again
+                j, a, b = cuts[u]
+                key, expert, inp, out, k, x_at, y_at = products[j]
+                if j not in matrices:
                     m = _matrices[key]()                                    # a QuantMatrix (quant.py)
-                    m = m[expert] if expert >= 0 else m
-                    m.span(values[x_at:x_at + inp * k].reshape(k, inp), values[y_at:y_at + out * k].reshape(k, out), a, b)
-            ok = 1
+                    matrices[j] = m[expert] if expert >= 0 else m
+                matrices[j].span(values[x_at:x_at + inp * k].reshape(k, inp),
+                                 values[y_at:y_at + out * k].reshape(k, out), a, b)
         except Exception:    # noqa: BLE001 - any failure (a matrix gone too): the parent runs the rows
             ok = 0
-        os.write(done, DONE.pack(seq, ok, time.perf_counter() - t0))
+        os.write(done, DONE.pack(seq, ok, count))
 
 
 def start_helpers() -> None:

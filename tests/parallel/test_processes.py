@@ -63,8 +63,10 @@ def wait_gone(pids, seconds=60.0) -> bool:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
     """One-token steps with the helpers and with threads, the rows cut in the same halves (the
-    shares held even: by speed they would cut elsewhere, another call shape), bit for bit."""
-    monkeypatch.setattr(procs.Helpers, "shares", lambda self: [1 / len(self.speeds)] * len(self.speeds))
+    units cut as the threads cut the rows: a one-token plan's guided units are other call
+    shapes, held to float32 rounding below), bit for bit."""
+    monkeypatch.setattr(procs, "cut", lambda plan, n: [(j, a, b) for j, p in enumerate(plan)
+                                                         for a, b in cores.split_rows(p.rows, n, p.align)])
     model = ds2cli.load(quantize=bits)
     helpers = procs.running()
     assert helpers is not None and len(helpers.procs) == cores.workers().n - 1
@@ -117,8 +119,10 @@ def test_a_one_token_product_split_anywhere_gives_its_rows(fmt):
 
 
 def test_an_interrupted_step_leaves_no_stale_rows():
-    m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((512, 256), dtype=np.float32),
-                                     quant.FORMATS["q8"])
+    """Ctrl-C in this process's part of a plan leaves tokens in the claims pipe and a helper's
+    answer unread: the next plan takes them and reads it first, and gets only its own rows."""
+    m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((4096, 256), dtype=np.float32),
+                               quant.FORMATS["q8"])
     procs.start_helpers()                    # forked after m exists, so the helper knows it
     helpers = procs.running()
     x1, x2 = np.random.default_rng(1).standard_normal((2, 256), dtype=np.float32)
@@ -130,52 +134,78 @@ def test_an_interrupted_step_leaves_no_stale_rows():
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):   # the helper's reply to this step stays unread
-        helpers.run([cores.Rows(Interrupted(), x1, np.empty(512, np.float32), 8)])
-    y = np.empty(512, np.float32)
+        helpers.run([cores.Rows(Interrupted(), x1, np.empty(4096, np.float32), 8)])
+    assert helpers.settled < helpers.seq
+    y = np.empty(4096, np.float32)
     product = cores.Rows(m, x2, y, 8)
-    assert helpers.run([product]) == [] and len(product.spans) == 2
-    expected = np.empty(512, np.float32)
+    assert helpers.run([product]) == [] and len(product.spans) >= 2
+    assert helpers.settled == helpers.seq
+    expected = np.empty(4096, np.float32)
     for a, b in product.spans:               # the same kernel calls on the same row spans
         m.span(x2, expected, a, b)
     np.testing.assert_array_equal(y, expected)
 
 
-def test_each_process_gets_rows_by_its_speed(monkeypatch):
-    """Each process's share of a one-token plan's rows follows its measured speed: a helper three
-    times slower than this process gets a quarter of the rows (never less than the floor), the
-    speeds follow what each plan took, and the rows still come out right. A plan of several
-    tokens is split in halves whatever the speeds, so that its GEMM tiles never depend on them."""
-    m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((4096, 512), dtype=np.float32),
+def test_a_slow_helper_takes_fewer_units(monkeypatch):
+    """The units go to whichever process is free: a helper that another program slows down (here
+    a sleep in each of its units) takes one or two while this process takes the rest, and the
+    rows still come out right. A plan of several tokens is cut in even parts, one a process,
+    whoever takes them, so that its GEMM tiles never depend on the timing."""
+    m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((16384, 512), dtype=np.float32),
                                quant.FORMATS["q8"])
-    procs.start_helpers()
+    parent, span = os.getpid(), quant.QuantMatrix.span
+
+    def slow_in_a_helper(self, *args):
+        if os.getpid() != parent:
+            time.sleep(0.2)
+        return span(self, *args)
+
+    monkeypatch.setattr(quant.QuantMatrix, "span", slow_in_a_helper)
+    procs.start_helpers()                     # forked now: the helpers run the slow span
     helpers = procs.running()
-    if len(helpers.procs) != 1:
-        pytest.skip("the shares are checked with one helper (two cores)")
     x = np.random.default_rng(1).standard_normal(512, dtype=np.float32)
     expected = m.dequantize() @ x
-    helpers.speeds = [3.0, 1.0]
-    y = np.empty(4096, np.float32)
+    y = np.empty(16384, np.float32)
     product = cores.Rows(m, x, y, 8)
-    helpers.timed = lambda *args: None                              # hold the speeds for this plan
-    try:
-        assert helpers.run([product]) == []
-    finally:
-        del helpers.timed
-    assert product.spans == [(0, 3072), (3072, 4096)]
+    assert helpers.run([product]) == []
+    assert len(product.spans) >= 5 and helpers.helper_units <= len(helpers.procs) * 2
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     x2 = np.random.default_rng(2).standard_normal((2, 512), dtype=np.float32)
-    product2 = cores.Rows(m, x2, np.empty((2, 4096), np.float32), 8)
-    helpers.timed = lambda *args: None
-    try:
-        assert helpers.run([product2]) == []
-    finally:
-        del helpers.timed
-    assert product2.spans == [(0, 2048), (2048, 4096)]             # two tokens: halves, whatever the speeds
-    helpers.speeds = [100.0, 1.0]                                   # a helper all but stopped
-    assert procs.Helpers.shares(helpers)[1] == pytest.approx(procs.SHARE_FLOOR / (2 + procs.SHARE_FLOOR), rel=0.05)
-    helpers.speeds = [1.0, 1.0]
-    helpers.timed(1, [product], 1024 * 512 / 4e9)                   # the helper's 1024 rows at 4 G weights/s
-    assert helpers.speeds[1] == pytest.approx(1.0 + procs.SHARE_WEIGHT * (4.0 - 1.0))
+    product2 = cores.Rows(m, x2, np.empty((2, 16384), np.float32), 8)
+    assert helpers.run([product2]) == []
+    assert product2.spans == cores.split_rows(16384, len(helpers.procs) + 1, 8)    # even parts
+
+
+class Product:
+    """What cut reads of a product: its rows, x and alignment."""
+
+    def __init__(self, rows, inp, k=1, align=8):
+        self.rows, self.x, self.align = rows, np.empty((k, inp) if k > 1 else inp, np.float32), align
+
+
+@pytest.mark.parametrize("shapes", [[(2816, 2048)] * 7, [(3072, 2048), (576, 2048)], [(102400, 2048)],
+                                    [(16, 64)] * procs.PLAN_PRODUCTS, [(8192, 2048)] * procs.PLAN_PRODUCTS,
+                                    [(1408, 2048, 1, 32), (2048, 1408, 1, 512)]])
+@pytest.mark.parametrize("processes", [2, 3, 8])
+def test_a_plans_units_cover_its_rows_largest_first(shapes, processes):
+    """cut: every product's rows exactly once, in order, each unit starting at the product's
+    alignment; the plan's units shrink towards its end (guided), never below the floor except
+    where a product ends, and never more than the tables hold."""
+    plan = [Product(*shape) for shape in shapes]
+    units = procs.cut(plan, processes)
+    assert len(units) <= procs.PLAN_UNITS
+    for j, p in enumerate(plan):
+        mine = [(a, b) for i, a, b in units if i == j]
+        assert mine[0][0] == 0 and mine[-1][1] == p.rows
+        assert all(b0 == a1 for (_, b0), (a1, _) in zip(mine, mine[1:]))
+        assert all(a % p.align == 0 and b > a for a, b in mine)
+    sizes = [(b - a) * plan[j].x.size for j, a, b in units]
+    floor = max(procs.UNIT_MIN_VALUES, 2 * sum(p.rows * p.x.size for p in plan) // procs.PLAN_UNITS)
+    ends_of_products = {k for k, (j, a, b) in enumerate(units) if b == plan[j].rows}
+    whole = [s for k, s in enumerate(sizes) if k not in ends_of_products]
+    assert all(s >= floor - max(p.align * p.x.size for p in plan) for s in whole)
+    assert all(later <= earlier + max(p.align * p.x.size for p in plan)
+               for earlier, later in zip(whole, whole[1:]))
 
 
 def test_a_killed_helper_falls_back_to_threads(monkeypatch):

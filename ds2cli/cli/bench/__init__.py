@@ -5,8 +5,9 @@ Bottom-up:
     timing      seconds() and summary(), the two things every measurement uses
     settings    the token counts a run asks for, against the model; BenchError
     report      the tables (rich) drawn from a report
-    probes      matvec bandwidth and GEMM throughput: the machine's ceilings
     accounting  bytes and FLOPs a forward needs, from the loaded model
+    probes      matvec bandwidth, GEMM throughput and NumPy's widening ceiling (over a large
+                matrix, and over a decode step's own matrices): the machine's ceilings
     profile     --profile: where a decode step's time goes (products, attention, router, the rest)
     synthetic   the DeepSeek-V2-Lite-shaped checkpoint with random weights
     compare_hf  --compare-hf: the same runs through Hugging Face transformers

@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from ds2cli.cli import console
+from ds2cli.cli.bench.accounting import storage_format
 from ds2cli.cli.bench.timing import seconds, summary
 
 PROBE_RUNS = 8
@@ -203,7 +204,6 @@ def stored_rows(w) -> tuple[str, np.ndarray]:
     """A weight as the probes widen it: its storage format and its stored values as rows (q4:
     two a byte). A q8b matrix's panels are read as rows of the same bytes; a stacked per-head
     array (w_uk, w_uv) as its rows, (H * d, C) or (H * C, v)."""
-    from ds2cli.cli.bench.accounting import storage_format
     fmt = storage_format(w)
     a = getattr(w, "qweight", getattr(w, "w", w))
     if fmt == "bf16":

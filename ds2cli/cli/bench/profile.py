@@ -1,14 +1,15 @@
 """`ds2 bench --profile`: where a decode step's time goes. Decode steps run with timers around
-the products (by storage format: this process's share of their rows, wherever it runs, in the
-call or when a plan of products is sent to the helper processes), the coordination with the
-helpers (writing a plan and its inputs, waiting for their answer and reading their rows back),
+the products (by storage format: this process's part of their rows, in the call or in the units
+of a plan it takes), the coordination with the helpers (writing a plan and its inputs, taking
+each unit from the claims pipe, waiting for their answer and reading their rows back),
 attention and the router, each counted exclusive of what it calls; the rest of the step is the
 Python between them. The sum is the step's measured time. Each product row also gives the rate
 of ds2's own kernels, the weights its products multiplied a second (G w/s, all cores: this
-process's share is timed while the helpers run theirs), to set beside the ceiling probe's.
+process's part is timed while the helpers run theirs, and the units go to whoever is free, so
+each process's part takes about as long), to set beside the ceiling probe's.
 
 The timers wrap the classes' methods (Dense.matmul, QuantMatrix.matmul and .span, the helpers'
-send and collect) and the model module's functions for the duration of the profile only, so
+send, claim and collect) and the model module's functions for the duration of the profile only, so
 the engine carries no instrumentation."""
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def instrumented(clock: Clock):
                (quant.QuantMatrix, "span", product_label, None, False),     # the calls are matmul's
                (processes.Helpers, "send", lambda *a: COORDINATION, None, True),
                (processes.Helpers, "collect", lambda *a: COORDINATION, None, False),  # a plan: send's
+               (processes.Helpers, "claim", lambda *a: COORDINATION, None, False),    # each unit taken
                (transformer, "mla", lambda *a: "attention (latent cache, heads)", None, True),
                (moe, "route", lambda *a: "router", None, True)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, *_ in patches]
