@@ -100,6 +100,7 @@ class Helper:
         self.pid, self.jobs, self.done, self.shared = pid, jobs, done, shared
         self.table, self.units, self.ran, self.values = shared_views(shared)
         self.closed = False
+        self.sent = 0                # the last plan whose PLAN message it was sent
 
 
 class Helpers:
@@ -209,6 +210,7 @@ class Helpers:
         os.write(self.claims_w, b"".join(TOKEN.pack(tag, u) for u in range(len(units))))
         for h in self.procs:
             os.write(h.jobs, PLAN.pack(self.seq, len(plan), len(units)))
+            h.sent = self.seq
 
     def settle(self) -> None:
         """Before a new plan: if the last one was interrupted (Ctrl-C in this process's part),
@@ -219,7 +221,8 @@ class Helpers:
         while self.claim() is not None:
             pass
         for h in self.procs:
-            self.wait(h)
+            if h.sent == self.seq:       # (a Ctrl-C between two PLAN messages: not all were sent)
+                self.wait(h)
         self.settled = self.seq
 
     def claim(self) -> int | None:

@@ -146,6 +146,22 @@ def test_an_interrupted_step_leaves_no_stale_rows():
     np.testing.assert_array_equal(y, expected)
 
 
+def test_a_plan_cut_short_before_its_messages_is_settled_without_them(monkeypatch):
+    """Ctrl-C after a plan's tokens were written but before its PLAN messages: the next plan
+    takes the stale tokens and waits for no answer that was never asked for."""
+    monkeypatch.setattr(procs, "HELPER_TIMEOUT", 5.0)
+    m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((4096, 256), dtype=np.float32),
+                               quant.FORMATS["q8"])
+    procs.start_helpers()
+    helpers = procs.running()
+    helpers.seq += 1                          # what send had done when the Ctrl-C came
+    os.write(helpers.claims_w, b"".join(procs.TOKEN.pack(helpers.seq, u) for u in range(3)))
+    x = np.random.default_rng(1).standard_normal(256, dtype=np.float32)
+    y = np.empty(4096, np.float32)
+    assert helpers.run([cores.Rows(m, x, y, 8)]) == [] and not procs._helpers_failed
+    np.testing.assert_allclose(y, m.dequantize() @ x, rtol=1e-4, atol=1e-4 * np.abs(y).max())
+
+
 def test_a_slow_helper_takes_fewer_units(monkeypatch):
     """The units go to whichever process is free: a helper that another program slows down (here
     a sleep in each of its units) takes one or two while this process takes the rest, and the
