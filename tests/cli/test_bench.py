@@ -441,7 +441,9 @@ def test_decode_is_held_against_numpys_own_ceiling(report, tiny):
         matrices = sum(n for n in values.values())
         assert matrices > V * D                           # lm_head and every layer's matrices
         beside = d["probes"]["ceiling"]["g_weights_per_s"]
-        assert d["ceiling_tok_per_s"] == pytest.approx(1e9 * beside["f32"] / matrices, rel=1e-9)
+        best = d["ceiling_g_weights_per_s"]           # the best of this run's probes so far, by format
+        assert all(best[f] >= max(beside[f], rates[f]) for f in rates)
+        assert d["ceiling_tok_per_s"] == pytest.approx(1e9 * best["f32"] / matrices, rel=1e-9)
         assert d["ceiling_share"] == pytest.approx(d["tok_per_s"]["median"] / d["ceiling_tok_per_s"], rel=1e-9)
 
 

@@ -78,7 +78,7 @@ def footnotes(report: dict) -> list[str]:
     ceiling = report["probes"].get("ceiling")
     if ceiling:
         notes.append(f"ceiling: G weights/s numpy widens + multiplies, {ceiling['cores']} cores at once, "
-                     "at most memory's")
+                     "at most memory's; tg: the run's best so far")
     if report.get("passes"):
         notes.append("pass k @ c: k tokens after c, in decode steps of its repeat (median, range)")
     if report.get("compare_hf"):
