@@ -4,9 +4,10 @@ of a plan it takes), the coordination with the helpers (writing a plan and its i
 each unit from the claims pipe, waiting for their answer and reading their rows back),
 attention and the router, each counted exclusive of what it calls; the rest of the step is the
 Python between them. The sum is the step's measured time. Each product row also gives the rate
-of ds2's own kernels, the weights its products multiplied a second (G w/s, all cores: this
-process's part is timed while the helpers run theirs, and the units go to whoever is free, so
-each process's part takes about as long), to set beside the ceiling probe's.
+of ds2's own kernels, the weights its products multiplied a second (G w/s, all cores: the
+rate of this process's own row spans, timed while the helpers run theirs, times the processes;
+the units go to whoever is free, so one process's part of a format is not its share of the
+cores), to set beside the ceiling probe's.
 
 The timers wrap the classes' methods (Dense.matmul, QuantMatrix.matmul and .span, the helpers'
 send, claim and collect) and the model module's functions for the duration of the profile only, so
@@ -20,7 +21,7 @@ import time
 from ds2cli.cli.bench.accounting import storage_format
 from ds2cli.model import linear, moe, transformer
 from ds2cli.model.transformer import Model
-from ds2cli.parallel import processes
+from ds2cli.parallel import cores, processes
 from ds2cli.weights import quant
 
 
@@ -31,12 +32,14 @@ class Clock:
         self.spent: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.values: dict[str, float] = {}   # weights multiplied, by label (products)
+        self.own: dict[str, float] = {}      # ... in this process's own row spans, x the processes
         self.weights: list = []              # the weight of each product, in order
         self.stack: list[list] = []          # [label, start, time of the regions inside]
 
-    def timed(self, label_of, fn, values_of=None, count: bool = True):
+    def timed(self, label_of, fn, values_of=None, count: bool = True, own_of=None):
         """fn timed under label_of(*args), exclusive of the timed regions inside it; a call
-        counted where `count`, and values_of(*args) weights added to the label's where given."""
+        counted where `count`, values_of(*args) weights added to the label's (a product: its
+        weight recorded too) and own_of(*args) to its own where given."""
         def run(*args, **kwargs):
             label = label_of(*args)
             if count:
@@ -44,6 +47,8 @@ class Clock:
             if values_of is not None:
                 self.values[label] = self.values.get(label, 0.0) + values_of(*args)
                 self.weights.append(args[0])
+            if own_of is not None:
+                self.own[label] = self.own.get(label, 0.0) + own_of(*args)
             self.stack.append([label, time.perf_counter(), 0.0])
             try:
                 return fn(*args, **kwargs)
@@ -64,24 +69,30 @@ def product_values(w, x) -> float:
     return len(x) * w.shape[-1] * w.shape[-2]
 
 
+def span_values(m, x, y, a: int, b: int) -> float:
+    """A row span's weights x tokens, times the processes that run a plan's units meanwhile:
+    this process's rate on its own units while every core works, scaled to all the cores."""
+    return (b - a) * (x.size // x.shape[-1]) * m.shape[-1] * cores.workers().n
+
+
 COORDINATION = "coordination: plans sent, helpers awaited"
 
 
 @contextlib.contextmanager
 def instrumented(clock: Clock):
     """The timers in place for the block, the originals restored after."""
-    patches = [(linear.Dense, "matmul", product_label, product_values, True),
-               (quant.QuantMatrix, "matmul", product_label, product_values, True),
-               (quant.QuantMatrix, "span", product_label, None, False),     # the calls are matmul's
-               (processes.Helpers, "send", lambda *a: COORDINATION, None, True),
-               (processes.Helpers, "collect", lambda *a: COORDINATION, None, False),  # a plan: send's
-               (processes.Helpers, "claim", lambda *a: COORDINATION, None, False),    # each unit taken
-               (transformer, "mla", lambda *a: "attention (latent cache, heads)", None, True),
-               (moe, "route", lambda *a: "router", None, True)]
+    patches = [(linear.Dense, "matmul", product_label, product_values, True, None),
+               (quant.QuantMatrix, "matmul", product_label, product_values, True, None),
+               (quant.QuantMatrix, "span", product_label, None, False, span_values),  # the calls are matmul's
+               (processes.Helpers, "send", lambda *a: COORDINATION, None, True, None),
+               (processes.Helpers, "collect", lambda *a: COORDINATION, None, False, None),  # a plan: send's
+               (processes.Helpers, "claim", lambda *a: COORDINATION, None, False, None),    # each unit taken
+               (transformer, "mla", lambda *a: "attention (latent cache, heads)", None, True, None),
+               (moe, "route", lambda *a: "router", None, True, None)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, *_ in patches]
     try:
-        for owner, name, label, values, count in patches:
-            setattr(owner, name, clock.timed(label, getattr(owner, name), values, count))
+        for owner, name, label, values, count, own in patches:
+            setattr(owner, name, clock.timed(label, getattr(owner, name), values, count, own))
         yield
     finally:
         for owner, name, original in saved:
@@ -119,7 +130,8 @@ def profile_decode(model: Model, cache, context: int, steps: int, rng) -> dict:
     cache.truncate(context)
     rows = [{"what": label, "per_step_s": s / steps, "share": s / total,
              "calls_per_step": clock.calls[label] / steps if clock.calls.get(label) else None}
-            | ({"g_weights_per_s": clock.values[label] / s / 1e9} if label in clock.values and s > 0 else {})
+            | ({"g_weights_per_s": (clock.own.get(label) or clock.values[label]) / s / 1e9}
+               if label in clock.values and s > 0 else {})
             for label, s in sorted(clock.spent.items(), key=lambda kv: -kv[1])]
     rest = total - sum(clock.spent.values())
     rows.append({"what": "the rest: Python between them (norms, residuals, routing's gathers)",
