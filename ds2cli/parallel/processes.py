@@ -57,17 +57,18 @@ HELPER_VALUES = 1 << 23               # float32 values of shared memory a helper
                                       # y's (32 MB reserved, touched only as far as a plan reaches)
 HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
 HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec is taken as stuck
-# The units of a one-token plan: guided self-scheduling, each unit 1/(UNIT_SPLIT x processes) of
-# the plan's weights still to cut, so the first are large (few tokens to take) and the last
-# small (the processes finish within a small unit of each other), never below UNIT_MIN_VALUES
-# (two decode row blocks, 2 MB widened) and never across two products. Measured on the 4-layer
-# slice at 8 bits (2 cores, one process, the ways alternating, 150 plans each): a layer's seven
-# gate/up products took 4.32 ms a plan (median) cut this way, 4.44 with UNIT_SPLIT 2, 4.59 in even
-# halves; the seven down products 2.24, 2.29, 2.41. A one-token unit's rows are each one dot
-# product with the token, which OpenBLAS's gemv gives as the same bits wherever the cut falls
-# (measured here for every cut of q8, q4, bf16 and q8b). A plan of several tokens (GEMM tiles,
-# whose bits depend on the cut) is cut into one even part a process, as the threads cut it:
-# whoever takes a unit, its rows come out the same.
+# A plan's units: guided self-scheduling, each unit 1/(UNIT_SPLIT x processes) of the plan's
+# work still to cut, so the first are large (few tokens to take) and the last small (the
+# processes finish within a small unit of each other), never below UNIT_MIN_VALUES weights (two
+# decode row blocks, 2 MB widened) and never across two products. Measured on the 4-layer slice
+# at 8 bits (2 cores, one process, the ways alternating): one token, 150 plans each, a layer's
+# seven gate/up products took 4.32 ms a plan (median) cut this way, 4.44 with UNIT_SPLIT 2, 4.59
+# in even halves; the seven down products 2.24, 2.29, 2.41; 2, 4, 8 and 32 tokens, the gate/up
+# and down plans together, 0.99x, 0.98x, 0.99x and 0.96x the time of even halves. The cut
+# depends on the shapes alone, so whoever takes a unit, its rows come out the same bits: a
+# one-token unit's rows are each one dot product with the token, which OpenBLAS's gemv gives as
+# the same bits wherever the cut falls (measured here for every cut of q8, q4, bf16 and q8b);
+# a unit of several tokens is GEMM tiles, the same for the same rows.
 UNIT_SPLIT = 1
 UNIT_MIN_VALUES = 1 << 19
 
@@ -273,20 +274,21 @@ class Helpers:
 
 def cut(plan: list, processes: int) -> list[tuple[int, int, int]]:
     """A plan's units, (product's row in the plan, a, b), in order; each product's rows a..b
-    start at multiples of its alignment. One token: guided (see UNIT_SPLIT), the plan's values
-    still to cut divided by UNIT_SPLIT x processes, at least UNIT_MIN_VALUES and at least
+    start at multiples of its alignment. Guided (see UNIT_SPLIT): the plan's weights x tokens
+    still to cut divided by UNIT_SPLIT x processes, and at least UNIT_MIN_VALUES weights (so a
+    unit of several tokens is as many rows as a one-token one's: a GEMM of few rows is slow) and
     2/PLAN_UNITS of the plan (so a plan never has more than PLAN_UNITS units: the floors give at
-    most PLAN_UNITS / 2, each product's last partial unit one more, PLAN_PRODUCTS in all).
-    Several tokens: one even part a process, as cores.split_rows gives the threads."""
-    if any(p.x.size != p.x.shape[-1] for p in plan):
-        return [(j, a, b) for j, p in enumerate(plan) for a, b in split_rows(p.rows, processes, p.align)]
+    most PLAN_UNITS / 2, each product's last partial unit one more, PLAN_PRODUCTS in all). The
+    cut depends on the shapes alone, never on the timing."""
     left = sum(p.rows * p.x.size for p in plan)
     floor = max(UNIT_MIN_VALUES, 2 * left // PLAN_UNITS)
     units = []
     for j, p in enumerate(plan):
+        tokens = p.x.size // p.x.shape[-1]
+        least = max(floor, UNIT_MIN_VALUES * tokens)
         a = 0
         while a < p.rows:
-            want = max(floor, left // (UNIT_SPLIT * processes))
+            want = max(least, left // (UNIT_SPLIT * processes))
             b = min(p.rows, a + max(p.align, want // p.x.size // p.align * p.align))
             units.append((j, a, b))
             left -= (b - a) * p.x.size

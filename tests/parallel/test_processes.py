@@ -165,8 +165,8 @@ def test_a_plan_cut_short_before_its_messages_is_settled_without_them(monkeypatc
 def test_a_slow_helper_takes_fewer_units(monkeypatch):
     """The units go to whichever process is free: a helper that another program slows down (here
     a sleep in each of its units) takes one or two while this process takes the rest, and the
-    rows still come out right. A plan of several tokens is cut in even parts, one a process,
-    whoever takes them, so that its GEMM tiles never depend on the timing."""
+    rows still come out right. A plan of several tokens too, and its cut is the same whatever
+    the timing, so its GEMM tiles never depend on who took which unit."""
     m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((16384, 512), dtype=np.float32),
                                quant.FORMATS["q8"])
     parent, span = os.getpid(), quant.QuantMatrix.span
@@ -186,10 +186,15 @@ def test_a_slow_helper_takes_fewer_units(monkeypatch):
     assert helpers.run([product]) == []
     assert len(product.spans) >= 5 and helpers.helper_units <= len(helpers.procs) * 2
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
-    x2 = np.random.default_rng(2).standard_normal((2, 512), dtype=np.float32)
-    product2 = cores.Rows(m, x2, np.empty((2, 16384), np.float32), 8)
-    assert helpers.run([product2]) == []
-    assert product2.spans == cores.split_rows(16384, len(helpers.procs) + 1, 8)    # even parts
+    x2 = np.random.default_rng(2).standard_normal((8, 512), dtype=np.float32)
+    y2 = np.empty((8, 16384), np.float32)
+    product2 = cores.Rows(m, x2, y2, 8)
+    assert helpers.run([product2]) == [] and len(product2.spans) >= 3
+    assert product2.spans == [(a, b) for _, a, b in procs.cut([product2], len(helpers.procs) + 1)]
+    expected2 = np.empty((8, 16384), np.float32)
+    for a, b in product2.spans:               # the same kernel calls on the same rows: the same bits
+        m.span(x2, expected2, a, b)
+    np.testing.assert_array_equal(y2, expected2)
 
 
 class Product:
@@ -201,12 +206,14 @@ class Product:
 
 @pytest.mark.parametrize("shapes", [[(2816, 2048)] * 7, [(3072, 2048), (576, 2048)], [(102400, 2048)],
                                     [(16, 64)] * procs.PLAN_PRODUCTS, [(8192, 2048)] * procs.PLAN_PRODUCTS,
-                                    [(1408, 2048, 1, 32), (2048, 1408, 1, 512)]])
+                                    [(1408, 2048, 1, 32), (2048, 1408, 1, 512)], [(2816, 2048, 8)] * 7,
+                                    [(2816, 2048, 64)] * 7 + [(2048, 1408, 3)]])
 @pytest.mark.parametrize("processes", [2, 3, 8])
 def test_a_plans_units_cover_its_rows_largest_first(shapes, processes):
     """cut: every product's rows exactly once, in order, each unit starting at the product's
-    alignment; the plan's units shrink towards its end (guided), never below the floor except
-    where a product ends, and never more than the tables hold."""
+    alignment; the plan's units shrink towards its end (guided), never below the floor (nor
+    below UNIT_MIN_VALUES weights, whatever the tokens) except where a product ends, and never
+    more than the tables hold."""
     plan = [Product(*shape) for shape in shapes]
     units = procs.cut(plan, processes)
     assert len(units) <= procs.PLAN_UNITS
@@ -220,6 +227,8 @@ def test_a_plans_units_cover_its_rows_largest_first(shapes, processes):
     ends_of_products = {k for k, (j, a, b) in enumerate(units) if b == plan[j].rows}
     whole = [s for k, s in enumerate(sizes) if k not in ends_of_products]
     assert all(s >= floor - max(p.align * p.x.size for p in plan) for s in whole)
+    weights = [(b - a) * plan[j].x.shape[-1] for k, (j, a, b) in enumerate(units) if k not in ends_of_products]
+    assert all(w >= procs.UNIT_MIN_VALUES - max(p.align * p.x.shape[-1] for p in plan) for w in weights)
     assert all(later <= earlier + max(p.align * p.x.size for p in plan)
                for earlier, later in zip(whole, whole[1:]))
 
