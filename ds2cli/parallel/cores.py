@@ -40,7 +40,8 @@ SHARED_KEYS = 2048
 class Rows:
     """One product y = x @ W.T to be computed in row spans: m.span(x, y, a, b) fills columns a..b
     of y (rows a..b of W), spans starting at multiples of `align`; m.key names the matrix to a
-    helper process. Who runs it sets the spans, one for each core that takes a share."""
+    helper process. Who runs it sets the spans it was computed in: one a thread, or the units of
+    a helper plan (processes.cut)."""
     m: Any
     x: np.ndarray                   # (in,) or (k, in)
     y: np.ndarray                   # (out,) or (k, out)

@@ -39,7 +39,6 @@ import weakref
 import numpy as np
 
 from ds2cli.parallel import cores
-from ds2cli.parallel.cores import split_rows
 
 _matrices: list[weakref.ref] = []    # a matrix's key -> the matrix, in this and every helper
 _helpers_failed = False               # a helper died or could not start: threads from then on
@@ -185,8 +184,10 @@ class Helpers:
         """One plan: its units are put up for the taking, this process takes its part, then it
         reads the helpers' rows."""
         units = cut(plan, len(self.procs) + 1)
-        for j, p in enumerate(plan):
-            p.spans = [(a, b) for i, a, b in units if i == j]
+        for p in plan:
+            p.spans = []
+        for j, a, b in units:
+            plan[j].spans.append((a, b))
         self.send(plan, units)
         self.take(plan, units)
         self.collect(plan, units)

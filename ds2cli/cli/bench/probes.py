@@ -182,9 +182,9 @@ def probe_ceiling(runs: int, matvec_gb_per_s: float) -> dict:
             _passes(fmt, w, slice(0, rows))           # pages warm, outside the timing
             core[fmt] = summary([values / seconds(lambda: _passes(fmt, w, slice(0, rows))) / 1e9
                                  for _ in range(runs)])
-            bounds = [rows * k // n // CEILING_BLOCK_ROWS * CEILING_BLOCK_ROWS for k in range(n)] + [rows]
+            shares = cores.split_rows(rows, n, CEILING_BLOCK_ROWS)
             together[fmt] = summary([values / t / 1e9 for t in _best_of(
-                lambda i: _passes(fmt, w, slice(bounds[i], bounds[i + 1])), n, runs)])
+                lambda i: _passes(fmt, w, slice(*shares[i]) if i < len(shares) else slice(0, 0)), n, runs)])
             ceiling[fmt] = min(together[fmt]["max"], matvec_gb_per_s / BYTES_PER_VALUE[fmt])
             del w
     return {"cores": n, "core": core, "cores_at_once": together, "g_weights_per_s": ceiling}
@@ -213,15 +213,17 @@ def stored_rows(w) -> tuple[str, np.ndarray]:
 
 
 def _replay(matrices: list[tuple[str, np.ndarray]], i: int, n: int) -> None:
-    """Core i's share of every matrix, in order: its rows (an even split, multiples of 8) widened
-    and multiplied a block of about BLOCK_VALUES at a time."""
+    """Core i's share of every matrix, in order: its rows (an even split in multiples of 8, as
+    the threads split a product) widened and multiplied a block of about BLOCK_VALUES at a time."""
+    from ds2cli.parallel.cores import split_rows
     buf, tmp = _scratch()
     xs: dict[int, np.ndarray] = {}
     for fmt, a in matrices:
         rows, stored = a.shape
         inp = 2 * stored if fmt == "q4" else stored
         x = xs.setdefault(inp, np.ones(inp, np.float32))
-        r0, r1 = rows * i // n // 8 * 8, rows if i == n - 1 else rows * (i + 1) // n // 8 * 8
+        shares = split_rows(rows, n, 8)                 # fewer than n for a matrix of few rows
+        r0, r1 = shares[i] if i < len(shares) else (0, 0)
         block = max(8, BLOCK_VALUES // inp // 8 * 8)
         for r in range(r0, r1, block):
             _widen_and_multiply(fmt, a[r:min(r + block, r1)], x, buf, tmp)

@@ -19,6 +19,7 @@ import contextlib
 import time
 
 from ds2cli.cli.bench.accounting import storage_format
+from ds2cli.cli.bench.probes import probe_step_shapes
 from ds2cli.model import linear, moe, transformer
 from ds2cli.model.transformer import Model
 from ds2cli.parallel import cores, processes
@@ -116,7 +117,6 @@ def profile_decode(model: Model, cache, context: int, steps: int, rng) -> dict:
     """Seconds a decode step spends where, over `steps` steps after `context` tokens; then plain
     NumPy over the last steps' own matrices (probes.probe_step_shapes), for the rates ds2's
     kernels could reach at those shapes."""
-    from ds2cli.cli.bench.probes import probe_step_shapes
     clock = Clock()
     cache.truncate(context)
     ids = rng.integers(model.config.vocab_size, size=steps)
