@@ -8,9 +8,10 @@ Weights (prepared once at load by weights/loader.py, Hugging Face names kept); t
 weights you can multiply by (linear.py: float32 or low-bit, `w.matmul(x)` = x @ W.T):
   q_proj (H*(d+R), D)  or  q_a_proj (q_lora_rank, D), q_a_layernorm, q_b_proj (H*(d+R), q_lora_rank)
   kv_a_proj_with_mqa (C+R, D), kv_a_layernorm (C,), o_proj (D, H*v)
-  w_uk (H, d, C), w_uv (H, C, v): kv_b_proj split per head, the MLA weight absorption; arrays,
-    float32 or (in a ds2 low-bit checkpoint) bfloat16, since both forms below use them in both
-    orientations
+  w_uk (H, d, C), w_uv (H, C, v): kv_b_proj split per head, the MLA weight absorption; stacks
+    of per-head matrices (linear.Heads, float32 or, in a ds2 low-bit checkpoint, bfloat16):
+    the absorbed form multiplies each head's vectors by them (`w.heads(x)`), the expanded form
+    multiplies the cached latent by all of them, widened
 The RoPE rows of q and kv_a_proj_with_mqa are stored de-interleaved (see rope.deinterleave_rows).
 """
 
@@ -21,7 +22,7 @@ import dataclasses
 import numpy as np
 
 from ds2cli.parallel import cores
-from ds2cli.model.linear import float32, matmul_all
+from ds2cli.model.linear import as_heads, matmul_all
 from ds2cli.model.rope import apply_rope
 
 
@@ -103,20 +104,26 @@ def visible(start: int, T: int, s0: int, s1: int) -> tuple[int, np.ndarray | Non
 
 def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
     """q_lat = q_nope.W_UK; scores = q_lat.latent^T + q_pe.k_pe^T; ctx = (probs.latent).W_UV
+    for one sequence's T new queries (T, H, d): the three steps mla runs on a batch's rows."""
+    q_lat = as_heads(w_uk).heads(q_nope)                                    # (T, H, C)
+    return as_heads(w_uv).heads(attend_latent(q_lat, q_pe, latent, k_pe, scale))   # (T, H, v)
+
+
+def attend_latent(q_lat, q_pe, latent, k_pe, scale) -> np.ndarray:
+    """softmax(q_lat.latent^T + q_pe.k_pe^T) . latent: the T new queries' (T, H, C) context in
+    the latent space, for queries already folded through W_UK.
 
     The T new queries (positions S-T..S-1, the last T of the cache) meet it a block of keys at a
     time (absorbed_sums); a few-token pass over a long cache hands each core a share of the keys
     (cores.split_keys) and merges their running sums. Rows are query-major (t, h)."""
-    T, H, _ = q_nope.shape
-    S, C = latent.shape
-    q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_uk)                      # (H, T, C)
-    q_lat = q_lat.transpose(1, 0, 2).reshape(T * H, C)                      # (T*H, C)
+    T, H, C = q_lat.shape
+    S = len(latent)
+    q_lat = q_lat.reshape(T * H, C)                                         # (T*H, C)
     q_pe = q_pe.reshape(T * H, -1)                                          # (T*H, R)
     parts = cores.spread(lambda keys: absorbed_sums(q_lat, q_pe, latent, k_pe, scale, H, keys),
                          cores.split_keys(S, T))
     _, l, acc = merge_sums(parts)
-    ctx_lat = (acc / l[:, None]).reshape(T, H, C).transpose(1, 0, 2)        # (H, T, C)
-    return np.matmul(ctx_lat, w_uv).transpose(1, 0, 2)                      # (T, H, v)
+    return (acc / l[:, None]).reshape(T, H, C)                              # (T, H, C)
 
 
 def absorbed_sums(q_lat, q_pe, latent, k_pe, scale, H: int, keys: slice):
@@ -206,33 +213,52 @@ class Span:
 def mla(x, w, spans, cos, sin, H, eps, scale) -> np.ndarray:
     """One MLA block for a batch: x (N, D) stacks each sequence's new tokens (span.rows, at
     positions [span.start, span.start+T)). The projections run on all rows at once; each
-    sequence writes its latent and k_pe into its own cache slots and attends to its own cache.
+    sequence writes its latent and k_pe into its own cache slots and attends to its own cache,
+    in whichever form costs it less: absorbed (its queries folded through W_UK into the latent,
+    its context unfolded through W_UV after, both for all such rows at once) or expanded.
     Returns the attention output (N, D)."""
     N = len(x)
     C = w["kv_a_layernorm"].shape[0]
+    w_uk, w_uv = w["w_uk"], w["w_uv"]                                       # Heads (H, d, C), (H, C, v)
+    d, v = w_uk.w.shape[1], w_uv.w.shape[2]
     q, kv = project_q_kv(x, w, H, eps)                                      # (N, H, d+R), (N, C+R)
-    # kv_b_proj's halves in float32, once a pass (a low-bit checkpoint stores them bfloat16)
-    w_uk, w_uv = (float32(w[k]) for k in ("w_uk", "w_uv"))                 # (H, d, C), (H, C, v)
-    d = w_uk.shape[1]
     q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
     latent_new = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)              # (N, C)
     k_pe_new = apply_rope(kv[:, C:], cos, sin)                              # (N, R)
-    work = []                       # (sequence, heads) pieces: heads are independent
+    absorbed = []                   # per sequence: attends in the latent (else expanded)
     for s in spans:
         T = s.rows.stop - s.rows.start
         s.latent[s.start:s.start + T], s.k_pe[s.start:s.start + T] = latent_new[s.rows], k_pe_new[s.rows]
-        work += [(s, T, heads) for heads in cores.split(H, tokens=T)]
+        absorbed.append(absorbed_cost(T, s.start + T, H, C, k_pe_new.shape[1], d, v)
+                        <= expanded_cost(T, s.start + T, H, C, k_pe_new.shape[1], d, v))
+    # the absorbed sequences' rows, folded through W_UK in one product
+    folded = np.concatenate([np.arange(s.rows.start, s.rows.stop) for s, a in zip(spans, absorbed) if a]
+                            or [np.zeros(0, np.int64)])
+    if len(folded) == N:
+        q_lat = w_uk.heads(q_nope)                                          # (N, H, C)
+    elif len(folded):
+        q_lat = np.empty((N, H, C), np.float32)                             # (N, H, C), those rows only
+        q_lat[folded] = w_uk.heads(q_nope[folded])
+    # the expanded form multiplies the cached latent by every head's W_UK and W_UV at once
+    uk, uv = (w_uk.widened(), w_uv.widened()) if not all(absorbed) else (None, None)
+    work = []                       # (sequence, absorbed, heads) pieces: heads are independent
+    for s, a in zip(spans, absorbed):
+        T = s.rows.stop - s.rows.start
+        work += [(s, a, T, heads) for heads in cores.split(H, tokens=T)]
 
     def attend(piece) -> np.ndarray:
-        s, T, h = piece
+        s, a, T, h = piece
         latent, k_pe = s.latent[:s.start + T], s.k_pe[:s.start + T]         # (S, C), (S, R)
-        dims = (T, s.start + T, H, C, k_pe.shape[1], d, w_uv.shape[2])
-        form = attend_absorbed if absorbed_cost(*dims) <= expanded_cost(*dims) else attend_expanded
-        return form(q_nope[s.rows, h], q_pe[s.rows, h], latent, k_pe, w_uk[h], w_uv[h], scale)
+        if a:
+            return attend_latent(q_lat[s.rows, h], q_pe[s.rows, h], latent, k_pe, scale)    # (T, h, C)
+        return attend_expanded(q_nope[s.rows, h], q_pe[s.rows, h], latent, k_pe, uk[h], uv[h], scale)  # (T, h, v)
 
     # the cores may share the pieces (cores.py decides when that pays), the costliest first
-    outs = cores.map(attend, work, cost=[T * (s.start + T) for s, T, _ in work])
-    ctx = np.empty((N, H, w_uv.shape[2]), dtype=q.dtype)                    # (N, H, v)
-    for (s, _, h), out in zip(work, outs):
-        ctx[s.rows, h] = out                                                # (T, h, v)
+    outs = cores.map(attend, work, cost=[T * (s.start + T) for s, _, T, _ in work])
+    ctx = np.empty((N, H, v), dtype=q.dtype)                                # (N, H, v)
+    ctx_lat = np.empty((N, H, C), np.float32) if len(folded) else None      # (N, H, C), absorbed rows
+    for (s, a, _, h), out in zip(work, outs):
+        (ctx_lat if a else ctx)[s.rows, h] = out
+    if len(folded):
+        ctx[folded] = w_uv.heads(ctx_lat[folded] if len(folded) < N else ctx_lat)   # (rows, H, v)
     return w["o_proj"].matmul(ctx.reshape(N, -1))                           # (N, D)

@@ -46,11 +46,19 @@ class Rows:
     x: np.ndarray                   # (in,) or (k, in)
     y: np.ndarray                   # (out,) or (k, out)
     align: int
+    depth: int = 0                  # weights a row of W multiplies (0: all of x's last axis; a
+                                    # stack of per-head matrices, linear.Heads: one head's inputs)
     spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def rows(self) -> int:
         return self.y.shape[-1]
+
+    @property
+    def row_values(self) -> int:
+        """Weights x tokens one row of the product takes: what a share of its rows costs."""
+        inp = self.x.shape[-1]
+        return (self.depth or inp) * (self.x.size // inp)
 
     def span(self, a: int, b: int) -> None:
         self.m.span(self.x, self.y, a, b)

@@ -281,7 +281,7 @@ def cut(plan: list, processes: int) -> list[tuple[int, int, int]]:
     2/PLAN_UNITS of the plan (so a plan never has more than PLAN_UNITS units: the floors give at
     most PLAN_UNITS / 2, each product's last partial unit one more, PLAN_PRODUCTS in all). The
     cut depends on the shapes alone, never on the timing."""
-    left = sum(p.rows * p.x.size for p in plan)
+    left = sum(p.rows * p.row_values for p in plan)
     floor = max(UNIT_MIN_VALUES, 2 * left // PLAN_UNITS)
     units = []
     for j, p in enumerate(plan):
@@ -290,9 +290,9 @@ def cut(plan: list, processes: int) -> list[tuple[int, int, int]]:
         a = 0
         while a < p.rows:
             want = max(least, left // (UNIT_SPLIT * processes))
-            b = min(p.rows, a + max(p.align, want // p.x.size // p.align * p.align))
+            b = min(p.rows, a + max(p.align, want // p.row_values // p.align * p.align))
             units.append((j, a, b))
-            left -= (b - a) * p.x.size
+            left -= (b - a) * p.row_values
             a = b
     return units
 
@@ -400,7 +400,7 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, claims: in
                 j, a, b = cuts[u]
                 key, expert, inp, out, k, x_at, y_at = products[j]
                 if j not in matrices:
-                    m = _matrices[key]()                                    # a QuantMatrix (quant.py)
+                    m = _matrices[key]()          # a QuantMatrix (quant.py) or linear.Heads
                     matrices[j] = m[expert] if expert >= 0 else m
                 matrices[j].span(values[x_at:x_at + inp * k].reshape(k, inp),
                                  values[y_at:y_at + out * k].reshape(k, out), a, b)

@@ -20,7 +20,6 @@ from ds2cli.json_files import read_json_object
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ConfigError
 from ds2cli.weights.hub import resolve_model_dir
-from ds2cli.model.linear import as_weight
 from ds2cli.model.transformer import Model
 from ds2cli.wording import article
 from ds2cli.text.tokenizer import Tokenizer
@@ -131,13 +130,13 @@ def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None 
 
 
 def wrap_projections(layer: dict) -> dict:
-    """The matrices a prepared layer multiplies by (qcheckpoint.ROLES names them) become weight
-    objects (linear.Dense); norms, the router gate, w_uk and w_uv stay arrays (float32, until
-    qcheckpoint.quantize_layer rounds the last three to bfloat16)."""
+    """The matrices a prepared layer multiplies by become weight objects: the projections
+    (qcheckpoint.ROLES names them) linear.Dense, w_uk and w_uv linear.Heads; norms and the router
+    gate stay arrays (float32, until qcheckpoint.quantize_layer rounds w_uk, w_uv and the gate to
+    bfloat16)."""
     for part in ("attn", "mlp"):
         for key, w in layer[part].items():
-            if (part, key) in qcheckpoint.ROLE_OF:
-                layer[part][key] = as_weight(w)
+            layer[part][key] = qcheckpoint.as_stored_weight(part, key, w)
     return layer
 
 

@@ -38,7 +38,7 @@ from ds2cli.weights import checkpoint
 from ds2cli.weights import quant
 from ds2cli.weights import scales
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.model.linear import Dense
+from ds2cli.model.linear import Dense, Heads
 from ds2cli.weights.quant import FORMATS, QuantError, QuantMatrix
 
 QUANT_METHOD = "ds2"
@@ -284,8 +284,7 @@ def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress
         f = format_for(qc, part, key, shape)
         if f is not None:
             return QuantMatrix(mapped.array(tensors[name + ".qweight"]), mapped.array(tensors[name + ".scales"]), f)
-        array = mapped.array(tensors[name + ".weight"])
-        return Dense(array) if (part, key) in ROLE_OF else array
+        return as_stored_weight(part, key, mapped.array(tensors[name + ".weight"]))
 
     top = {key: build(None, part, key, shape) for (part, key), shape in top_shapes(cfg).items()}
     layers = []
@@ -298,6 +297,19 @@ def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress
             progress(i + 1, cfg.num_hidden_layers)
     return {"embed_tokens": top["embed_tokens"], "norm": top["norm"],
             "lm_head": top.get("lm_head", top["embed_tokens"]), "layers": layers}
+
+
+HEAD_STACKS = (("attn", "w_uk"), ("attn", "w_uv"))    # multiplied head by head (linear.Heads)
+
+
+def as_stored_weight(part: str, key: str, array):
+    """A prepared layer's float array as the model multiplies by it: a projection's as a
+    linear.Dense, w_uk's and w_uv's as a linear.Heads, a norm's or the gate's as it is."""
+    if isinstance(array, (Dense, Heads, QuantMatrix)):
+        return array
+    if (part, key) in ROLE_OF:
+        return Dense(array)
+    return Heads(array) if (part, key) in HEAD_STACKS else array
 
 
 # ---- quantizing prepared float weights ----
@@ -368,7 +380,8 @@ def quantize_layer(layer: dict, qc: QuantConfig, stats: dict | None = None) -> d
                 h = stats[part, key][0] if stats and (part, key) in stats else None
                 layer[part][key] = quantize_weight(w, format_for(qc, part, key, w.shape), h)
             elif qc.float_dtype(part, key) == "BF16":
-                layer[part][key] = w.astype(quant.BF16)     # rounded to nearest even
+                a = w.w if isinstance(w, Heads) else w
+                layer[part][key] = as_stored_weight(part, key, a.astype(quant.BF16))   # rounded to nearest even
     return layer
 
 
@@ -382,7 +395,7 @@ def layer_arrays(layer: dict, i: int | None) -> Iterator[tuple[str, np.ndarray]]
             yield name + ".qweight", w.qweight
             yield name + ".scales", w.scales
         else:
-            w = w.w if isinstance(w, Dense) else w
+            w = w.w if isinstance(w, (Dense, Heads)) else w
             yield name + ".weight", np.ascontiguousarray(w if w.dtype == quant.BF16 else w.astype(np.float32, copy=False))
 
 

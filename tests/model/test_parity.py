@@ -42,6 +42,28 @@ def test_last_position_logits_equal_all_logits_row(case):
     np.testing.assert_allclose(logits, ref[6], atol=TOL)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T", [1, 3, 70])
+def test_a_head_stack_multiplies_each_head_by_its_own_matrix(dtype, T):
+    """linear.Heads: y[t, h] = x[t, h] @ W[h], each head's rows within float32 rounding of the
+    float64 product (bfloat16 weights widened exactly), whole or a span of heads at a time."""
+    import ml_dtypes
+    from ds2cli.model.linear import Heads
+    rng = np.random.default_rng(1)
+    H, n_in, n_out = 6, 24, 40
+    stored = rng.standard_normal((H, n_in, n_out), dtype=np.float32).astype(getattr(ml_dtypes, dtype, dtype))
+    w = Heads(stored)
+    assert w.shape == (H * n_out, n_in) and w.nbytes == stored.nbytes
+    x = rng.standard_normal((T, H, n_in), dtype=np.float32)
+    exact = np.einsum("thi,hio->tho", x.astype(np.float64), stored.astype(np.float64))
+    bound = 1e-5 * np.einsum("thi,hio->tho", np.abs(x.astype(np.float64)), np.abs(stored.astype(np.float64)))
+    assert np.all(np.abs(w.heads(x) - exact) <= bound)
+    y = np.full((T, H * n_out), np.nan, np.float32)
+    for a, b in ((0, 2 * n_out), (2 * n_out, 3 * n_out), (3 * n_out, H * n_out)):
+        w.span(x.reshape(T, -1), y, a, b)
+    assert np.all(np.abs(y.reshape(T, H, n_out) - exact) <= bound)
+
+
 def test_absorbed_equals_expanded():
     rng = np.random.default_rng(0)
     T, S, H, C, R, d, v = 5, 12, 3, 32, 8, 16, 16

@@ -85,6 +85,8 @@ def instrumented(clock: Clock):
     patches = [(linear.Dense, "matmul", product_label, product_values, True, None),
                (quant.QuantMatrix, "matmul", product_label, product_values, True, None),
                (quant.QuantMatrix, "span", product_label, None, False, span_values),  # the calls are matmul's
+               (linear.Heads, "heads", product_label, product_values, True, None),    # w_uk, w_uv
+               (linear.Heads, "span", product_label, None, False, span_values),
                (processes.Helpers, "send", lambda *a: COORDINATION, None, True, None),
                (processes.Helpers, "collect", lambda *a: COORDINATION, None, False, None),  # a plan: send's
                (processes.Helpers, "claim", lambda *a: COORDINATION, None, False, None),    # each unit taken
@@ -106,11 +108,8 @@ REPLAY_STEPS = 4
 
 
 def unmultiplied(model: Model) -> list:
-    """The weights a decode step reads outside the products: each layer's w_uk and w_uv (the
-    absorbed attention multiplies by all of them) and the router's gate."""
-    return [w for layer in model.layers for w in (layer["attn"].get("w_uk"), layer["attn"].get("w_uv"),
-                                                     layer["mlp"].get("gate") if layer["is_moe"] else None)
-            if w is not None]
+    """The weights a decode step reads outside the products: each MoE layer's router gate."""
+    return [layer["mlp"]["gate"] for layer in model.layers if layer["is_moe"]]
 
 
 def profile_decode(model: Model, cache, context: int, steps: int, rng) -> dict:

@@ -112,7 +112,7 @@ def render_step_shapes(p: dict, out) -> None:
             if r["what"].startswith("products ")}
     lines = [f"step shapes: the last {s['steps']} steps' own matrices, plain widen + multiply",
              f"on {s['cores']} cores at once, rows split evenly, nothing between products",
-             "(bf16: attention's w_uk, w_uv and the gate too, as in the ceiling)"]
+             "(bf16: the router's gate too, as in the ceiling)"]
     if "ceiling_tok_per_s" in s:
         lines.append(f"products at these shapes: {fig(1e3 * s['products_s'])} ms a step, "
                      f"{fig(s['ceiling_tok_per_s'])} tok/s; decode {pct(s['ceiling_share'])} of it")
