@@ -210,3 +210,25 @@ def test_working_memory_is_bounded_whatever_the_prompt_length(long_case, monkeyp
     counted = memory.pass_bytes(model.config)
     assert long <= counted, f"a 3,072-token prefill peaked at {long} bytes, the memory check counts {counted}"
     assert long <= 1.25 * short + (1 << 20), (short, long)
+
+
+def test_a_batch_mixing_the_two_forms_gives_each_sequence_its_own_logits(monkeypatch):
+    """One pass where a decode step attends in the latent (its query folded through W_UK, its
+    context through W_UV, with only its rows in those products) and a prompt from an empty
+    cache attends expanded: each sequence's logits as alone, and both forms really ran."""
+    model = ds2cli.load()
+    prompt = model.tokenizer.encode("To be, or not to be, that is the question. " * 3)
+    history = model.tokenizer.encode("What is 12 + 30? 12 + 30 = 42. What is 7 + 8?")
+    cache_d = model.new_cache(len(history) + 1)
+    model.forward(history[:-1], cache_d)
+    alone_d = model.forward(history[-1:], cache_d, all_logits=True)
+    cache_d.truncate(len(history) - 1)
+    alone_p = model.forward(prompt, model.new_cache(len(prompt)), all_logits=True)
+    ran = []
+    for form in ("attend_latent", "attend_expanded"):
+        real = getattr(attention, form)
+        monkeypatch.setattr(attention, form, lambda *a, _real=real, _form=form: ran.append(_form) or _real(*a))
+    out = model.forward_batch([Step(history[-1:], cache_d, "all"), Step(prompt, model.new_cache(len(prompt)), "all")])
+    assert {"attend_latent", "attend_expanded"} <= set(ran)
+    np.testing.assert_allclose(out[0], alone_d, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out[1], alone_p, atol=1e-4, rtol=0)
