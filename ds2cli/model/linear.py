@@ -104,8 +104,11 @@ class Heads:
         T, H, n_in = x.shape
         n_out = self.w.shape[2]
         y = np.empty((T, H * n_out), np.float32)
-        cores.workers().split(cores.Rows(self, np.ascontiguousarray(x, np.float32).reshape(T, H * n_in), y,
-                                         align=n_out, depth=n_in))
+        rows = cores.Rows(self, np.ascontiguousarray(x, np.float32).reshape(T, H * n_in), y, align=n_out, depth=n_in)
+        if cores.workers().held:
+            cores.workers().split(rows)    # a low-bit pass: its heads shared out like any product's rows
+        else:
+            rows.span(0, rows.rows)        # float32 weights: one batched product, BLAS on its own threads
         return y.reshape(T, H, n_out)
 
     def span(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
