@@ -25,6 +25,7 @@ A matrix is known to a helper by its key (`register`), given before the fork.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import select
@@ -273,28 +274,34 @@ class Helpers:
                 return bool(ok), count
 
 
-def cut(plan: list, processes: int) -> list[tuple[int, int, int]]:
+def cut(plan: list, processes: int) -> tuple[tuple[int, int, int], ...]:
     """A plan's units, (product's row in the plan, a, b), in order; each product's rows a..b
     start at multiples of its alignment. Guided (see UNIT_SPLIT): the plan's weights x tokens
     still to cut divided by UNIT_SPLIT x processes, and at least UNIT_MIN_VALUES weights (so a
     unit of several tokens is as many rows as a one-token one's: a GEMM of few rows is slow) and
     2/PLAN_UNITS of the plan (so a plan never has more than PLAN_UNITS units: the floors give at
     most PLAN_UNITS / 2, each product's last partial unit one more, PLAN_PRODUCTS in all). The
-    cut depends on the shapes alone, never on the timing."""
-    left = sum(p.rows * p.row_values for p in plan)
+    cut depends on the shapes alone, never on the timing; a decode step's plans repeat their
+    shapes every step, so each shape's cut is worked out once (20-30 us a plan of experts)."""
+    return cut_shapes(tuple((p.rows, p.row_values, p.align, p.x.size // p.x.shape[-1]) for p in plan), processes)
+
+
+@functools.lru_cache(maxsize=1024)
+def cut_shapes(shapes: tuple, processes: int) -> tuple[tuple[int, int, int], ...]:
+    """cut, for the products' (rows, weights x tokens a row, alignment, tokens)."""
+    left = sum(rows * values for rows, values, _, _ in shapes)
     floor = max(UNIT_MIN_VALUES, 2 * left // PLAN_UNITS)
     units = []
-    for j, p in enumerate(plan):
-        tokens = p.x.size // p.x.shape[-1]
+    for j, (rows, values, align, tokens) in enumerate(shapes):
         least = max(floor, UNIT_MIN_VALUES * tokens)
         a = 0
-        while a < p.rows:
+        while a < rows:
             want = max(least, left // (UNIT_SPLIT * processes))
-            b = min(p.rows, a + max(p.align, want // p.row_values // p.align * p.align))
+            b = min(rows, a + max(align, want // values // align * align))
             units.append((j, a, b))
-            left -= (b - a) * p.row_values
+            left -= (b - a) * values
             a = b
-    return units
+    return tuple(units)                    # shared by every plan of these shapes: not to be changed
 
 
 def ends(p, at: int) -> int:
