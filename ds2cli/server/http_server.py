@@ -160,6 +160,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = f"ds2/{__version__}"
     timeout = IDLE_TIMEOUT_S
     disable_nagle_algorithm = True      # one small write per token: send each at once
+    counted = True                      # outside dispatch (http.server's own errors): not counted
 
     server: Server
 
@@ -211,12 +212,14 @@ class Handler(BaseHTTPRequestHandler):
         self.extra_headers: dict = {}
         self.body_read = False
         self.linger = False
-        path = urlsplit(self.path).path
+        path = self.metric_path = urlsplit(self.path).path
+        self.counted = False
         try:
             if method == "OPTIONS" and self.cors_origin() is not None:    # a CORS preflight: no key asked
                 self.preflight()
                 return
             path, handler = self.route(method, path.rstrip("/") or "/")
+            self.metric_path = path
             if path not in OPEN_PATHS:
                 self.check_key()
             if state.scheduler is None and path not in OPEN_PATHS:
@@ -236,13 +239,23 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # never a traceback to the client or the log: one line each
             self.fail(ApiError(500, f"internal error: {type(e).__name__}: {' '.join(str(e).split())}"))
         finally:
-            state.metrics.request(path if path in ENDPOINTS else "other", self.status)
+            self.count_request()                # one that got no answer (a client gone: 499)
             self.log_line(method, path)
             if self.linger:
                 self.swallow_body()
             with state.active_cond:
                 state.active -= 1
                 state.active_cond.notify_all()
+
+    def count_request(self) -> None:
+        """This request into the metrics, once, by its status: as its answer's last bytes go out,
+        so that a client which reads the answer and then asks /metrics finds it counted (counted
+        after the answer, it raced the next request on a busy machine), or at the end for one
+        that got no answer."""
+        if not self.counted:
+            self.counted = True
+            path = self.metric_path
+            self.server.state.metrics.request(path if path in ENDPOINTS else "other", self.status)
 
     def check_key(self) -> None:
         key = self.server.state.api_key
@@ -286,6 +299,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Access-Control-Allow-Headers", ", ".join(dict.fromkeys(allowed[:MAX_ASKED_HEADERS])))
         self.send_header("Access-Control-Max-Age", str(CORS_MAX_AGE_S))
         self.send_header("Content-Length", "0")
+        self.count_request()
         self.end_headers()
 
     # ---- endpoints ----
@@ -508,6 +522,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
+        self.count_request()
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
@@ -557,6 +572,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
 
     def end_events(self) -> None:
+        self.count_request()
         self.send_event(b"[DONE]")
         if self.chunked:
             self.wfile.write(b"0\r\n\r\n")

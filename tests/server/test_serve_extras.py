@@ -212,6 +212,27 @@ def test_metrics_count_requests_and_tokens_behind_the_key(model):
         assert values["ds2_decode_seconds_total"] > 0 and values["ds2_last_decode_tokens_per_second"] > 0
 
 
+def test_a_request_is_counted_before_its_answer_arrives(model, monkeypatch):
+    """A client that reads an answer and at once asks /metrics finds that request counted, even
+    when the thread that answered is held up right after its last write (as a busy machine may
+    hold it): the count goes in as the answer goes out, not after."""
+    import time
+    from ds2cli.server.http_server import Handler
+    sent = Handler.send_body
+
+    def held_up(self, *args):
+        sent(self, *args)
+        if self.path == "/tokenizer_info":
+            time.sleep(0.5)
+
+    monkeypatch.setattr(Handler, "send_body", held_up)
+    with running(model) as (port, _, _):
+        assert raw(port, "GET", "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+        status, _, body = raw(port, "GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert status == 200
+        assert 'ds2_requests_total{endpoint="/tokenizer_info",code="200"} 1' in body.decode().splitlines()
+
+
 def test_the_chat_page_is_served_without_the_key(server):
     status, headers, body = raw(server[0], "GET", "/")
     assert status == 200 and headers["content-type"] == "text/html; charset=utf-8"
