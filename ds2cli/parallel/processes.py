@@ -172,7 +172,10 @@ class Helpers:
         try:
             for plan in plans(known):
                 self.run_plan(plan)
-            return [p for p in products if not any(p is q for q in known)]
+            if len(known) == len(products):
+                return []
+            ran = {id(p) for p in known}
+            return [p for p in products if id(p) not in ran]
         except OSError:      # a helper is gone (killed, out of memory) or stuck: carry on without
             _helpers_failed = True                                                # them
             return products
