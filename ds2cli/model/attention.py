@@ -229,8 +229,8 @@ def mla(x, w, spans, cos, sin, H, eps, scale) -> np.ndarray:
     for s in spans:
         T = s.rows.stop - s.rows.start
         s.latent[s.start:s.start + T], s.k_pe[s.start:s.start + T] = latent_new[s.rows], k_pe_new[s.rows]
-        absorbed.append(absorbed_cost(T, s.start + T, H, C, k_pe_new.shape[1], d, v)
-                        <= expanded_cost(T, s.start + T, H, C, k_pe_new.shape[1], d, v))
+        dims = (T, s.start + T, H, C, k_pe_new.shape[1], d, v)
+        absorbed.append(absorbed_cost(*dims) <= expanded_cost(*dims))
     # the absorbed sequences' rows, folded through W_UK in one product
     folded = np.concatenate([np.arange(s.rows.start, s.rows.stop) for s, a in zip(spans, absorbed) if a]
                             or [np.zeros(0, np.int64)])
