@@ -37,13 +37,21 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def project_q_kv(x: np.ndarray, w: dict, H: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """q (T, H, d+R) and kv_a_proj_with_mqa's output (T, C+R): both read x, so together."""
-    q, kv = matmul_all([(w["q_proj"] if "q_proj" in w else w["q_a_proj"], x),
-                        (w["kv_a_proj_with_mqa"], x)])                      # (T, H*(d+R)) or (T, q_lora_rank), (T, C+R)
+def project_q_kv(x: np.ndarray, w: dict, H: int, eps: float, absorb: bool):
+    """q (T, H, d+R) and kv_a_proj_with_mqa's output (T, C+R): both read x, so together. With
+    `absorb`, also the queries folded into the latent, q_lat = q_nope.W_UK (T, H, C), in the same
+    product as q (linear.AbsorbedQuery: each head's q rows, then its W_UK); else q_lat is None."""
+    q_w = w["q_proj"] if "q_proj" in w else w["q_b_proj"]                   # the product whose output is q
+    q_w = w["w_uk"].after(q_w) if absorb else q_w
+    q, kv = matmul_all([(q_w if "q_proj" in w else w["q_a_proj"], x),
+                        (w["kv_a_proj_with_mqa"], x)])                      # (T, H*(d+R)[+C]) or (T, q_lora_rank), (T, C+R)
     if "q_proj" not in w:
-        q = w["q_b_proj"].matmul(rms_norm(q, w["q_a_layernorm"], eps))      # (T, H*(d+R))
-    return q.reshape(len(x), H, -1), kv
+        q = q_w.matmul(rms_norm(q, w["q_a_layernorm"], eps))                # (T, H*(d+R)[+C])
+    q = q.reshape(len(x), H, -1)
+    if not absorb:
+        return q, None, kv
+    d_r = w["q_proj" if "q_proj" in w else "q_b_proj"].shape[0] // H       # d + R
+    return q[..., :d_r], q[..., d_r:], kv                                   # (T, H, d+R), (T, H, C), (T, C+R)
 
 
 def causal_pairs(T: int, S: int) -> int:
@@ -221,22 +229,24 @@ def mla(x, w, spans, cos, sin, H, eps, scale) -> np.ndarray:
     C = w["kv_a_layernorm"].shape[0]
     w_uk, w_uv = w["w_uk"], w["w_uv"]                                       # Heads (H, d, C), (H, C, v)
     d, v = w_uk.w.shape[1], w_uv.w.shape[2]
-    q, kv = project_q_kv(x, w, H, eps)                                      # (N, H, d+R), (N, C+R)
-    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
-    latent_new = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)              # (N, C)
-    k_pe_new = apply_rope(kv[:, C:], cos, sin)                              # (N, R)
+    R = w["kv_a_proj_with_mqa"].shape[0] - C
     absorbed = []                   # per sequence: attends in the latent (else expanded)
     for s in spans:
         T = s.rows.stop - s.rows.start
-        s.latent[s.start:s.start + T], s.k_pe[s.start:s.start + T] = latent_new[s.rows], k_pe_new[s.rows]
-        dims = (T, s.start + T, H, C, k_pe_new.shape[1], d, v)
+        dims = (T, s.start + T, H, C, R, d, v)
         absorbed.append(absorbed_cost(*dims) <= expanded_cost(*dims))
+    # all absorbed (a decode step): q comes out of its product folded through W_UK as well
+    q, q_lat, kv = project_q_kv(x, w, H, eps, absorb=all(absorbed))         # (N, H, d+R), (N, H, C) or None, (N, C+R)
+    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
+    latent_new = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)              # (N, C)
+    k_pe_new = apply_rope(kv[:, C:], cos, sin)                              # (N, R)
+    for s in spans:
+        T = s.rows.stop - s.rows.start
+        s.latent[s.start:s.start + T], s.k_pe[s.start:s.start + T] = latent_new[s.rows], k_pe_new[s.rows]
     # the absorbed sequences' rows, folded through W_UK in one product
     folded = np.concatenate([np.arange(s.rows.start, s.rows.stop) for s, a in zip(spans, absorbed) if a]
                             or [np.zeros(0, np.int64)])
-    if len(folded) == N:
-        q_lat = w_uk.heads(q_nope)                                          # (N, H, C)
-    elif len(folded):
+    if len(folded) and len(folded) < N:
         q_lat = np.empty((N, H, C), np.float32)                             # (N, H, C), those rows only
         q_lat[folded] = w_uk.heads(q_nope[folded])
     # the expanded form multiplies the cached latent by every head's W_UK and W_UV at once

@@ -126,6 +126,64 @@ class Heads:
         """The whole stack as float32 (H, n_in, n_out): for the expanded form's big products."""
         return float32(self.w)
 
+    def after(self, q) -> "AbsorbedQuery":
+        """q's projection, then this stack (W_UK) over each head's first n_in outputs, as one
+        product (a helper process rebuilds it from the two matrices' keys)."""
+        return AbsorbedQuery(q, self)
+
+
+class AbsorbedQuery:
+    """MLA's queries and their absorbed form as one product: y[t, h] = [q[t, h] | q_lat[t, h]],
+    q = x @ Wq.T (T, H, d+R), q_lat[t, h] = q[t, h, :d] @ W_UK[h] (T, H, C). Each head's rows
+    of q feed only that head's W_UK, so a span of whole heads computes both, and a decode step
+    sends q and its W_UK to the helper processes as one plan, not two (a message and a wait
+    less a layer). Its output rows run head by head, d+R+C a head (`align`)."""
+
+    def __init__(self, q, w_uk: Heads):
+        self.q, self.w_uk = q, w_uk
+        H, d, C = w_uk.w.shape
+        self.width = q.shape[0] // H                                        # d + R
+        self.align = self.width + C
+        self.shape = (H * self.align, q.shape[1])
+        self.key, self.then = q.key if hasattr(q, "key") else None, w_uk.key[0]
+        # weights a row of the product multiplies: a head's q rows and its W_UK, over its rows
+        self.depth = -(-(self.width * q.shape[1] + d * C) // self.align)
+
+    @property
+    def parts(self) -> tuple:
+        return self.q, self.w_uk
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """x (T, D) -> y (T, H*(d+R+C)), head by head [q_h | q_lat_h]."""
+        T = len(x)
+        H, d, C = self.w_uk.w.shape
+        y = np.empty((T, self.shape[0]), np.float32)
+        if cores.workers().held and self.key is not None and self.width % self.q.row_align == 0:
+            # a low-bit pass: the heads shared out like any product's rows
+            cores.workers().split(cores.Rows(self, np.ascontiguousarray(x, np.float32), y, align=self.align,
+                                             depth=self.depth))
+        else:             # float32 weights (BLAS on its own threads) or a q whose rows cannot be cut by head
+            q = self.q.matmul(x).reshape(T, H, self.width)                  # (T, H, d+R)
+            heads = y.reshape(T, H, self.align)
+            heads[..., :self.width] = q
+            heads[..., self.width:] = self.w_uk.heads(q[..., :d])
+        return y
+
+    def span(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
+        """Heads a/align .. b/align of y (k, H*align) from x (k, D), on this thread: their rows
+        of q, then their W_UK."""
+        H, d, C = self.w_uk.w.shape
+        h0, h1 = a // self.align, b // self.align
+        x = x.reshape(-1, x.shape[-1])                                      # (k, D)
+        k, w = len(x), self.width
+        heads = y.reshape(k, H, self.align)                                 # (k, H, d+R+C)
+        with cores.workers().buffer(k * H * w, slot="absorbed q") as buf:
+            q = buf.reshape(k, H * w)                                       # (k, H*(d+R)), heads h0..h1 only
+            self.q.span(x, q, h0 * w, h1 * w)
+            q = q.reshape(k, H, w)
+            heads[:, h0:h1, :w] = q[:, h0:h1]
+            self.w_uk.span(q[..., :d], heads[..., w:], h0 * C, h1 * C)      # (k, H, d) -> (k, H, C)
+
 
 def as_heads(w) -> Heads:
     """Wrap a per-head array (H, n_in, n_out); leave a Heads as it is."""

@@ -77,6 +77,8 @@ class Workers:
         self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (forward_pass)
         self.few = 0                     # > 0 while that pass has at most FEW_TOKENS tokens
         self.helpers = None              # the helper processes (parallel/processes.py) while they run
+        self.helpers_on = False          # whether they take this pass's products (DS2_HELPERS and the
+                                         # platform, read once as each forward pass starts)
 
     @contextlib.contextmanager
     def buffer(self, n: int, slot: str = "block"):
@@ -159,8 +161,10 @@ class Workers:
             self.local.inside = False
 
     def helpers_running(self) -> bool:
-        """Helper processes take the other cores' rows of a few-token pass's products (parallel/processes.py)."""
-        return self.helpers is not None and self.helpers.wanted()
+        """Helper processes take the other cores' rows of a few-token pass's products (parallel/processes.py).
+        Asked before every product: so it reads the flag `forward_pass` set, not the environment
+        (1-2 us a call, some 30 calls a layer)."""
+        return self.helpers is not None and self.helpers_on
 
     @property
     def lanes(self) -> int:
@@ -228,6 +232,7 @@ def forward_pass(low_bit: bool, tokens: int):
         yield
         return
     few = tokens <= FEW_TOKENS
+    pool.helpers_on = pool.helpers is not None and pool.helpers.wanted()
     with blas_threads(1):
         pool.held += 1
         pool.few += few

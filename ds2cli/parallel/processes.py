@@ -10,9 +10,10 @@ files and copy-on-write pages are shared with it, never copied.
 The protocol: this process sends the helpers a *plan*, one or more products at once (the
 products that `cores.together` gathered: a layer's experts, or q and kv beside each other). It
 writes each product's x (k, in) into every helper's shared memory, with the plan's tables beside
-them: one row a product (matrix key, expert, in, out, k, where x is, where y goes) and one row a
-*unit* of work (a product's rows a..b). Then it puts one token a unit into a pipe that every
-process reads (the claims pipe) and sends each helper one small PLAN message. From then on every
+them: one row a product (matrix key, expert, a stack of heads after it, in, out, k, where x is,
+where y goes) and one row a *unit* of work (a product's rows a..b). Then it puts one token a
+unit into a pipe that every process reads (the claims pipe) and sends each helper one small
+PLAN message. From then on every
 process, this one included, takes the next token, runs that unit's rows and takes another, until
 the pipe is empty: a pipe hands each token to exactly one reader, so the units are shared out as
 each process is free, and a core that another program slows down simply takes fewer of them. A
@@ -44,8 +45,9 @@ from ds2cli.parallel import cores
 _matrices: list[weakref.ref] = []    # a matrix's key -> the matrix, in this and every helper
 _helpers_failed = False               # a helper died or could not start: threads from then on
 PLAN = struct.Struct("<qqq")          # seq, products and units in the plan (the tables' first rows)
-ENTRY = 7                             # a product's row: key, expert (-1: none), in, out, k, x's
-                                      # offset and y's offset in the values (float32 units)
+ENTRY = 8                             # a product's row: key, expert (-1: none), then (-1: none; a
+                                      # stack of heads over the product's output, linear.AbsorbedQuery),
+                                      # in, out, k, x's offset and y's offset in the values (float32 units)
 UNIT = 3                              # a unit's row: its product's row, rows a, b
 TOKEN = struct.Struct("<ii")          # in the claims pipe: the plan's seq (mod 2**31), a unit
 DONE = struct.Struct("<qqq")          # seq, 1 if the units' rows are in shared memory (0 if not,
@@ -166,7 +168,8 @@ class Helpers:
         A product (cores.Rows) has m (with .key and .span), x (in,) or (k, in), y (out,) or
         (k, out) and its alignment; its spans are set to the units its rows were computed in."""
         global _helpers_failed
-        known = [p for p in products if p.m.key[0] < self.horizon and ends(p, 0) <= HELPER_VALUES]
+        known = [p for p in products if p.m.key[0] < self.horizon and then(p) < self.horizon
+                 and ends(p, 0) <= HELPER_VALUES]
         if not known or not self.lock.acquire(blocking=False):
             return products
         try:
@@ -209,7 +212,7 @@ class Helpers:
                 inp, out = p.x.shape[-1], p.y.shape[-1]
                 k = p.x.size // inp
                 h.values[at:at + inp * k] = p.x.reshape(-1)
-                h.table[row] = (*p.m.key, inp, out, k, at, at + inp * k)
+                h.table[row] = (*p.m.key, then(p), inp, out, k, at, at + inp * k)
                 at = ends(p, at)
             h.units[:len(units)] = units
         tag = self.seq % 2 ** 31
@@ -259,7 +262,7 @@ class Helpers:
                 j, a, b = units[u]
                 p = plan[j]
                 if ok:
-                    out, k, y_at = p.y.shape[-1], p.x.size // p.x.shape[-1], int(h.table[j, 6])
+                    out, k, y_at = p.y.shape[-1], p.x.size // p.x.shape[-1], int(h.table[j, 7])
                     p.y.reshape(k, out)[:, a:b] = h.values[y_at:y_at + k * out].reshape(k, out)[:, a:b]
                 else:
                     p.span(a, b)
@@ -305,6 +308,11 @@ def cut_shapes(shapes: tuple, processes: int) -> tuple[tuple[int, int, int], ...
             left -= (b - a) * values
             a = b
     return tuple(units)                    # shared by every plan of these shapes: not to be changed
+
+
+def then(p) -> int:
+    """The key of the stack of heads product p's matrix multiplies its output by, -1 if none."""
+    return getattr(p.m, "then", -1)
 
 
 def ends(p, at: int) -> int:
@@ -408,10 +416,11 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, claims: in
                 ran[count] = u                      # listed before it runs: if it fails, this
                 count += 1                          # process's parent runs it again
                 j, a, b = cuts[u]
-                key, expert, inp, out, k, x_at, y_at = products[j]
+                key, expert, heads, inp, out, k, x_at, y_at = products[j]
                 if j not in matrices:
                     m = _matrices[key]()          # a QuantMatrix (quant.py) or linear.Heads
-                    matrices[j] = m[expert] if expert >= 0 else m
+                    m = m[expert] if expert >= 0 else m
+                    matrices[j] = _matrices[heads]().after(m) if heads >= 0 else m   # linear.AbsorbedQuery
                 matrices[j].span(values[x_at:x_at + inp * k].reshape(k, inp),
                                  values[y_at:y_at + out * k].reshape(k, out), a, b)
         except Exception:    # noqa: BLE001 - any failure (a matrix gone too): the parent runs the rows

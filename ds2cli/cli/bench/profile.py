@@ -47,7 +47,7 @@ class Clock:
                 self.calls[label] = self.calls.get(label, 0) + 1
             if values_of is not None:
                 self.values[label] = self.values.get(label, 0.0) + values_of(*args)
-                self.weights.append(args[0])
+                self.weights.extend(getattr(args[0], "parts", [args[0]]))   # AbsorbedQuery: q, W_UK
             if own_of is not None:
                 self.own[label] = self.own.get(label, 0.0) + own_of(*args)
             self.stack.append([label, time.perf_counter(), 0.0])
@@ -67,7 +67,7 @@ def product_label(w, *_) -> str:
 
 
 def product_values(w, x) -> float:
-    return len(x) * w.shape[-1] * w.shape[-2]
+    return sum(len(x) * p.shape[-1] * p.shape[-2] for p in getattr(w, "parts", [w]))
 
 
 def span_values(m, x, y, a: int, b: int) -> float:
@@ -87,6 +87,8 @@ def instrumented(clock: Clock):
                (quant.QuantMatrix, "span", product_label, None, False, span_values),  # the calls are matmul's
                (linear.Heads, "heads", product_label, product_values, True, None),    # w_uk, w_uv
                (linear.Heads, "span", product_label, None, False, span_values),
+               (linear.AbsorbedQuery, "matmul", product_label, product_values, True, None),   # q with w_uk
+               (linear.AbsorbedQuery, "span", product_label, None, False, None),   # its parts' spans: theirs
                (processes.Helpers, "send", lambda *a: COORDINATION, None, True, None),
                (processes.Helpers, "collect", lambda *a: COORDINATION, None, False, None),  # a plan: send's
                (processes.Helpers, "claim", lambda *a: COORDINATION, None, False, None),    # each unit taken
