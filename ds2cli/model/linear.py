@@ -112,8 +112,9 @@ class Heads:
         return y.reshape(T, H, n_out)
 
     def span(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
-        """Heads a/n_out .. b/n_out of y (k, H*n_out) from x (k, H*n_in), on this thread: the
-        heads' matrices widened at once (a few MB) and multiplied by their rows of x."""
+        """Heads a/n_out .. b/n_out of y (k, H*n_out), or a (k, H, n_out) view, from x (k, H*n_in),
+        on this thread: the heads' matrices widened at once (a few MB) and multiplied by their
+        rows of x."""
         H, n_in, n_out = self.w.shape
         h0, h1 = a // n_out, b // n_out
         x, y = x.reshape(-1, H, n_in), y.reshape(-1, H, n_out)              # (k, H, n_in), (k, H, n_out)
@@ -182,7 +183,8 @@ class AbsorbedQuery:
             self.q.span(x, q, h0 * w, h1 * w)
             q = q.reshape(k, H, w)
             heads[:, h0:h1, :w] = q[:, h0:h1]
-            self.w_uk.span(q[..., :d], heads[..., w:], h0 * C, h1 * C)      # (k, H, d) -> (k, H, C)
+            q_nope = np.ascontiguousarray(q[..., :d]).reshape(k, H * d)     # (k, H*d), heads h0..h1 only
+            self.w_uk.span(q_nope, heads[..., w:], h0 * C, h1 * C)          # into y's (k, H, C) columns
 
 
 def as_heads(w) -> Heads:

@@ -313,6 +313,7 @@ class QuantMatrix:
         self.shape = f.weight_shape(qweight.shape)
         # how a helper process finds this matrix: (its number, expert or -1)
         self.key = (helpers.register(self), -1) if key is None else key
+        self.experts: dict[int, QuantMatrix] = {}   # a stack's expert views, made once each
 
     @property
     def nbytes(self) -> int:
@@ -322,9 +323,15 @@ class QuantMatrix:
         return self.shape[0]
 
     def __getitem__(self, e) -> "QuantMatrix":
-        if len(self.shape) < 3 or not isinstance(e, (int, np.integer)):
-            raise TypeError("a QuantMatrix is indexed by expert only")
-        return QuantMatrix(self.qweight[e], self.scales[e], self.f, key=(self.key[0], int(e)))
+        view = self.experts.get(e)
+        if view is None:     # (a decode step takes 12 experts a layer: made anew, 2-5 us each)
+            if len(self.shape) < 3 or not isinstance(e, (int, np.integer)):
+                raise TypeError("a QuantMatrix is indexed by expert only")
+            e = int(e)
+            if not -len(self) <= e < len(self):
+                raise IndexError(f"expert {e} of {len(self)}")
+            view = self.experts[e] = QuantMatrix(self.qweight[e], self.scales[e], self.f, key=(self.key[0], e % len(self)))
+        return view
 
     def dequantize(self) -> np.ndarray:
         return dequantize(self.qweight, self.scales, self.f)
