@@ -13,7 +13,9 @@ and independent products are asked for together, `matmul_all([(w1, x1), (w2, x2)
 the cores can run them as one piece of work (cores.together).
 
 Attention's absorbed weights are a third kind, a stack of per-head matrices (`Heads`), where each
-head's inputs meet only that head's matrix: `w.heads(x)`, x (T, H, n_in) -> (T, H, n_out).
+head's inputs meet only that head's matrix: `w.heads(x)`, x (T, H, n_in) -> (T, H, n_out); and
+`w_uk.after(q_proj)` (`AbsorbedQuery`) is q's projection with each head's W_UK after it, one
+product whose spans of whole heads compute both.
 """
 
 from __future__ import annotations

@@ -9,8 +9,6 @@ Dense layers use the same `swiglu` with gate_up (2*I, D) and down_proj (D, I).""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from ds2cli.model.attention import softmax
@@ -29,24 +27,11 @@ def swiglu(x: np.ndarray, gate_up, down) -> np.ndarray:
     return down.matmul(silu(h[:, :inter]) * h[:, inter:])                   # (T, D)
 
 
-def pieces(a: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
-    """a's rows as consecutive views of the given lengths (np.split, without its per-piece cost)."""
-    ends = list(itertools.accumulate(lengths))
-    return [a[e - n:e] for n, e in zip(lengths, ends)]
-
-
 def swiglu_all(experts: list) -> list[np.ndarray]:
     """[swiglu(x, gate_up, down) for x, gate_up, down in experts] for independent experts: the
-    gate/up products of all of them together, then the down products of all of them. Experts
-    of the same width share one pass of the activation (a decode step's six routed experts are a
-    row each: one call over six rows instead of six)."""
-    hs = matmul_all((gate_up, x) for x, gate_up, _ in experts)             # each (T_e, 2I_e)
-    acts = []
-    for width, group in itertools.groupby(hs, key=lambda h: h.shape[1]):
-        group = list(group)
-        h = group[0] if len(group) == 1 else np.concatenate(group)          # (sum of T_e, 2I)
-        act = silu(h[:, :width // 2]) * h[:, width // 2:]                   # (sum of T_e, I)
-        acts += pieces(act, [len(g) for g in group])                       # each (T_e, I)
+    gate/up products of all of them together, then the down products of all of them."""
+    hs = matmul_all((gate_up, x) for x, gate_up, _ in experts)             # each (T_e, 2I)
+    acts = [silu(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:] for h in hs]   # each (T_e, I)
     return matmul_all((down, a) for (_, _, down), a in zip(experts, acts))  # each (T_e, D)
 
 
@@ -121,21 +106,21 @@ def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None
     idx, weight = route(x, gate, cfg, w.get("e_score_correction_bias"))     # (T, k)
     if trace is not None:
         trace.append(idx)
-    T, k = idx.shape
-    flat = idx.ravel()                                                      # (T*k,) (token, slot) -> expert
-    order = np.argsort(flat, kind="stable")                                 # (T*k,) slots grouped by expert
+    k = idx.shape[1]
+    flat = idx.ravel()
+    order = np.argsort(flat, kind="stable")                                 # (T*k,) grouped by expert
     counts = np.bincount(flat, minlength=len(w["experts_down"]))           # (E,) tokens per expert
+    bounds = np.cumsum(counts)
     experts = np.flatnonzero(counts)
-    rows = pieces(x[order // k], counts[experts].tolist())                 # each expert's tokens (T_e, D)
+    picks = [order[bounds[e] - counts[e]:bounds[e]] for e in experts]       # each expert's (token, slot)s
 
     # the experts are independent, the shared ones (over every token) too: their products run together
-    routed = [(r, w["experts_gate_up"][e], w["experts_down"][e]) for e, r in zip(experts, rows)]
+    routed = [(x[p // k], w["experts_gate_up"][e], w["experts_down"][e]) for e, p in zip(experts, picks)]
     shared = [(x, w["shared_gate_up"], w["shared_down"])] if "shared_gate_up" in w else []
     outs = swiglu_all(routed + shared)
-    weighted = np.concatenate(outs[:len(routed)]) * weight.ravel()[order][:, None]   # (T*k, D) by expert
-    slots = np.empty_like(weighted)
-    slots[order] = weighted                                                 # (T*k, D) by (token, slot)
-    y = slots.reshape(T, k, -1).sum(axis=1)                                 # (T, D): each token's k experts
+    y = np.zeros_like(x)                                                    # (T, D)
+    for j in range(len(experts)):                # summed in expert order, then the shared experts
+        y[picks[j] // k] += outs[j] * weight.ravel()[picks[j]][:, None]
     if shared:
         y += outs[-1]
     return y
