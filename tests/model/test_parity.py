@@ -64,6 +64,42 @@ def test_a_head_stack_multiplies_each_head_by_its_own_matrix(dtype, T):
     assert np.all(np.abs(y.reshape(T, H, n_out) - exact) <= bound)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8", "q4"])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("R", [8, 16])
+def test_q_and_its_w_uk_as_one_product(fmt, T, R):
+    """linear.AbsorbedQuery: y[t, h] = [q[t, h] | q[t, h, :d] @ W_UK[h]] with q = x @ Wq.T, each
+    head within float32 rounding of the float64 computation from the stored weights, whole or
+    in spans of whole heads (a unit of a decode plan), any cut. A head's d+R rows that a q4
+    group (32 rows) does not divide cannot be cut by head: the product is still right, unsplit."""
+    import ml_dtypes
+    from ds2cli.model.linear import Dense, Heads
+    from ds2cli.weights import quant, scales
+    rng = np.random.default_rng(2)
+    H, d, C, D = 4, 16, 24, 64
+    wq = rng.standard_normal((H * (d + R), D), dtype=np.float32) * 0.1
+    q_w = Dense(wq) if fmt == "f32" else scales.quantize_matrix(wq, quant.FORMATS[fmt])
+    wq = wq if fmt == "f32" else q_w.dequantize()                           # what is stored
+    uk = rng.standard_normal((H, d, C), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    w = Heads(uk).after(q_w)
+    assert w.shape == (H * (d + R + C), D)
+    x = rng.standard_normal((T, D), dtype=np.float32)
+    q = (x.astype(np.float64) @ wq.astype(np.float64).T).reshape(T, H, d + R)
+    q_abs = np.abs(x.astype(np.float64)) @ np.abs(wq.astype(np.float64)).T
+    exact = np.concatenate([q, np.einsum("thi,hio->tho", q[..., :d], uk.astype(np.float64))], axis=-1)
+    bound = 1e-5 * np.concatenate([q_abs.reshape(T, H, d + R), np.einsum(
+        "thi,hio->tho", q_abs.reshape(T, H, d + R)[..., :d], np.abs(uk.astype(np.float64)))], axis=-1)
+    assert np.all(np.abs(w.matmul(x).reshape(T, H, -1) - exact) <= bound)
+    if fmt == "f32" or (d + R) % q_w.row_align:
+        return                      # float32 weights (one BLAS call each) or rows not cut by head
+    A = d + R + C
+    for cut in range(1, H):
+        y = np.full((T, H * A), np.nan, np.float32)
+        w.span(x, y, 0, cut * A)
+        w.span(x, y, cut * A, H * A)
+        assert np.all(np.abs(y.reshape(T, H, A) - exact) <= bound), cut
+
+
 def test_absorbed_equals_expanded():
     rng = np.random.default_rng(0)
     T, S, H, C, R, d, v = 5, 12, 3, 32, 8, 16, 16

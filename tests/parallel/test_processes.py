@@ -147,6 +147,32 @@ def test_an_interrupted_step_leaves_no_stale_rows():
     np.testing.assert_array_equal(y, expected)
 
 
+def test_q_and_its_w_uk_go_to_the_helpers_as_one_product():
+    """linear.AbsorbedQuery in a plan: a helper rebuilds it from the two matrices' keys, takes
+    units of whole heads, and its rows are the bits this process's own spans give."""
+    import ml_dtypes
+    from ds2cli.model.linear import Heads
+    rng = np.random.default_rng(3)
+    H, d, R, C, D = 16, 128, 64, 512, 2048
+    q_w = scales.quantize_matrix(rng.standard_normal((H * (d + R), D), dtype=np.float32), quant.FORMATS["bf16"])
+    uk = Heads(rng.standard_normal((H, d, C), dtype=np.float32).astype(ml_dtypes.bfloat16))
+    procs.start_helpers()                    # forked after both exist, so the helper knows them
+    helpers = procs.running()
+    w = uk.after(q_w)
+    units = helpers.helper_units
+    for k in (1, 3) * 5:                     # (a helper just forked may wake too late for a plan)
+        x = rng.standard_normal((k, D), dtype=np.float32)
+        y = np.empty((k, w.shape[0]), np.float32)
+        product = cores.Rows(w, x, y, w.align, depth=w.depth)
+        assert helpers.run([product]) == [] and len(product.spans) >= 2
+        assert all(a % w.align == 0 for a, _ in product.spans)
+        expected = np.empty_like(y)
+        for a, b in product.spans:           # the same kernel calls on the same heads
+            w.span(x, expected, a, b)
+        np.testing.assert_array_equal(y, expected)
+    assert helpers.helper_units > units and not procs._helpers_failed     # the helper took heads
+
+
 def test_a_plan_cut_short_before_its_messages_is_settled_without_them(monkeypatch):
     """Ctrl-C after a plan's tokens were written but before its PLAN messages: the next plan
     takes the stale tokens and waits for no answer that was never asked for."""
