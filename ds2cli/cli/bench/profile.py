@@ -36,6 +36,9 @@ class Clock:
         self.own: dict[str, float] = {}      # ... in this process's own row spans, x the processes
         self.weights: list = []              # the weight of each product, in order
         self.stack: list[list] = []          # [label, start, time of the regions inside]
+        self.products = 0                    # product calls open: one inside another (the
+                                             # parts of an AbsorbedQuery run unsplit) is its
+                                             # product's, counted once
 
     def timed(self, label_of, fn, values_of=None, count: bool = True, own_of=None):
         """fn timed under label_of(*args), exclusive of the timed regions inside it; a call
@@ -43,17 +46,20 @@ class Clock:
         weight recorded too) and own_of(*args) to its own where given."""
         def run(*args, **kwargs):
             label = label_of(*args)
-            if count:
+            outer = not (values_of is not None and self.products)
+            if count and outer:
                 self.calls[label] = self.calls.get(label, 0) + 1
-            if values_of is not None:
+            if values_of is not None and outer:
                 self.values[label] = self.values.get(label, 0.0) + values_of(*args)
                 self.weights.extend(getattr(args[0], "parts", [args[0]]))   # AbsorbedQuery: q, W_UK
             if own_of is not None:
                 self.own[label] = self.own.get(label, 0.0) + own_of(*args)
             self.stack.append([label, time.perf_counter(), 0.0])
+            self.products += values_of is not None
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.products -= values_of is not None
                 lab, t0, inner = self.stack.pop()
                 took = time.perf_counter() - t0
                 self.spent[lab] = self.spent.get(lab, 0.0) + took - inner
