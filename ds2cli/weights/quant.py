@@ -323,10 +323,10 @@ class QuantMatrix:
         return self.shape[0]
 
     def __getitem__(self, e) -> "QuantMatrix":
+        if len(self.shape) < 3 or not isinstance(e, (int, np.integer)):
+            raise TypeError("a QuantMatrix is indexed by expert only")
         view = self.experts.get(e)
         if view is None:     # (a decode step takes 12 experts a layer: made anew, 2-5 us each)
-            if len(self.shape) < 3 or not isinstance(e, (int, np.integer)):
-                raise TypeError("a QuantMatrix is indexed by expert only")
             e = int(e)
             if not -len(self) <= e < len(self):
                 raise IndexError(f"expert {e} of {len(self)}")
