@@ -41,17 +41,17 @@ def project_q_kv(x: np.ndarray, w: dict, H: int, eps: float, absorb: bool):
     """q (T, H, d+R) and kv_a_proj_with_mqa's output (T, C+R): both read x, so together. With
     `absorb`, also the queries folded into the latent, q_lat = q_nope.W_UK (T, H, C), in the same
     product as q (linear.AbsorbedQuery: each head's q rows, then its W_UK); else q_lat is None."""
-    q_w = w["q_proj"] if "q_proj" in w else w["q_b_proj"]                   # the product whose output is q
+    lora = "q_proj" not in w
+    q_w = w["q_b_proj"] if lora else w["q_proj"]                            # the product whose output is q
     q_w = w["w_uk"].after(q_w) if absorb else q_w
-    q, kv = matmul_all([(q_w if "q_proj" in w else w["q_a_proj"], x),
+    q, kv = matmul_all([(w["q_a_proj"] if lora else q_w, x),
                         (w["kv_a_proj_with_mqa"], x)])                      # (T, H*(d+R)[+C]) or (T, q_lora_rank), (T, C+R)
-    if "q_proj" not in w:
+    if lora:
         q = q_w.matmul(rms_norm(q, w["q_a_layernorm"], eps))                # (T, H*(d+R)[+C])
     q = q.reshape(len(x), H, -1)
     if not absorb:
         return q, None, kv
-    d_r = w["q_proj" if "q_proj" in w else "q_b_proj"].shape[0] // H       # d + R
-    return q[..., :d_r], q[..., d_r:], kv                                   # (T, H, d+R), (T, H, C), (T, C+R)
+    return q[..., :q_w.width], q[..., q_w.width:], kv                       # (T, H, d+R), (T, H, C), (T, C+R)
 
 
 def causal_pairs(T: int, S: int) -> int:

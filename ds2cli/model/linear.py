@@ -148,7 +148,7 @@ class AbsorbedQuery:
         self.width = q.shape[0] // H                                        # d + R
         self.align = self.width + C
         self.shape = (H * self.align, q.shape[1])
-        self.key, self.then = q.key if hasattr(q, "key") else None, w_uk.key[0]
+        self.key, self.then = getattr(q, "key", None), w_uk.key[0]         # float32 q (Dense): no key
         # weights a row of the product multiplies: a head's q rows and its W_UK, over its rows
         self.depth = -(-(self.width * q.shape[1] + d * C) // self.align)
 
