@@ -2,8 +2,9 @@
 
 The packages are the layers, bottom-up; each imports only those before it in this list:
     errors, json_files, wording   modules every layer may use (error types, untrusted JSON, words)
-    parallel     the cores a pass runs on: worker pool, BLAS threads, helper processes
-    model        the math: config, RoPE, latent cache, MLA attention, MoE, the transformer
+    model        the math: config, RoPE, latent cache, MLA attention, MoE, the transformer, and
+                 the executor interface it asks for parallel work (run on the calling thread)
+    parallel     the default executor: this machine's cores, BLAS threads, helper processes
     text         tokenizers and chat templates
     weights      checkpoints (safetensors, low-bit, GGUF, hub ids), formats and kernels, the loader
     generation   sampling, drafts, grammars, the generation loop, logprobs, a conversation

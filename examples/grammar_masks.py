@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ds2cli.generation import grammar as grammars
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 

@@ -46,7 +46,7 @@ from rich.console import Console
 from ds2cli.cli.bench import probes as bench_probes
 from ds2cli.cli.bench import report as bench_report
 from ds2cli.cli.bench.command import bench as bench_command
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

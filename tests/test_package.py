@@ -23,7 +23,7 @@ def test_bundled_model_found_through_the_package(tmp_path):
     assert build.returncode == 0, build.stderr
     work = tmp_path / "elsewhere"
     work.mkdir()
-    code = ("import ds2cli, json; from ds2cli.weights.loader import bundled_model_dir; m = ds2cli.load(); "
+    code = ("import ds2cli, json; from ds2cli.weights.source import bundled_model_dir; m = ds2cli.load(); "
             "print(json.dumps([str(bundled_model_dir()), m.config.hidden_size, ds2cli.__file__]))")
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     p = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True,

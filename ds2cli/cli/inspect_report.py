@@ -43,7 +43,7 @@ from ds2cli.weights.checkpoint import TensorInfo
 from ds2cli.json_files import read_json_object
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import CheckpointError, ConfigError, Ds2Error
-from ds2cli.weights.loader import check_model_dir, read_generation_config
+from ds2cli.weights.source import check_model_dir, read_generation_config
 from ds2cli.text.tiktoken_convert import has_tiktoken, load_backend as load_tiktoken_backend
 from ds2cli.text.tokenizer import Tokenizer
 

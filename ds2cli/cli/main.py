@@ -27,10 +27,10 @@ from ds2cli.cli.inspect_report import describe
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.generation.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.cli.inspect_gguf import describe_gguf
-from ds2cli.weights.loader import bundled_model_dir, check_model_dir
+from ds2cli.weights.source import bundled_model_dir, check_model_dir
 from ds2cli.model.transformer import Model
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, generation_options,
-                            load_model, max_new_tokens_for, memory_options, model_config, model_from_env,
+                            load_model, max_new_tokens_for, memory_options, model_from_env, open_source, tokenizer_of,
                             model_option, naming_ds2_model, sampler_for, stats_option, strip_bom, thread_limits,
                             threads_option, unescape)
 from ds2cli.weights.quantize import quantize_checkpoint
@@ -203,7 +203,8 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
     chat = chat or system is not None or chat_template is not None
     if from_bos and chat:
         raise click.UsageError("--from-bos is for raw completion: a chat prompt is never empty")
-    model_dir, config = model_config(model_dir)
+    source = open_source(model_dir)
+    config = source.config
     check_ctx(config, opts["ctx"])
     if prompt_cache is not None and prompt_cache.is_dir():
         raise Ds2Error(f"--prompt-cache {prompt_cache} is a directory, not a prompt cache file")
@@ -211,12 +212,10 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
     if not text and not from_bos:
         raise Ds2Error("the prompt is empty: give some text, or pass --from-bos to generate "
                        "from the bos token alone")
-    ids: list[int] = []
-
-    def plan(tokenizer, generation_config) -> int:
-        """The prompt's ids and the context they need, before any weight loads: a prompt longer
-        than the context is refused here, and the memory check counts prompt + -n tokens."""
-        ids.extend(prompt_ids(tokenizer, text, chat, system))
+    with thread_limits(opts["threads"]):
+        # the prompt's ids and the context they need, before any weight loads: a prompt longer
+        # than the context is refused here, and the memory check counts prompt + -n tokens
+        ids = prompt_ids(tokenizer_of(source, chat_template), text, chat, system)
         max_positions = config.max_position_embeddings
         limit = opts["ctx"] or max_positions
         if len(ids) > limit:
@@ -224,9 +223,9 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
             raise ContextFullError(f"the prompt is {len(ids)} tokens, more than the context of {limit} tokens "
                                    f"({what})" + (f"; the model allows up to {max_positions}"
                                                   if opts["ctx"] and len(ids) <= max_positions else ""))
-        return opts["ctx"] or min(len(ids) + max_new_tokens_for(generation_config, opts["max_new_tokens"]), limit)
-    with thread_limits(opts["threads"]):
-        model, load_s = load_model(model_dir, quantize, opts["ctx"], not no_memory_check, chat_template, plan)
+        context = opts["ctx"] or min(len(ids) + max_new_tokens_for(source.generation_config, opts["max_new_tokens"]),
+                                     limit)
+        model, load_s = load_model(source, quantize, context, not no_memory_check)
         run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts, prompt_cache)
 
 
@@ -352,16 +351,16 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
     message per line from stdin, writes only the replies to stdout, and exits 1 if every turn
     failed."""
     system = argument_text(system, "--system argument")
-    model_dir, config = model_config(model_dir)
-    check_ctx(config, opts["ctx"])
+    source = open_source(model_dir)
+    check_ctx(source.config, opts["ctx"])
     if load_path is not None and session_path is not None:
         raise click.UsageError("--load rereads a transcript and --session resumes a saved session: give one")
     if session_path is not None and session_path.is_dir():
         raise Ds2Error(f"--session {session_path} is a directory, not a session file")
     messages = read_messages(load_path) if load_path is not None else None
     with thread_limits(opts["threads"]):
-        model, load_s = load_model(model_dir, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
-                                   chat_template)
+        tokenizer_of(source, chat_template)
+        model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check)
         capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
         session = ChatSession(model, capacity, warn=console.warn)
         repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),

@@ -11,20 +11,19 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Callable
 
 import click
 from click.core import ParameterSource
 
 from ds2cli.cli import console
-from ds2cli.weights.gguf import checkpoint as gguf_model
 from ds2cli.weights import memory
 from ds2cli.parallel.cores import kernel_threads
 from ds2cli.generation.draft import MAX_DRAFT
 from ds2cli.generation.generate import check_stops
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
-from ds2cli.weights.loader import bundled_model_dir, check_model_dir, load
+from ds2cli.weights.loader import load
+from ds2cli.weights.source import Source, open_model
 from ds2cli.model.transformer import Model
 from ds2cli.generation.sampling import SamplingParams, make_sampler
 
@@ -170,13 +169,20 @@ def naming_ds2_model():
         raise type(e)(f"{e} (the model path was set by DS2_MODEL)") from None
 
 
-def model_config(model_dir: Path | None) -> tuple[Path, DeepseekV2Config]:
-    """The model directory and its config.json, read before any weight (it costs nothing), so
-    that options can be checked against the model before a long load."""
+def open_source(model_dir: Path | None) -> Source:
+    """The model opened (source.open_model: its config read, nothing loaded), so that options
+    can be checked against it before a long load; the same object is loaded later."""
     with naming_ds2_model():
-        path = check_model_dir(model_dir or bundled_model_dir())
-        gguf = gguf_model.open_model(path, validate=False)   # a GGUF's config is in its metadata
-        return path, gguf.config if gguf else DeepseekV2Config.from_file(path / "config.json")
+        return open_model(model_dir)
+
+
+def tokenizer_of(source: Source, chat_template: Path | None = None):
+    """The model's tokenizer (read once), with --chat-template's file in place of its own."""
+    with naming_ds2_model():
+        tokenizer = source.tokenizer
+    if chat_template is not None:
+        tokenizer.set_chat_template(read_text_file(chat_template, "chat template"))
+    return tokenizer
 
 
 def check_ctx(config: DeepseekV2Config, ctx: int | None) -> None:
@@ -214,26 +220,18 @@ def memory_options(f):
     return f
 
 
-def load_model(model_dir: Path | None, quantize: str | None = None, context: int | None = None,
-               memory_check: bool = True, chat_template: Path | None = None,
-               plan: Callable | None = None) -> tuple[Model, float]:
-    """Load with a progress bar; `quantize` as --quantize gives it ("8", "4", "auto", "exact" or None).
-    `plan(tokenizer, generation_config)` runs before any weight loads (loader.load): the chat
-    template is already in place then, so a command can tokenize its prompt, refuse one too long
-    for its context, and name the context the memory check counts."""
+def load_model(source: Source, quantize: str | None = None, context: int | None = None,
+               memory_check: bool = True) -> tuple[Model, float]:
+    """Load the opened model with a progress bar; `quantize` as --quantize gives it ("8", "4",
+    "auto", "exact" or None). A command reads its tokenizer and prompt from `source` first
+    (tokenizer_of), so it can refuse a prompt too long for its context and name the context the
+    memory check counts before any weight loads."""
     t0 = time.perf_counter()
-    template = read_text_file(chat_template, "chat template") if chat_template is not None else None
-
-    def planned(tokenizer, generation_config):
-        if template is not None:
-            tokenizer.set_chat_template(template)
-        return plan(tokenizer, generation_config) if plan is not None else None
     progress = console.LoadProgress()
     bits = quantize if quantize in (None, "auto", "exact") else int(quantize)
     try:
         with naming_ds2_model():
-            model = load(model_dir, progress=progress, quantize=bits, context=context, memory_check=memory_check,
-                         plan=planned)
+            model = load(source, progress=progress, quantize=bits, context=context, memory_check=memory_check)
     finally:
         progress.close()
     if quantize == "auto":

@@ -9,6 +9,7 @@ import re
 import signal
 import threading
 from pathlib import Path
+from typing import Callable
 
 import click
 
@@ -21,7 +22,8 @@ from ds2cli.server.http_server import Server, State
 from ds2cli.server.prompt_disk import DiskPool
 from ds2cli.wording import human_bytes
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
-                            max_new_tokens_for, memory_options, model_config, model_option, sampling_options,
+                            max_new_tokens_for, memory_options, model_option, open_source, sampling_options,
+                            tokenizer_of,
                             sampling_params, thread_limits, threads_option)
 
 
@@ -143,7 +145,8 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
     weights; more wait in the queue. Ctrl-C (or SIGTERM) stops gracefully: the running requests
     finish (a second one ends them at their next token)."""
     system = argument_text(system, "--system argument", hint="give it in UTF-8") or None
-    path, config = model_config(model_dir)          # config.json only: --ctx is checked before any load
+    source = open_source(model_dir)                 # its config only: --ctx is checked before any load
+    config = source.config
     check_ctx(config, ctx)
     ctx = ctx or min(config.max_position_embeddings, DEFAULT_CTX)
     model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
@@ -156,7 +159,8 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
     try:
         with thread_limits(opts["threads"]):
             # the memory check counts the --parallel caches the running requests use at once
-            model, load_s = load_model(path, quantize, ctx * parallel, not no_memory_check, chat_template)
+            tokenizer_of(source, chat_template)
+            model, load_s = load_model(source, quantize, ctx * parallel, not no_memory_check)
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                                 ctx, system, tuple(model.eos_token_ids))
             disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * MB, model) \

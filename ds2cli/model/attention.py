@@ -4,15 +4,15 @@ Shape legend: T new tokens of one sequence, N new tokens of all the sequences of
 pass, S cached positions (including the new ones), H heads, C kv_lora_rank,
 R qk_rope_head_dim, d qk_nope_head_dim, v v_head_dim, D hidden size.
 
-Weights (prepared once at load by weights/loader.py, Hugging Face names kept); the projections are
-weights you can multiply by (linear.py: float32 or low-bit, `w.matmul(x)` = x @ W.T):
+Weights (layers.Attention, prepared once at load by weights/loader.py, Hugging Face names kept);
+the projections are weights you can multiply by (linear.py, any format):
   q_proj (H*(d+R), D)  or  q_a_proj (q_lora_rank, D), q_a_layernorm, q_b_proj (H*(d+R), q_lora_rank)
   kv_a_proj_with_mqa (C+R, D), kv_a_layernorm (C,), o_proj (D, H*v)
   w_uk (H, d, C), w_uv (H, C, v): kv_b_proj split per head, the MLA weight absorption; stacks
-    of per-head matrices (linear.Heads, float32 or, in a ds2 low-bit checkpoint, bfloat16):
-    the absorbed form multiplies each head's vectors by them (`w.heads(x)`), the expanded form
-    multiplies the cached latent by all of them, widened
+    of per-head matrices (linear.Heads): the absorbed form multiplies each head's vectors by
+    them (`ex.heads(w, x)`), the expanded form multiplies the cached latent by all of them
 The RoPE rows of q and kv_a_proj_with_mqa are stored de-interleaved (see rope.deinterleave_rows).
+Work that may run at once goes to the executor `ex` (executor.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ import dataclasses
 
 import numpy as np
 
-from ds2cli.parallel import cores
-from ds2cli.model.linear import as_heads, matmul_all
+from ds2cli.model.executor import Executor
+from ds2cli.model.layers import Attention
+from ds2cli.model.linear import as_heads
 from ds2cli.model.rope import apply_rope
+
+REFERENCE = Executor()      # the calling thread, for the functions below called on their own
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -35,23 +38,6 @@ def softmax(x: np.ndarray) -> np.ndarray:
     x = np.exp(x - np.max(x, axis=-1, keepdims=True))
     x /= np.sum(x, axis=-1, keepdims=True)
     return x
-
-
-def project_q_kv(x: np.ndarray, w: dict, H: int, eps: float, absorb: bool):
-    """q (T, H, d+R) and kv_a_proj_with_mqa's output (T, C+R): both read x, so together. With
-    `absorb`, also the queries folded into the latent, q_lat = q_nope.W_UK (T, H, C), in the same
-    product as q (linear.AbsorbedQuery: each head's q rows, then its W_UK); else q_lat is None."""
-    lora = "q_proj" not in w
-    q_w = w["q_b_proj"] if lora else w["q_proj"]                            # the product whose output is q
-    q_w = w["w_uk"].after(q_w) if absorb else q_w
-    q, kv = matmul_all([(w["q_a_proj"] if lora else q_w, x),
-                        (w["kv_a_proj_with_mqa"], x)])                      # (T, H*(d+R)[+C]) or (T, q_lora_rank), (T, C+R)
-    if lora:
-        q = q_w.matmul(rms_norm(q, w["q_a_layernorm"], eps))                # (T, H*(d+R)[+C])
-    q = q.reshape(len(x), H, -1)
-    if not absorb:
-        return q, None, kv
-    return q[..., :q_w.width], q[..., q_w.width:], kv                       # (T, H, d+R), (T, H, C), (T, C+R)
 
 
 def causal_pairs(T: int, S: int) -> int:
@@ -110,26 +96,26 @@ def visible(start: int, T: int, s0: int, s1: int) -> tuple[int, np.ndarray | Non
     return t0, np.arange(s0, s1)[None, :] > (start + np.arange(t0, T))[:, None]
 
 
-def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
+def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale, ex: Executor = REFERENCE) -> np.ndarray:
     """q_lat = q_nope.W_UK; scores = q_lat.latent^T + q_pe.k_pe^T; ctx = (probs.latent).W_UV
     for one sequence's T new queries (T, H, d): the three steps mla runs on a batch's rows."""
-    q_lat = as_heads(w_uk).heads(q_nope)                                    # (T, H, C)
-    return as_heads(w_uv).heads(attend_latent(q_lat, q_pe, latent, k_pe, scale))   # (T, H, v)
+    q_lat = ex.heads(as_heads(w_uk), q_nope)                                # (T, H, C)
+    return ex.heads(as_heads(w_uv), attend_latent(q_lat, q_pe, latent, k_pe, scale, ex))   # (T, H, v)
 
 
-def attend_latent(q_lat, q_pe, latent, k_pe, scale) -> np.ndarray:
+def attend_latent(q_lat, q_pe, latent, k_pe, scale, ex: Executor = REFERENCE) -> np.ndarray:
     """softmax(q_lat.latent^T + q_pe.k_pe^T) . latent: the T new queries' (T, H, C) context in
     the latent space, for queries already folded through W_UK.
 
     The T new queries (positions S-T..S-1, the last T of the cache) meet it a block of keys at a
-    time (absorbed_sums); a few-token pass over a long cache hands each core a share of the keys
-    (cores.split_keys) and merges their running sums. Rows are query-major (t, h)."""
+    time (absorbed_sums); the executor may hand each core a share of the keys (split_keys), whose
+    running sums merge. Rows are query-major (t, h)."""
     T, H, C = q_lat.shape
     S = len(latent)
     q_lat = q_lat.reshape(T * H, C)                                         # (T*H, C)
     q_pe = q_pe.reshape(T * H, -1)                                          # (T*H, R)
-    parts = cores.spread(lambda keys: absorbed_sums(q_lat, q_pe, latent, k_pe, scale, H, keys),
-                         cores.split_keys(S, T))
+    parts = ex.spread(lambda keys: absorbed_sums(q_lat, q_pe, latent, k_pe, scale, H, keys),
+                      ex.split_keys(S, T))
     _, l, acc = merge_sums(parts)
     return (acc / l[:, None]).reshape(T, H, C)                              # (T, H, C)
 
@@ -217,58 +203,56 @@ class Span:
     k_pe: np.ndarray                # (capacity, R)
     start: int
 
+    @property
+    def T(self) -> int:
+        return self.rows.stop - self.rows.start
 
-def mla(x, w, spans, cos, sin, H, eps, scale) -> np.ndarray:
+    def keys(self) -> tuple[np.ndarray, np.ndarray]:
+        """The cache this sequence attends to, its new tokens included: (S, C), (S, R)."""
+        return self.latent[:self.start + self.T], self.k_pe[:self.start + self.T]
+
+
+def mla(ex: Executor, x, w: Attention, spans, cos, sin, eps, scale) -> np.ndarray:
     """One MLA block for a batch: x (N, D) stacks each sequence's new tokens (span.rows, at
     positions [span.start, span.start+T)). The projections run on all rows at once; each
     sequence writes its latent and k_pe into its own cache slots and attends to its own cache,
     in whichever form costs it less: absorbed (its queries folded through W_UK into the latent,
-    its context unfolded through W_UV after, both for all such rows at once) or expanded.
-    Returns the attention output (N, D)."""
+    its context unfolded through W_UV after) or expanded (the original's). Returns (N, D)."""
     N = len(x)
-    C = w["kv_a_layernorm"].shape[0]
-    w_uk, w_uv = w["w_uk"], w["w_uv"]                                       # Heads (H, d, C), (H, C, v)
-    d, v = w_uk.w.shape[1], w_uv.w.shape[2]
-    R = w["kv_a_proj_with_mqa"].shape[0] - C
-    absorbed = []                   # per sequence: attends in the latent (else expanded)
+    H, d, C = w.w_uk.w.shape
+    v, R = w.w_uv.w.shape[2], w.kv_a_proj_with_mqa.shape[0] - C
+    absorbed = [absorbed_cost(s.T, s.start + s.T, H, C, R, d, v) <= expanded_cost(s.T, s.start + s.T, H, C, R, d, v)
+                for s in spans]
+    fold = w.w_uk if all(absorbed) else None    # all absorbed (decode): q comes out folded too
+    if w.q_proj is not None:
+        q, kv = ex.matmul_all([(w.q_proj, x, fold), (w.kv_a_proj_with_mqa, x)])     # (N, H*(d+R[+C])), (N, C+R)
+    else:
+        q, kv = ex.matmul_all([(w.q_a_proj, x), (w.kv_a_proj_with_mqa, x)])
+        q, = ex.matmul_all([(w.q_b_proj, rms_norm(q, w.q_a_layernorm, eps), fold)])
+    q = q.reshape(N, H, -1)                                                 # (N, H, d+R[+C])
+    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:d + R], cos[:, None], sin[:, None])
+    latent, k_pe = rms_norm(kv[:, :C], w.kv_a_layernorm, eps), apply_rope(kv[:, C:], cos, sin)  # (N, C), (N, R)
     for s in spans:
-        T = s.rows.stop - s.rows.start
-        dims = (T, s.start + T, H, C, R, d, v)
-        absorbed.append(absorbed_cost(*dims) <= expanded_cost(*dims))
-    # all absorbed (a decode step): q comes out of its product folded through W_UK as well
-    q, q_lat, kv = project_q_kv(x, w, H, eps, absorb=all(absorbed))         # (N, H, d+R), (N, H, C) or None, (N, C+R)
-    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
-    latent_new = rms_norm(kv[:, :C], w["kv_a_layernorm"], eps)              # (N, C)
-    k_pe_new = apply_rope(kv[:, C:], cos, sin)                              # (N, R)
-    for s in spans:
-        T = s.rows.stop - s.rows.start
-        s.latent[s.start:s.start + T], s.k_pe[s.start:s.start + T] = latent_new[s.rows], k_pe_new[s.rows]
-    # the absorbed sequences' rows, folded through W_UK in one product
+        s.latent[s.start:s.start + s.T], s.k_pe[s.start:s.start + s.T] = latent[s.rows], k_pe[s.rows]
     folded = np.concatenate([np.arange(s.rows.start, s.rows.stop) for s, a in zip(spans, absorbed) if a]
-                            or [np.zeros(0, np.int64)])
-    if len(folded) and len(folded) < N:
-        q_lat = np.empty((N, H, C), np.float32)                             # (N, H, C), those rows only
-        q_lat[folded] = w_uk.heads(q_nope[folded])
-    # the expanded form multiplies the cached latent by every head's W_UK and W_UV at once
-    uk, uv = (w_uk.widened(), w_uv.widened()) if not all(absorbed) else (None, None)
-    work = []                       # (sequence, absorbed, heads) pieces: heads are independent
-    for s, a in zip(spans, absorbed):
-        T = s.rows.stop - s.rows.start
-        work += [(s, a, T, heads) for heads in cores.split(H, tokens=T)]
+                            or [np.zeros(0, np.int64)])                     # the absorbed sequences' rows
+    q_lat = q[..., d + R:] if fold is not None else np.empty((N, H, C), np.float32)   # (N, H, C)
+    if fold is None and len(folded):
+        q_lat[folded] = ex.heads(w.w_uk, q_nope[folded])
+    uk, uv = (w.w_uk.widened(), w.w_uv.widened()) if not all(absorbed) else (None, None)
 
-    def attend(piece) -> np.ndarray:
-        s, a, T, h = piece
-        latent, k_pe = s.latent[:s.start + T], s.k_pe[:s.start + T]         # (S, C), (S, R)
+    def attend(piece) -> np.ndarray:                # heads h of one sequence are independent
+        s, a, h = piece
         if a:
-            return attend_latent(q_lat[s.rows, h], q_pe[s.rows, h], latent, k_pe, scale)    # (T, h, C)
-        return attend_expanded(q_nope[s.rows, h], q_pe[s.rows, h], latent, k_pe, uk[h], uv[h], scale)  # (T, h, v)
+            return attend_latent(q_lat[s.rows, h], q_pe[s.rows, h], *s.keys(), scale, ex)                # (T, h, C)
+        return attend_expanded(q_nope[s.rows, h], q_pe[s.rows, h], *s.keys(), uk[h], uv[h], scale)  # (T, h, v)
 
-    # the cores may share the pieces (cores.py decides when that pays), the costliest first
-    outs = cores.map(attend, work, cost=[T * (s.start + T) for s, _, T, _ in work])
-    ctx = np.empty((N, H, v), dtype=q.dtype)                                # (N, H, v)
+    work = [(s, a, h) for s, a in zip(spans, absorbed) for h in ex.split(H, tokens=s.T)]
+    outs = ex.map(attend, work, cost=[s.T * (s.start + s.T) for s, _, _ in work])
+    ctx = np.empty((N, H, v), np.float32)                                   # (N, H, v)
     ctx_lat = np.empty((N, H, C), np.float32) if len(folded) else None      # (N, H, C), absorbed rows
-    for (s, a, _, h), out in zip(work, outs):
+    for (s, a, h), out in zip(work, outs):
         (ctx_lat if a else ctx)[s.rows, h] = out
     if len(folded):
-        ctx[folded] = w_uv.heads(ctx_lat[folded] if len(folded) < N else ctx_lat)   # (rows, H, v)
-    return w["o_proj"].matmul(ctx.reshape(N, -1))                           # (N, D)
+        ctx[folded] = ex.heads(w.w_uv, ctx_lat[folded] if len(folded) < N else ctx_lat)   # (rows, H, v)
+    return ex.matmul_all([(w.o_proj, ctx.reshape(N, -1))])[0]               # (N, D)

@@ -1,11 +1,11 @@
 """DeepSeek-V2's mixture of experts: the gate (`route`), SwiGLU experts, and the mixture.
 
-Weights (prepared at load by weights/loader.py; every matrix but the gate is a weight you can multiply
-by, linear.py): gate (E, D), an array (float32, or bfloat16 in a ds2 low-bit checkpoint);
-experts_gate_up (E, 2*I, D) with each expert's gate_proj and up_proj stacked so one matmul
-computes both; experts_down (E, D, I);
-shared_gate_up (2*I_s, D), shared_down (D, I_s) when there are shared experts.
-Dense layers use the same `swiglu` with gate_up (2*I, D) and down_proj (D, I)."""
+Weights (layers.MoE, prepared at load by weights/loader.py; every matrix but the gate is a weight
+you can multiply by, linear.py): gate (E, D), an array (float32, or bfloat16 in a ds2 low-bit
+checkpoint); experts_gate_up (E, 2*I, D) with each expert's gate_proj and up_proj stacked so one
+matmul computes both; experts_down (E, D, I); shared_gate_up (2*I_s, D), shared_down (D, I_s)
+when there are shared experts. Dense layers (layers.MLP) use the same `swiglu` with gate_up
+(2*I, D) and down_proj (D, I). Products that may run at once go to the executor `ex`."""
 
 from __future__ import annotations
 
@@ -13,26 +13,26 @@ import numpy as np
 
 from ds2cli.model.attention import softmax
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.model.linear import float32, matmul_all
+from ds2cli.model.executor import Executor
+from ds2cli.model.layers import MoE
+from ds2cli.model.linear import float32
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
-def swiglu(x: np.ndarray, gate_up, down) -> np.ndarray:
+def swiglu(ex: Executor, x: np.ndarray, gate_up, down) -> np.ndarray:
     """down(silu(gate(x)) * up(x)) with gate and up fused as one (2I, D) matrix."""
-    h = gate_up.matmul(x)                                                   # (T, 2I)
-    inter = h.shape[1] // 2
-    return down.matmul(silu(h[:, :inter]) * h[:, inter:])                   # (T, D)
+    return swiglu_all(ex, [(x, gate_up, down)])[0]                          # (T, D)
 
 
-def swiglu_all(experts: list) -> list[np.ndarray]:
+def swiglu_all(ex: Executor, experts: list) -> list[np.ndarray]:
     """[swiglu(x, gate_up, down) for x, gate_up, down in experts] for independent experts: the
     gate/up products of all of them together, then the down products of all of them."""
-    hs = matmul_all((gate_up, x) for x, gate_up, _ in experts)             # each (T_e, 2I)
+    hs = ex.matmul_all([(gate_up, x) for x, gate_up, _ in experts])        # each (T_e, 2I)
     acts = [silu(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:] for h in hs]   # each (T_e, I)
-    return matmul_all((down, a) for (_, _, down), a in zip(experts, acts))  # each (T_e, D)
+    return ex.matmul_all([(down, a) for (_, _, down), a in zip(experts, acts)])  # each (T_e, D)
 
 
 def topk(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,28 +99,26 @@ def route_noaux_tc(x: np.ndarray, gate: np.ndarray, bias: np.ndarray,
     return idx, (weight * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
 
 
-def moe(x: np.ndarray, w: dict, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
+def moe(ex: Executor, x: np.ndarray, w: MoE, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
     """Run only the experts the gate selected, each once over the tokens routed to it; the
     chosen expert ids (T, k) are appended to `trace` when one is given."""
-    gate = float32(w["gate"])                                               # (E, D)
-    idx, weight = route(x, gate, cfg, w.get("e_score_correction_bias"))     # (T, k)
+    idx, weight = route(x, float32(w.gate), cfg, w.e_score_correction_bias)   # (T, k) each
     if trace is not None:
         trace.append(idx)
     k = idx.shape[1]
     flat = idx.ravel()
     order = np.argsort(flat, kind="stable")                                 # (T*k,) grouped by expert
-    counts = np.bincount(flat, minlength=len(w["experts_down"]))           # (E,) tokens per expert
+    counts = np.bincount(flat, minlength=len(w.experts_down))              # (E,) tokens per expert
     bounds = np.cumsum(counts)
     experts = np.flatnonzero(counts)
     picks = [order[bounds[e] - counts[e]:bounds[e]] for e in experts]       # each expert's (token, slot)s
 
-    # the experts are independent, the shared ones (over every token) too: their products run together
-    routed = [(x[p // k], w["experts_gate_up"][e], w["experts_down"][e]) for e, p in zip(experts, picks)]
-    shared = [(x, w["shared_gate_up"], w["shared_down"])] if "shared_gate_up" in w else []
-    outs = swiglu_all(routed + shared)
+    # the experts are independent, the shared ones (over every token) too: the executor runs them
+    shared = x if w.shared_gate_up is not None else None
+    outs = ex.experts(w, experts, [x[p // k] for p in picks], shared, swiglu_all)
     y = np.zeros_like(x)                                                    # (T, D)
     for j in range(len(experts)):                # summed in expert order, then the shared experts
         y[picks[j] // k] += outs[j] * weight.ravel()[picks[j]][:, None]
-    if shared:
+    if shared is not None:
         y += outs[-1]
     return y

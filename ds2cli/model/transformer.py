@@ -1,5 +1,5 @@
 """The DeepSeek-V2 model: embed -> blocks (MLA + dense MLP or MoE) -> norm -> lm_head over a
-LatentCache. loader.py builds it from a checkpoint."""
+LatentCache, computed by the executor it is handed. weights/loader.py builds it from a checkpoint."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ds2cli.parallel import cores
 from ds2cli.model import rope
 from ds2cli.model.attention import Span, mla, rms_norm
 from ds2cli.model.cache import LatentCache
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ContextFullError, Ds2Error
-from ds2cli.model.linear import as_weight
+from ds2cli.model.executor import Executor
+from ds2cli.model.layers import Layer, Weights
 from ds2cli.model.moe import moe, swiglu
 
 # The memory chunk: no pass runs more than this many tokens, so a prompt of any length is read in
@@ -35,26 +35,32 @@ class Step:
 
 
 class Model:
-    """A loaded DeepSeek-V2 checkpoint. `forward` appends tokens to a LatentCache and returns logits."""
+    """A loaded DeepSeek-V2 checkpoint. `forward` appends tokens to a LatentCache and returns logits.
 
-    def __init__(self, config: DeepseekV2Config, weights: dict, tokenizer: Any,
-                 generation_config: dict | None = None, path: Path | None = None):
+    `weights` (layers.Weights): embed_tokens and lm_head (weights you can multiply by, linear.py;
+    a tied head is the embedding itself), norm (D,), and the decoder layers. `executor` runs the math's
+    parallel work (executor.py; default: the reference, on the calling thread); it is started
+    here, once the weights exist (the default of ds2cli.load forks its helper processes then)."""
+
+    def __init__(self, config: DeepseekV2Config, weights: Weights, tokenizer: Any,
+                 generation_config: dict | None = None, path: Path | None = None,
+                 executor: Executor | None = None, quantization: Any = None):
         self.config = config
         # text.tokenizer.Tokenizer or None, given by the loader: the math reads only its eos ids, so
         # the model package imports nothing of the text layer above it
         self.tokenizer = tokenizer
         self.generation_config = generation_config or {}
         self.path = path
-        self.embed_tokens = as_weight(weights["embed_tokens"])               # (V, D)
-        self.norm = weights["norm"]                                          # (D,)
-        # a tied head is the embedding itself, one object
-        self.lm_head = (self.embed_tokens if weights["lm_head"] is weights["embed_tokens"]
-                        else as_weight(weights["lm_head"]))                  # (V, D)
-        self.layers = weights["layers"]
+        self.embed_tokens = weights.embed_tokens                            # (V, D)
+        self.norm = weights.norm                                             # (D,)
+        self.lm_head = weights.lm_head                                       # (V, D)
+        self.layers: list[Layer] = weights.layers
+        self.executor = executor or Executor()
         self.inv_freq = rope.inv_freq(config)                                # (R/2,)
         self.rope_scale = rope.cos_sin_scale(config.rope_scaling, config.is_v3)
         self.softmax_scale = rope.softmax_scale(config)
-        self.quantization = None     # the QuantConfig of low-bit weights (qcheckpoint.py), set by the loader
+        self.quantization = quantization   # the QuantConfig of low-bit weights (weights/qcheckpoint.py)
+        self.executor.start(self)          # its weights exist: the executor sets up what it runs on
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -97,7 +103,7 @@ class Model:
             s.cache.check_room(len(t))
         total = sum(map(len, ids))
         if total <= PREFILL_CHUNK:
-            with cores.forward_pass(low_bit=self.quantization is not None, tokens=total):
+            with self.executor.forward_pass(total):
                 return self._forward(ids, steps, trace)
         lengths = [s.cache.length for s in steps]
         try:
@@ -124,7 +130,7 @@ class Model:
                     part.append((i, Step(t[at[i]:at[i] + n], s.cache, mode)))
                     at[i], room = at[i] + n, room - n
             n_part = sum(len(st.ids) for _, st in part)
-            with cores.forward_pass(low_bit=self.quantization is not None, tokens=n_part):
+            with self.executor.forward_pass(n_part):
                 out = self._forward([st.ids for _, st in part], [st for _, st in part], trace)
             for (i, _), logits in zip(part, out):
                 if logits is not None:
@@ -155,14 +161,18 @@ class Model:
         positions = np.concatenate([np.arange(p, p + len(t)) for p, t in zip(starts, ids)])
         cos, sin = rope.cos_sin(positions, self.inv_freq, self.rope_scale)  # (N, R/2) each
         x = self.embed_tokens.rows(np.concatenate(ids))                     # (N, D), N = sum of T
-        for i, layer in enumerate(self.layers):
+        ex, eps = self.executor, cfg.rms_norm_eps
+
+        def block(i: int, x: np.ndarray) -> np.ndarray:
+            layer = self.layers[i]
             spans = [Span(r, s.cache.latent[i], s.cache.k_pe[i], p) for r, s, p in zip(rows, steps, starts)]
-            h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
-            x = x + mla(h, layer["attn"], spans, cos, sin, cfg.num_attention_heads, cfg.rms_norm_eps,
+            x = x + mla(ex, rms_norm(x, layer.input_layernorm, eps), layer.self_attn, spans, cos, sin, eps,
                         self.softmax_scale)
-            h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
-            w = layer["mlp"]
-            x = x + (moe(h, w, cfg, trace) if layer["is_moe"] else swiglu(h, w["gate_up"], w["down_proj"]))
+            h = rms_norm(x, layer.post_attention_layernorm, eps)
+            return x + (moe(ex, h, layer.mlp, cfg, trace) if layer.is_moe else
+                        swiglu(ex, h, layer.mlp.gate_up, layer.mlp.down_proj))
+
+        x = ex.layers(len(self.layers), block, x)
         for s, t, p in zip(steps, ids, starts):
             s.cache.length = p + len(t)
         # the head runs only on the rows whose logits are wanted
@@ -171,7 +181,7 @@ class Model:
         picked = np.concatenate([np.asarray(w, dtype=np.int64) for w in wanted])
         if len(picked) == 0:
             return [None] * len(steps)
-        logits = self.lm_head.matmul(rms_norm(x[picked], self.norm, cfg.rms_norm_eps))  # (M, V)
+        logits, = ex.matmul_all([(self.lm_head, rms_norm(x[picked], self.norm, eps))])   # (M, V)
         out, at = [], 0
         for s, w in zip(steps, wanted):
             part = logits[at:at + len(w)]

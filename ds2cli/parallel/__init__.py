@@ -1,8 +1,10 @@
-"""Execution: the cores a pass runs on. The math asks `cores` for parallelism (`split`, `map`) and
-knows nothing else of threads, BLAS or processes; low-bit kernels hand a decode step's rows to the
-forked helper `processes`. Imports only errors (nothing of the model, weights or text above it).
+"""Execution on this machine: the executor a loaded model is handed by default (the math's
+interface is model/executor.py), over a thread pool, BLAS thread control and forked helper
+processes. Imports model (the interfaces it implements) and the base modules.
 
 Bottom-up:
-    cores       the worker pool, BLAS thread control, split/map (what the math asks)
+    cores       the worker pool, BLAS thread control, split/map, cutting a product's rows
+    absorbed    MLA's q and its fold through W_UK as one product (one plan, not two)
     processes   the forked helper processes of a few-token pass, and their pipe protocol
+    executor    CoreExecutor: the math's requests over the cores and the helpers; registration
 """

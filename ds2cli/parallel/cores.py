@@ -1,67 +1,36 @@
-"""The cores a pass runs on: the worker pool, BLAS thread control, and splitting work.
+"""The cores a pass runs on: the worker pool, BLAS thread control, and splitting work: the
+implementation of the executor (executor.py) that the math is handed.
 
-The model's math asks this module these things and nothing else (attention.py, moe.py, linear.py):
   split(n, tokens)         [0, n) as slices that the cores may run at once (independent heads)
   map(fn, items, cost)     [fn(item) for item in items], the items shared across the cores
   split_keys(S, tokens)    a long cache's positions [0, S) as one slice a core, for a few-token pass
   spread(fn, items)        [fn(item) for item in items], each item on a core of its own, now
   together()               a block of independent products, sent to the helper processes at once
-Whether sharing pays is decided here, not in the math: only while a low-bit forward pass holds
-BLAS at one thread (`forward_pass`), and not in a pass of few tokens whose products the helper
-processes (parallel/processes.py) already split; the costliest items go first, so the cores finish together.
-
-The low-bit kernels (quant.py) hand their row spans to `Workers.split` (the helper processes in
-a few-token pass, else threads) and borrow their scratch buffers here (`Workers.buffer`).
+Whether sharing pays is decided here: only while a low-bit forward pass holds BLAS at one thread
+(`forward_pass`), and not in a pass of few tokens whose products the helper processes
+(processes.py) already split; the costliest items go first, so the cores finish together. A
+product's rows (linear.Rows, from its weight's `product`) are cut by `Workers.split`: between
+the helper processes in a few-token pass, else between threads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-import numpy as np
+from ds2cli.model.linear import FEW_TOKENS, Rows
 
-# A pass of at most this many tokens (a decode step, a verification pass, a short prompt) splits
-# each low-bit product's rows across the cores, helper processes included, and every product
-# with 2..FEW_TOKENS rows takes the few-token kernel (quant.QuantMatrix.matmul_few); a longer
-# pass shares whole items (experts, heads) across the cores instead.
-FEW_TOKENS = 64
+# A pass of at most FEW_TOKENS tokens (a decode step, a verification pass, a short prompt) splits
+# each low-bit product's rows across the cores, helper processes included; a longer pass shares
+# whole items (experts, heads) across the cores instead.
+__all__ = ["FEW_TOKENS", "Rows", "Workers", "workers", "forward_pass", "kernel_threads", "blas_threads",
+           "together", "split_rows", "split", "split_keys", "spread", "map"]
 
 # A few-token pass (a decode step) attends to a cache of at least this many positions a share of
 # the keys a core: below it, handing the halves to a thread costs more than streaming them alone.
 SHARED_KEYS = 2048
-
-
-@dataclasses.dataclass(eq=False)
-class Rows:
-    """One product y = x @ W.T to be computed in row spans: m.span(x, y, a, b) fills columns a..b
-    of y (rows a..b of W), spans starting at multiples of `align`; m.key names the matrix to a
-    helper process. Who runs it sets the spans it was computed in: one a thread, or the units of
-    a helper plan (processes.cut)."""
-    m: Any
-    x: np.ndarray                   # (in,) or (k, in)
-    y: np.ndarray                   # (out,) or (k, out)
-    align: int
-    depth: int = 0                  # weights a row of W multiplies (0: all of x's last axis; a
-                                    # stack of per-head matrices, linear.Heads: one head's inputs)
-    spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def rows(self) -> int:
-        return self.y.shape[-1]
-
-    @property
-    def row_values(self) -> int:
-        """Weights x tokens one row of the product takes: what a share of its rows costs."""
-        inp = self.x.shape[-1]
-        return (self.depth or inp) * (self.x.size // inp)
-
-    def span(self, a: int, b: int) -> None:
-        self.m.span(self.x, self.y, a, b)
 
 
 class Workers:
@@ -71,32 +40,12 @@ class Workers:
         self.n = n or max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                  else (os.cpu_count() or 1), 8))
         self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
-        self.lock = threading.Lock()
-        self.free: dict[str, list[np.ndarray]] = {}
         self.local = threading.local()   # .inside: this thread already runs one of several parts
         self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (forward_pass)
         self.few = 0                     # > 0 while that pass has at most FEW_TOKENS tokens
         self.helpers = None              # the helper processes (parallel/processes.py) while they run
         self.helpers_on = False          # whether they take this pass's products (DS2_HELPERS and the
                                          # platform, read once as each forward pass starts)
-
-    @contextlib.contextmanager
-    def buffer(self, n: int, slot: str = "block"):
-        """A float32 scratch of n values, lent for the `with` block and kept for the next caller.
-        Reuse matters: a fresh 64 MB array costs 16k page faults each time it is first written.
-        Buffers are lent, not tied to threads, so a server's many request threads share the few
-        that the kernels use at once."""
-        with self.lock:
-            spare = self.free.setdefault(slot, [])
-            k = next((k for k, b in enumerate(spare) if b.size >= n), None)
-            buf = spare.pop(k) if k is not None else None
-        if buf is None:
-            buf = np.empty(n, np.float32)
-        try:
-            yield buf[:n]
-        finally:
-            with self.lock:
-                self.free[slot].append(buf)
 
     @property
     def inside(self) -> bool:

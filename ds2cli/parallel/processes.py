@@ -20,7 +20,8 @@ each process is free, and a core that another program slows down simply takes fe
 helper writes its units' rows into its y's in the shared memory, lists them, and answers DONE;
 this process then copies those rows into place. One message and one wait a plan, not one a
 product; and the wait is for the last unit, not for a share fixed beforehand.
-A matrix is known to a helper by its key (`register`), given before the fork.
+A matrix is known to a helper by its key (`register`), given before the fork by the executor
+(executor.py) to every weight of the model it runs.
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ import weakref
 import numpy as np
 
 from ds2cli.parallel import cores
+from ds2cli.parallel.absorbed import AbsorbedQuery
 
 _matrices: list[weakref.ref] = []    # a matrix's key -> the matrix, in this and every helper
 _helpers_failed = False               # a helper died or could not start: threads from then on
 PLAN = struct.Struct("<qqq")          # seq, products and units in the plan (the tables' first rows)
 ENTRY = 8                             # a product's row: key, expert (-1: none), then (-1: none; a
-                                      # stack of heads over the product's output, linear.AbsorbedQuery),
+                                      # stack of heads over the product's output, absorbed.AbsorbedQuery),
                                       # in, out, k, x's offset and y's offset in the values (float32 units)
 UNIT = 3                              # a unit's row: its product's row, rows a, b
 TOKEN = struct.Struct("<ii")          # in the claims pipe: the plan's seq (mod 2**31), a unit
@@ -168,8 +170,8 @@ class Helpers:
         A product (cores.Rows) has m (with .key and .span), x (in,) or (k, in), y (out,) or
         (k, out) and its alignment; its spans are set to the units its rows were computed in."""
         global _helpers_failed
-        known = [p for p in products if p.m.key[0] < self.horizon and then(p) < self.horizon
-                 and ends(p, 0) <= HELPER_VALUES]
+        known = [p for p in products if getattr(p.m, "key", None) is not None and p.kernel is None
+                 and p.m.key[0] < self.horizon and then(p) < self.horizon and ends(p, 0) <= HELPER_VALUES]
         if not known or not self.lock.acquire(blocking=False):
             return products
         try:
@@ -418,9 +420,9 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, claims: in
                 j, a, b = cuts[u]
                 key, expert, heads, inp, out, k, x_at, y_at = products[j]
                 if j not in matrices:
-                    m = _matrices[key]()          # a QuantMatrix (quant.py) or linear.Heads
+                    m = _matrices[key]()          # a low-bit weight (weights/formats) or linear.Heads
                     m = m[expert] if expert >= 0 else m
-                    matrices[j] = _matrices[heads]().after(m) if heads >= 0 else m   # linear.AbsorbedQuery
+                    matrices[j] = AbsorbedQuery(m, _matrices[heads]()) if heads >= 0 else m
                 matrices[j].span(values[x_at:x_at + inp * k].reshape(k, inp),
                                  values[y_at:y_at + out * k].reshape(k, out), a, b)
         except Exception:    # noqa: BLE001 - any failure (a matrix gone too): the parent runs the rows
@@ -428,12 +430,16 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, claims: in
         os.write(done, DONE.pack(seq, ok, count))
 
 
-def start_helpers() -> None:
-    """Fork the helper processes anew (loader.load calls this once a low-bit model is loaded):
-    they then know every matrix alive, and the helpers of an earlier model, which would keep
-    its memory alive in their copy of this process, are gone. Forking right after the load also
-    means the copy holds no scratch buffers or caches of this process yet."""
+def start_helpers(weights=()) -> None:
+    """Fork the helper processes anew (the executor calls this once a low-bit model is loaded),
+    `weights` registered first (those without a key): they then know every matrix registered,
+    and the helpers of an earlier model, which would keep its memory alive in their copy of
+    this process, are gone. Forking right after the load also means the copy holds no scratch
+    buffers or caches of this process yet."""
     global _helpers_failed
+    for w in weights:
+        if hasattr(w, "span") and getattr(w, "key", None) is None:
+            w.key = (register(w), -1)
     stop_helpers_now()
     if helpers_wanted():
         try:

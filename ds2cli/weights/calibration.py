@@ -33,13 +33,15 @@ from pathlib import Path
 import numpy as np
 
 from ds2cli.weights import checkpoint
-from ds2cli.weights import quant
+from ds2cli.weights import formats as quant
 from ds2cli.model import rope
 from ds2cli.weights import scales
 from ds2cli.model.attention import Span, mla, rms_norm
 from ds2cli.model.config import DeepseekV2Config
+from ds2cli.model.executor import Executor
+from ds2cli.model.layers import Layer
 from ds2cli.errors import Ds2Error
-from ds2cli.model.linear import Dense
+from ds2cli.weights.formats import Dense
 from ds2cli.model.moe import moe, swiglu
 
 BUILTIN = "builtin"
@@ -147,22 +149,22 @@ class Recorder:
         return self.dense.matmul(x)
 
 
-def record(layer: dict) -> dict[tuple[str, str], Moments]:
+def record(layer: Layer) -> dict[tuple[str, str], Moments]:
     """Wrap every projection of a prepared float layer in a Recorder; return their moments."""
     found = {}
-    for part in ("attn", "mlp"):
-        for key, w in layer[part].items():
+    for part, weights in layer.parts():
+        for key, w in list(weights.items()):
             if isinstance(w, Dense):
                 found[part, key] = Moments(w.shape[-1], w.shape[0] if len(w.shape) > 2 else None)
-                layer[part][key] = Recorder(w, found[part, key])
+                weights[key] = Recorder(w, found[part, key])
     return found
 
 
-def unrecord(layer: dict) -> None:
-    for part in ("attn", "mlp"):
-        for key, w in layer[part].items():
+def unrecord(layer: Layer) -> None:
+    for _, weights in layer.parts():
+        for key, w in list(weights.items()):
             if isinstance(w, Recorder):
-                layer[part][key] = w.dense
+                weights[key] = w.dense
 
 
 class Calibration:
@@ -183,23 +185,24 @@ class Calibration:
     def tokens(self) -> int:
         return sum(len(ids) for ids in self.ids)
 
-    def run_layer(self, layer: dict) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
+    def run_layer(self, layer: Layer) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
         """Run the float layer over every chunk (the hidden states move on to its output) and
         return {(part, key): (H, tokens)} for each of its projections."""
         cfg = self.cfg
         moments = record(layer)
+        ex = Executor()          # the calling thread: the recorders see every product in order
         try:
             for k, x in enumerate(self.x):
                 T = len(x)
                 cos, sin = rope.cos_sin(np.arange(T), self.inv_freq, self.rope_scale)
                 latent = np.zeros((T, cfg.kv_lora_rank), np.float32)         # this layer's cache
                 k_pe = np.zeros((T, cfg.qk_rope_head_dim), np.float32)
-                h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
-                x = x + mla(h, layer["attn"], [Span(slice(0, T), latent, k_pe, 0)], cos, sin,
-                            cfg.num_attention_heads, cfg.rms_norm_eps, self.softmax_scale)
-                h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
-                w = layer["mlp"]
-                self.x[k] = x + (moe(h, w, cfg) if layer["is_moe"] else swiglu(h, w["gate_up"], w["down_proj"]))
+                h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
+                x = x + mla(ex, h, layer.self_attn, [Span(slice(0, T), latent, k_pe, 0)], cos, sin,
+                            cfg.rms_norm_eps, self.softmax_scale)
+                h = rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps)
+                w = layer.mlp
+                self.x[k] = x + (moe(ex, h, w, cfg) if layer.is_moe else swiglu(ex, h, w.gate_up, w.down_proj))
         finally:
             unrecord(layer)
         return {key: m.hessian() for key, m in moments.items()}

@@ -457,9 +457,8 @@ def fp8_values() -> np.ndarray:
 
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, name: str = "weight",
                    block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
-    """weight (O, I) float8_e4m3fn times its block's scale_inv (ceil(O/bo), ceil(I/bi)) -> float32.
-
-    One block row at a time, so the only float32 beside the result is a (bo, I) stripe."""
+    """weight (O, I) float8_e4m3fn times its block's scale_inv (ceil(O/bo), ceil(I/bi)) -> float32,
+    one block row at a time, so the only float32 beside the result is a (bo, I) stripe."""
     O, I = weight.shape
     bo, bi = block
     if scale_inv.shape != scale_shape((O, I), block):

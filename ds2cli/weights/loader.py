@@ -1,6 +1,6 @@
-"""Loading a checkpoint into a Model: directory checks, config, the memory check, weights
-(converted or quantized layer by layer, or memory-mapped as `ds2 quantize` stored them), MLA
-weight absorption and RoPE row order, once, at load; then the tokenizer and generation_config."""
+"""Loading an opened model (source.py) into a Model: the memory check, weights (converted or
+quantized layer by layer, or memory-mapped as `ds2 quantize` stored them), MLA weight absorption
+and RoPE row order, once, at load."""
 
 from __future__ import annotations
 
@@ -10,49 +10,19 @@ from typing import Callable
 import numpy as np
 
 from ds2cli.weights import checkpoint
-from ds2cli.weights.gguf import file as gguf_file
-from ds2cli.weights.gguf import checkpoint as gguf_model
-from ds2cli.parallel import processes as helpers
 from ds2cli.weights import memory
 from ds2cli.weights import qcheckpoint
 from ds2cli.model import rope
-from ds2cli.json_files import read_json_object
+from ds2cli.model.layers import MLP, Attention, Layer, MoE, Weights
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ConfigError
-from ds2cli.weights.hub import resolve_model_dir
+from ds2cli.weights.source import Source, open_model
+from ds2cli.model.executor import Executor
 from ds2cli.model.transformer import Model
+from ds2cli.parallel.executor import CoreExecutor
 from ds2cli.wording import article
-from ds2cli.text.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (layers done, layers total)
-
-
-def bundled_model_dir() -> Path:
-    """ds2-tiny ships inside the package, so it is found wherever ds2cli is installed."""
-    return Path(__file__).resolve().parents[1] / "models" / "ds2-tiny"   # ds2cli/models, package data
-
-
-def check_model_dir(path: str | Path) -> Path:
-    path = resolve_model_dir(path)  # a Hugging Face id (not a local path) -> its cached snapshot
-    if not path.exists():
-        # the path names either form: a GGUF file or a checkpoint directory
-        raise ConfigError(f"no such file or directory: {path} (a model is a checkpoint directory or a GGUF file)")
-    if gguf_file.find(path) is not None:   # a GGUF file, or a directory holding one (gguf/checkpoint.py)
-        return path
-    if not path.is_dir():
-        raise ConfigError(f"{path} is a file, not a model directory, and not a GGUF file "
-                          f"(it does not start with the GGUF magic bytes)")
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
-    return path
-
-
-def read_generation_config(model_dir: Path) -> dict:
-    """generation_config.json is optional; a broken one is an error, not silently ignored."""
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return {}
-    return read_json_object(path, ConfigError)
 
 
 def names_by_layer(tensors, num_layers: int) -> list[list[str]]:
@@ -129,15 +99,14 @@ def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None 
     return w, slots
 
 
-def wrap_projections(layer: dict) -> dict:
-    """The matrices a prepared layer multiplies by become weight objects: the projections
-    (qcheckpoint.ROLES names them) linear.Dense, w_uk and w_uv linear.Heads; norms and the router
-    gate stay arrays (float32, until qcheckpoint.quantize_layer rounds w_uk, w_uv and the gate to
-    bfloat16)."""
-    for part in ("attn", "mlp"):
-        for key, w in layer[part].items():
-            layer[part][key] = qcheckpoint.as_stored_weight(part, key, w)
-    return layer
+def as_layer(cfg: DeepseekV2Config, i: int, norms: tuple, attn: dict, mlp: dict) -> Layer:
+    """A prepared layer's arrays as a layers.Layer whose matrices are weight objects: the
+    projections (qcheckpoint.ROLES names them) formats.Dense, w_uk and w_uv linear.Heads; norms
+    and the router gate stay arrays (float32, until qcheckpoint.quantize_layer rounds w_uk, w_uv
+    and the gate to bfloat16)."""
+    part = MoE if cfg.is_moe_layer(i) else MLP
+    return Layer(norms[0], Attention(**{k: qcheckpoint.as_stored_weight("attn", k, w) for k, w in attn.items()}),
+                 norms[1], part(**{k: qcheckpoint.as_stored_weight("mlp", k, w) for k, w in mlp.items()}))
 
 
 def read_tensors(tensors, names: list[str]):
@@ -163,7 +132,7 @@ def expert_of(name: str, prefix: str) -> int:
 
 
 def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
-               qc: qcheckpoint.QuantConfig | None = None) -> dict:
+               qc: qcheckpoint.QuantConfig | None = None) -> Layer:
     """Layer i, prepared, in float32; with qc its routed experts already in qc's formats (the
     rest is for qcheckpoint.quantize_layer)."""
     prefix = f"model.layers.{i}."
@@ -186,11 +155,8 @@ def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
         mlp["gate"] = t.pop("gate")
     if "gate.e_score_correction_bias" in t:  # DeepSeek-V3's router bias (E,)
         mlp["e_score_correction_bias"] = t.pop("gate.e_score_correction_bias")
-    return wrap_projections({"input_layernorm": t.pop("input_layernorm"),
-                             "post_attention_layernorm": t.pop("post_attention_layernorm"),
-                             "attn": prepare_attention(t, cfg),
-                             "mlp": mlp,
-                             "is_moe": cfg.is_moe_layer(i)})
+    norms = t.pop("input_layernorm"), t.pop("post_attention_layernorm")
+    return as_layer(cfg, i, norms, prepare_attention(t, cfg), mlp)
 
 
 def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None = None) -> dict:
@@ -203,7 +169,8 @@ def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None 
             continue
         (_, array), = read_tensors(tensors, [name])
         array = np.ascontiguousarray(array, dtype=np.float32)
-        top[key] = qcheckpoint.quantize_weight(array, qcheckpoint.format_for(qc, "", key, array.shape))
+        top[key] = qcheckpoint.as_stored_weight(
+            "", key, qcheckpoint.quantize_weight(array, qcheckpoint.format_for(qc, "", key, array.shape)))
     return top
 
 
@@ -222,27 +189,24 @@ def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | No
     return {**top, "layers": layers}
 
 
-def read_quant_config(model_dir: Path) -> qcheckpoint.QuantConfig | None:
-    return qcheckpoint.read_quant_config(read_json_object(model_dir / "config.json", ConfigError))
-
-
-def load(path: str | Path | None = None, progress: Progress | None = None, quantize: int | str | None = None,
-         context: int | None = None, memory_check: bool = True,
-         plan: Callable[[Tokenizer, dict], int | None] | None = None) -> Model:
-    """Load a checkpoint directory (default: the bundled ds2-tiny): config, weights with MLA
-    absorption precomputed, tokenizer and generation_config.
+def load(path: str | Path | Source | None = None, progress: Progress | None = None,
+         quantize: int | str | None = None, context: int | None = None, memory_check: bool = True,
+         executor: Executor | None = None) -> Model:
+    """Load a model (default: the bundled ds2-tiny): a path, or a Source that source.open_model
+    opened (a command reads its config, tokenizer and prompt from that first, then loads from
+    the same object). Config, weights with MLA absorption precomputed, tokenizer and
+    generation_config.
 
     A float checkpoint loads as float32, or with `quantize=8|4` quantized layer by layer as it
     loads (`"auto"`: float32 if it fits in memory, else the most precise format that does;
     `"exact"`: a Q8_0 GGUF's own blocks, q8b, which is also how such a file loads by default); a
     checkpoint written by `ds2 quantize` is memory-mapped as it is stored. Before any weight is
     read, what the model will hold (with a cache of `context` tokens) is checked against the
-    memory available (memory.py); `memory_check=False` skips that. `plan(tokenizer,
-    generation_config)`, called once the tokenizer is read and before the memory check, lets a
-    caller tokenize its prompt and refuse it, or name the context it will really use, before any
-    weight is loaded (its answer, when not None, replaces `context`)."""
-    model_dir = check_model_dir(bundled_model_dir() if path is None else path)
-    gguf = gguf_model.open_model(model_dir)       # None unless a GGUF: its config, tensors, tokenizer
+    memory available (memory.py); `memory_check=False` skips that. `executor` runs the model's
+    parallel work (model/executor.py); by default this machine's cores and, over low-bit weights,
+    helper processes (parallel/executor.py), which the Model starts once its weights exist."""
+    source = open_model(path)
+    model_dir, cfg, gguf = source.path, source.config, source.gguf
     recipe = None                                  # the formats it loads into, when not quantize's recipe
     if quantize == "exact":                        # a Q8_0 GGUF's own blocks (gguf_model.exact_recipe)
         if gguf is None or gguf.exact_recipe is None:
@@ -252,8 +216,7 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     if gguf is not None and quantize is None:
         # the ds2 format nearest the file's own types (a Q8_0 file: its own blocks)
         quantize, recipe = gguf.default_bits, gguf.default_recipe
-    cfg = gguf.config if gguf else DeepseekV2Config.from_file(model_dir / "config.json")
-    stored = None if gguf else read_quant_config(model_dir)
+    stored = source.stored
     if quantize not in (None, 8, 4, "auto"):
         raise ConfigError(f"quantize must be 8, 4, 'auto' or 'exact', got {quantize!r}")
     if stored is not None and quantize not in (None, "auto", stored.bits):
@@ -261,12 +224,8 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
                           f"it cannot be loaded as {quantize}-bit")
     # headers first (cheap, and they name a broken checkpoint precisely), then the memory check,
     # then the weights
-    tensors = gguf.tensors if gguf else \
-        checkpoint.validate(cfg, model_dir) if stored is None else validate_quantized(model_dir, cfg, stored)
-    tokenizer = gguf.tokenizer() if gguf else Tokenizer.load(model_dir, vocab_size=cfg.vocab_size)
-    gen = gguf.generation_config if gguf else read_generation_config(model_dir)
-    if plan is not None:
-        context = plan(tokenizer, gen) or context
+    tensors = source.tensors
+    tokenizer, gen = source.tokenizer, source.generation_config
     if quantize == "auto":
         quantize = None if stored is not None else memory.choose_auto(cfg, context, path=model_dir)
     if memory_check:
@@ -276,18 +235,6 @@ def load(path: str | Path | None = None, progress: Progress | None = None, quant
     else:
         qc = recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None)
         weights = load_weights(model_dir, cfg, progress, qc, tensors)
-    model = Model(cfg, weights, tokenizer, gen, model_dir)
-    model.quantization = stored or recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
-    if model.quantization is not None:
-        helpers.start_helpers()   # processes that share the decode steps' matvecs (parallel/processes.py)
-    return model
-
-
-def validate_quantized(model_dir: Path, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig) -> dict:
-    tensors = checkpoint.read_headers(model_dir)
-    found = qcheckpoint.problems(cfg, qc, tensors)
-    if found:
-        shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
-        raise checkpoint.CheckpointError(f"checkpoint {model_dir} does not match its config "
-                                         f"({len(found)} problem{'s' * (len(found) > 1)}): {shown}")
-    return tensors
+    quantization = stored or recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
+    return Model(cfg, Weights(**weights), tokenizer, gen, model_dir, executor=executor or CoreExecutor(),
+                 quantization=quantization)

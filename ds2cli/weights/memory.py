@@ -48,7 +48,7 @@ def gb(n: float) -> str:
 def matrix_bytes(qc: QuantConfig | None, part: str, key: str, shape: tuple[int, ...]) -> int:
     f = qcheckpoint.format_for(qc, part, key, shape)
     if f is not None:
-        return f.nbytes(shape)
+        return f.nbytes_of(shape)
     return math.prod(shape) * checkpoint.DTYPE_SIZES[qc.float_dtype(part, key) if qc is not None else "F32"]
 
 

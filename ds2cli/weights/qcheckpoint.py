@@ -35,11 +35,13 @@ import numpy as np
 
 from ds2cli.weights import calibration
 from ds2cli.weights import checkpoint
-from ds2cli.weights import quant
+from ds2cli.weights import formats as quant
 from ds2cli.weights import scales
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.model.linear import Dense, Heads
-from ds2cli.weights.quant import FORMATS, QuantError, QuantMatrix
+from ds2cli.model.layers import Layer, new_part
+from ds2cli.model.linear import Heads
+from ds2cli.weights.formats import Dense
+from ds2cli.weights.formats import FORMATS, QuantError, QuantMatrix
 
 QUANT_METHOD = "ds2"
 VERSION = 2                      # 2: q8 scales per row (1 had groups of 32 rows)
@@ -283,16 +285,17 @@ def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress
         name = stored_name(layer, part, key)
         f = format_for(qc, part, key, shape)
         if f is not None:
-            return QuantMatrix(mapped.array(tensors[name + ".qweight"]), mapped.array(tensors[name + ".scales"]), f)
+            return f(mapped.array(tensors[name + ".qweight"]), mapped.array(tensors[name + ".scales"]))
         return as_stored_weight(part, key, mapped.array(tensors[name + ".weight"]))
 
     top = {key: build(None, part, key, shape) for (part, key), shape in top_shapes(cfg).items()}
     layers = []
     for i in range(cfg.num_hidden_layers):
-        layer = {"attn": {}, "mlp": {}, "is_moe": cfg.is_moe_layer(i)}
+        parts = {"attn": new_part("attn", cfg.is_moe_layer(i)), "mlp": new_part("mlp", cfg.is_moe_layer(i)), "": {}}
         for (part, key), shape in layer_shapes(cfg, i).items():
-            (layer[part] if part else layer)[key] = build(i, part, key, shape)
-        layers.append(layer)
+            parts[part][key] = build(i, part, key, shape)
+        layers.append(Layer(parts[""]["input_layernorm"], parts["attn"], parts[""]["post_attention_layernorm"],
+                            parts["mlp"]))
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
     return {"embed_tokens": top["embed_tokens"], "norm": top["norm"],
@@ -323,7 +326,7 @@ def quantize_weight(w, f: quant.Format | None, hessian: np.ndarray | None = None
     if hessian is None or f.bits == 16 or f.block is not None:
         # bf16 rounds each value alone, nothing to compensate; q8b is a GGUF's own Q8_0 blocks
         return scales.quantize_matrix(w, f)
-    return QuantMatrix(*calibration.quantize_calibrated(w, f, hessian), f)
+    return f(*calibration.quantize_calibrated(w, f, hessian))
 
 
 class ExpertStack:
@@ -364,31 +367,35 @@ class ExpertStack:
         if not self.done.all() or self.pending:
             missing = sorted({int(e) for e in np.flatnonzero(~self.done)} | set(self.pending))
             raise QuantError(f"experts {missing[:8]} of a {list(self.shape)} stack were not read whole")
-        return QuantMatrix(self.qweight, self.scales, self.f)
+        return self.f(self.qweight, self.scales)
 
 
 EXPERT_BATCH = 4     # experts quantized at once: two a core, 4 x 23 MB of float32 on V2-Lite
 
 
-def quantize_layer(layer: dict, qc: QuantConfig, stats: dict | None = None) -> dict:
+def quantize_layer(layer: Layer, qc: QuantConfig, stats: dict | None = None) -> Layer:
     """Replace a prepared float layer's matrices by their low-bit forms, one at a time (so at most
     one matrix exists in both forms at once); `stats` {(part, key): (H, tokens)} from a
     calibration run."""
-    for part in ("attn", "mlp"):
-        for key, w in layer[part].items():
+    for part, weights in layer.parts():
+        for key, w in list(weights.items()):
             if (part, key) in ROLE_OF:
                 h = stats[part, key][0] if stats and (part, key) in stats else None
-                layer[part][key] = quantize_weight(w, format_for(qc, part, key, w.shape), h)
+                weights[key] = quantize_weight(w, format_for(qc, part, key, w.shape), h)
             elif qc.float_dtype(part, key) == "BF16":
                 a = w.w if isinstance(w, Heads) else w
-                layer[part][key] = as_stored_weight(part, key, a.astype(quant.BF16))   # rounded to nearest even
+                weights[key] = as_stored_weight(part, key, a.astype(quant.BF16))   # rounded to nearest even
     return layer
 
 
-def layer_arrays(layer: dict, i: int | None) -> Iterator[tuple[str, np.ndarray]]:
+def layer_arrays(layer: Layer | dict, i: int | None) -> Iterator[tuple[str, np.ndarray]]:
     """The stored tensors of a prepared layer (i None: the top-level dict of embed/norm/lm_head)."""
-    items = [("", k, v) for k, v in layer.items() if k not in ("attn", "mlp", "is_moe")]
-    items += [(part, k, v) for part in ("attn", "mlp") if part in layer for k, v in layer[part].items()]
+    if isinstance(layer, Layer):
+        items = [("", "input_layernorm", layer.input_layernorm),
+                 ("", "post_attention_layernorm", layer.post_attention_layernorm)]
+        items += [(part, k, v) for part, weights in layer.parts() for k, v in weights.items()]
+    else:
+        items = [("", k, v) for k, v in layer.items()]
     for part, key, w in items:
         name = stored_name(i, part, key)
         if isinstance(w, QuantMatrix):

@@ -26,7 +26,8 @@ from ds2cli.weights import qcheckpoint
 from ds2cli.json_files import read_json_object
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ConfigError, Ds2Error
-from ds2cli.weights.loader import check_model_dir, load_layer, load_top, names_by_layer, read_quant_config
+from ds2cli.weights.loader import load_layer, load_top, names_by_layer
+from ds2cli.weights.source import check_model_dir, read_quant_config
 from ds2cli.text.tokenizer import Tokenizer
 
 # Weight files of other frameworks are never copied; everything else at the top level of the

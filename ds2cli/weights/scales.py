@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds2cli.parallel.cores import split_rows, workers
-from ds2cli.weights.quant import BF16, Format, QuantMatrix, to_panels
+from ds2cli.weights.formats import BF16, Format, QuantMatrix, to_panels
 
 # The candidate scales tried per row or group, as multiples of the round-to-nearest inverse scale
 # (nmax / max |w|): llama.cpp's make_qx_quants tries (nmax + 0.1 k) / max for k = -9..9 and
@@ -17,6 +17,7 @@ from ds2cli.weights.quant import BF16, Format, QuantMatrix, to_panels
 Q4_STEPS = (0.9625, 1.0375, 1.075)
 Q8_STEPS = (0.994, 0.998, 1.004, 1.01)
 SEARCH_BLOCK_BYTES = 4 << 20   # the search works on row blocks of about this much float32
+SEARCHED = ("q8", "q8b", "q4", "bf16")   # the formats whose scales this module chooses
 
 
 def quantize(w: np.ndarray, f: Format, importance: np.ndarray | None = None,
@@ -44,6 +45,8 @@ def quantize(w: np.ndarray, f: Format, importance: np.ndarray | None = None,
         pool.run(part, split_rows(len(stack), pool.parts, 1))
         return qweight, scales
     w = np.asarray(w, dtype=np.float32)
+    if f.name not in SEARCHED:
+        return f.quantize(w)             # a format of its own: its own rounding to nearest
     if f.bits == 16:
         return w.astype(BF16), np.ones(w.shape[0], np.float32)
     if f.group_size is None:
@@ -197,4 +200,4 @@ def bf16_up(x: np.ndarray) -> np.ndarray:
 
 def quantize_matrix(w: np.ndarray, f: Format) -> QuantMatrix:
     """A float weight (..., out, in) as a QuantMatrix in format f, its scales searched."""
-    return QuantMatrix(*quantize(w, f), f)
+    return f(*quantize(w, f))

@@ -23,7 +23,7 @@ from ds2cli.cli.bench import report as report_module
 from ds2cli.cli.bench.settings import BenchError
 from ds2cli.cli.bench.synthetic import lite_config, synthesise
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.wording import human_bytes, human_count
 
 TINY_ARGS = ["--repeats", "1", "--contexts", "16,64", "--prompt-lengths", "4,16", "--decode-steps", "2", "--json"]
@@ -451,8 +451,9 @@ def test_profile_accounts_for_the_whole_step(monkeypatch):
     """--profile: the step split into products (by format), attention, the router and the rest,
     each exclusive of what it calls, summing to the step's measured time; the engine's classes
     and functions are as they were afterwards."""
-    from ds2cli.model import linear, moe, transformer
-    originals = (linear.Dense.matmul, transformer.mla, moe.route)
+    from ds2cli.model import moe, transformer
+    from ds2cli.parallel.executor import CoreExecutor
+    originals = (CoreExecutor.start_product, transformer.mla, moe.route)
     small_probes(monkeypatch)
     result = run_bench(*TINY_ARGS, "--profile", "-r", "2")        # 2 repeats: steps x 2 in one cache
     assert result.exit_code == 0, result.output
@@ -465,7 +466,7 @@ def test_profile_accounts_for_the_whole_step(monkeypatch):
     tiny = DeepseekV2Config.from_file(bundled_model_dir() / "config.json")
     router = next(r for r in p["rows"] if r["what"] == "router")
     assert router["calls_per_step"] == len(tiny.moe_layers)      # one route a MoE layer a step
-    assert (linear.Dense.matmul, transformer.mla, moe.route) == originals
+    assert (CoreExecutor.start_product, transformer.mla, moe.route) == originals
     products = next(r for r in p["rows"] if r["what"] == "products f32")
     assert products["g_weights_per_s"] > 0 and products["calls_per_step"] > 0
 
@@ -474,8 +475,8 @@ def test_numpy_at_the_steps_shapes_replays_exactly_what_the_ceiling_counts(monke
     """The step-shapes probe replays the profiled steps' own matrices: a step's weights by
     format are exactly those the ceiling divides (a one-token step routes exactly top-k
     experts a layer), low-bit formats included; its rates and the decode's share of it follow."""
-    from ds2cli.weights import quant
-    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
+    from ds2cli.weights import formats as quant
+    monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)
     small_probes(monkeypatch)
     for extra in ([], ["--quantize", "4"]):
         result = run_bench(*TINY_ARGS, "--profile", *extra)
@@ -496,8 +497,8 @@ def test_stored_rows_are_the_weights_own_bytes():
     """The probes read a weight's stored values in place: every format's rows hold its weights
     (q4 two a byte) without a copy."""
     from ds2cli.cli.bench.probes import stored_rows
-    from ds2cli.model.linear import Dense
-    from ds2cli.weights import quant, scales
+    from ds2cli.weights.formats import Dense
+    from ds2cli.weights import formats as quant, scales
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 96), dtype=np.float32)
     for f in ("q8", "q4", "q8b", "bf16"):
@@ -514,9 +515,9 @@ def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
     rows hold this process's share of them (with the kernels' rate), the coordination its own
     row, and the rows still sum to the step."""
     from ds2cli.parallel import processes
-    from ds2cli.weights import quant
+    from ds2cli.weights import formats as quant
     originals = (quant.QuantMatrix.span, processes.Helpers.send, processes.Helpers.collect)
-    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)        # ds2-tiny's matrices split, as V2-Lite's do
+    monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)        # ds2-tiny's matrices split, as V2-Lite's do
     small_probes(monkeypatch)
     result = run_bench(*TINY_ARGS, "--quantize", "8", "--profile")
     assert result.exit_code == 0, result.output

@@ -12,7 +12,7 @@ import ds2cli
 from ds2cli.cli.main import main
 from ds2cli.cli.console import LoadProgress
 from ds2cli.generation.generate import stream_generate
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.wording import human_bytes
 
@@ -343,7 +343,7 @@ def test_chat_says_when_the_context_cuts_a_reply():
 def test_inspect_refuses_a_directory_and_a_different_model_option(tmp_path):
     """`ds2 inspect DIR -m OTHER` names two checkpoints: a usage error, as generate's two prompts
     are, rather than silently reporting on one of them. DS2_MODEL is only a default: DIR wins."""
-    from ds2cli.weights.loader import bundled_model_dir
+    from ds2cli.weights.source import bundled_model_dir
     r = run("inspect", str(bundled_model_dir()), "-m", str(tmp_path))
     assert r.exit_code == 2 and "not both" in r.stderr and r.stdout == ""
     r = CliRunner(env={"DS2_MODEL": str(tmp_path)}).invoke(main, ["inspect", "--json", str(bundled_model_dir())])

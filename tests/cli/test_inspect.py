@@ -24,7 +24,7 @@ from ds2cli.cli.main import main
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.cli.inspect_report import describe, params_section
 from ds2cli.errors import CheckpointError, ConfigError
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.cli.inspect_tables import render
 from ds2cli.wording import article, human_bytes, human_count
 

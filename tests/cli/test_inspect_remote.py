@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from fake_hub import COMMIT, FakeHub, header_length
 
 from ds2cli.cli.main import main
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 
 REPO = "org/tiny"
 TINY = bundled_model_dir()

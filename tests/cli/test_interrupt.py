@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 import ds2cli
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.wording import human_bytes
 
 # Runs `ds2 ARGS...` as the console script does, with SIGINT sent when module WHEN is first
@@ -71,7 +71,7 @@ def test_ctrl_c_while_quantize_starts_exits_130_quietly(when, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("when", ["ds2cli.weights.loader:check_model_dir", "ds2cli.weights.memory:check",
+@pytest.mark.parametrize("when", ["ds2cli.weights.source:check_model_dir", "ds2cli.weights.memory:check",
                                   "ds2cli.weights.checkpoint:iter_tensors"])
 def test_ctrl_c_while_loading_exits_130_quietly(when):
     assert_quiet_130(run_interrupted(when, "generate", "hi"))

@@ -6,7 +6,7 @@ import pytest
 
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ConfigError
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 
 
 @pytest.fixture

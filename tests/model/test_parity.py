@@ -10,7 +10,7 @@ import ds2cli
 from ds2cli.model import attention
 from ds2cli.model import rope
 from ds2cli.errors import ContextFullError, Ds2Error
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from conftest import assert_reference_rows
 
 REFERENCE = Path(__file__).parents[1] / "data" / "reference"
@@ -68,20 +68,24 @@ def test_a_head_stack_multiplies_each_head_by_its_own_matrix(dtype, T):
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("R", [8, 16])
 def test_q_and_its_w_uk_as_one_product(fmt, T, R):
-    """linear.AbsorbedQuery: y[t, h] = [q[t, h] | q[t, h, :d] @ W_UK[h]] with q = x @ Wq.T, each
-    head within float32 rounding of the float64 computation from the stored weights, whole or
-    in spans of whole heads (a unit of a decode plan), any cut. A head's d+R rows that a q4
+    """q with its fold through W_UK, the product (q_proj, x, w_uk) the math asks the executor
+    for: y[t, h] = [q[t, h] | q[t, h, :d] @ W_UK[h]] with q = x @ Wq.T, each head within float32
+    rounding of the float64 computation from the stored weights, from the reference executor,
+    and as absorbed.AbsorbedQuery in spans of whole heads (a unit of a decode plan), any cut. A head's d+R rows that a q4
     group (32 rows) does not divide cannot be cut by head: the product is still right, unsplit."""
     import ml_dtypes
-    from ds2cli.model.linear import Dense, Heads
-    from ds2cli.weights import quant, scales
+    from ds2cli.model.executor import Executor
+    from ds2cli.model.linear import Heads
+    from ds2cli.parallel.absorbed import AbsorbedQuery
+    from ds2cli.weights.formats import Dense
+    from ds2cli.weights import formats as quant, scales
     rng = np.random.default_rng(2)
     H, d, C, D = 4, 16, 24, 64
     wq = rng.standard_normal((H * (d + R), D), dtype=np.float32) * 0.1
     q_w = Dense(wq) if fmt == "f32" else scales.quantize_matrix(wq, quant.FORMATS[fmt])
     wq = wq if fmt == "f32" else q_w.dequantize()                           # what is stored
     uk = rng.standard_normal((H, d, C), dtype=np.float32).astype(ml_dtypes.bfloat16)
-    w = Heads(uk).after(q_w)
+    w = AbsorbedQuery(q_w, Heads(uk))
     assert w.shape == (H * (d + R + C), D)
     x = rng.standard_normal((T, D), dtype=np.float32)
     q = (x.astype(np.float64) @ wq.astype(np.float64).T).reshape(T, H, d + R)
@@ -89,7 +93,8 @@ def test_q_and_its_w_uk_as_one_product(fmt, T, R):
     exact = np.concatenate([q, np.einsum("thi,hio->tho", q[..., :d], uk.astype(np.float64))], axis=-1)
     bound = 1e-5 * np.concatenate([q_abs.reshape(T, H, d + R), np.einsum(
         "thi,hio->tho", q_abs.reshape(T, H, d + R)[..., :d], np.abs(uk.astype(np.float64)))], axis=-1)
-    assert np.all(np.abs(w.matmul(x).reshape(T, H, -1) - exact) <= bound)
+    whole, = Executor().matmul_all([(q_w, x, Heads(uk))])
+    assert np.all(np.abs(whole.reshape(T, H, -1) - exact) <= bound)
     if fmt == "f32" or (d + R) % q_w.row_align:
         return                      # float32 weights (one BLAS call each) or rows not cut by head
     A = d + R + C
@@ -135,9 +140,9 @@ def test_decode_attends_to_the_latent_without_reprojection():
     # layer 0 from scratch
     cfg, w = model.config, model.layers[0]
     x = model.embed_tokens.w[[0, 74, 75, 76]]
-    h = attention.rms_norm(x, w["input_layernorm"], cfg.rms_norm_eps)
-    kv = h @ w["attn"]["kv_a_proj_with_mqa"].w.T
-    np.testing.assert_allclose(cache.latent[0, :4], attention.rms_norm(kv[:, :64], w["attn"]["kv_a_layernorm"],
+    h = attention.rms_norm(x, w.input_layernorm, cfg.rms_norm_eps)
+    kv = h @ w.self_attn.kv_a_proj_with_mqa.w.T
+    np.testing.assert_allclose(cache.latent[0, :4], attention.rms_norm(kv[:, :64], w.self_attn.kv_a_layernorm,
                                                                        cfg.rms_norm_eps), atol=1e-6)
 
 

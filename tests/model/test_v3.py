@@ -117,10 +117,10 @@ def test_reference_cases_are_v3_and_route_with_the_bias(case):
     name, model, _, _ = case
     cfg = model.config
     assert cfg.is_v3 and cfg.topk_method == "noaux_tc" and cfg.scoring_func == "sigmoid"
-    moe_layers = [layer for layer in model.layers if layer["is_moe"]]
+    moe_layers = [layer for layer in model.layers if layer.is_moe]
     assert len(moe_layers) == cfg.num_hidden_layers - cfg.first_k_dense_replace
     for layer in moe_layers:
-        assert layer["mlp"]["e_score_correction_bias"].shape == (cfg.n_routed_experts,)
+        assert layer.mlp.e_score_correction_bias.shape == (cfg.n_routed_experts,)
 
 
 # ---- the router ----
@@ -205,7 +205,7 @@ def test_v3_normalises_and_still_scales_unlike_v2():
     bias = np.zeros(16, np.float32)
     _, w = moe.route(x, gate, v3_config(norm_topk_prob=True, routed_scaling_factor=2.5), bias)
     np.testing.assert_allclose(w.sum(axis=-1), 2.5, rtol=1e-6)     # normalised, then scaled
-    tiny = json.loads((ds2cli.weights.loader.bundled_model_dir() / "config.json").read_text())
+    tiny = json.loads((ds2cli.weights.source.bundled_model_dir() / "config.json").read_text())
     v2 = DeepseekV2Config.from_dict({**tiny, "norm_topk_prob": True, "n_routed_experts": 16})
     _, w2 = moe.route(x, gate, v2)
     np.testing.assert_allclose(w2.sum(axis=-1), 1.0, rtol=1e-6)    # V2 normalises instead of scaling
@@ -290,7 +290,7 @@ def test_loaded_fp8_weights_equal_the_stored_bytes_times_their_scales():
     assert scale.shape == (2, 1)                       # 160 rows: one full block and a partial one
     rows = np.arange(info.shape[0])[:, None] // 128
     want = raw.reshape(info.shape).astype(np.float32) * scale[rows, 0]
-    np.testing.assert_array_equal(model.layers[2]["attn"]["o_proj"].w, want)   # a linear.Dense
+    np.testing.assert_array_equal(model.layers[2].self_attn.o_proj.w, want)   # a linear.Dense
 
 
 # ---- MTP layers ----
@@ -362,7 +362,7 @@ def test_inspect_check_scans_fp8_without_failing():
 
 
 def test_v2_inspect_has_no_v3_sections():
-    r = describe(ds2cli.weights.loader.bundled_model_dir())
+    r = describe(ds2cli.weights.source.bundled_model_dir())
     assert r["fp8"] is None and r["mtp"] == {"layers": [], "tensors": 0, "params": 0, "bytes": 0}
     assert r["model"]["family"] == "DeepSeek-V2" and r["moe"]["router"].startswith("softmax, group-limited")
 
@@ -399,7 +399,7 @@ def test_v3_ignores_moe_layer_freq_as_transformers_does():
 
 
 def test_v2_config_ignores_v3_only_fields():
-    raw = json.loads((ds2cli.weights.loader.bundled_model_dir() / "config.json").read_text())
+    raw = json.loads((ds2cli.weights.source.bundled_model_dir() / "config.json").read_text())
     before = DeepseekV2Config.from_dict(raw)
     raw.update(rope_interleave=False, num_nextn_predict_layers=1,
                quantization_config={"quant_method": "gptq"})

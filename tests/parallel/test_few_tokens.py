@@ -1,18 +1,25 @@
-"""The few-token kernel (quant.QuantMatrix.matmul_few): a low-bit matrix times k = 2..64
-activation rows, L2-sized row blocks widened once for all k rows, split across the cores (the
-helper processes included). Checked against float64 products of the dequantized weights, within
+"""The few-token kernel (a format's span_gemv / span_gemm): a low-bit matrix times k = 2..64
+activation rows, L2-sized row blocks widened once for all k rows, split across the cores by the
+executor (the helper processes included). Checked against float64 products of the dequantized weights, within
 a float32 rounding bound: the kernel and the reference use different BLAS call shapes."""
 
 import numpy as np
 import pytest
 
 from ds2cli.parallel import cores
-from ds2cli.weights import quant
+from ds2cli.parallel.executor import CoreExecutor
+from ds2cli.weights.formats import base as quant
 from ds2cli.weights import scales
 from ds2cli.parallel import processes as procs
-from ds2cli.weights.quant import FORMATS, QuantMatrix
+from ds2cli.weights.formats import FORMATS, QuantMatrix
 
 EPS = np.finfo(np.float32).eps
+
+
+def split(m, x: np.ndarray) -> np.ndarray:
+    """m's product with x, its rows cut over the cores (and, in a low-bit few-token pass, the
+    helper processes) by the default executor."""
+    return CoreExecutor().matmul_all([(m, x)])[0]
 
 
 def assert_product(m: QuantMatrix, x: np.ndarray, y: np.ndarray) -> None:
@@ -35,7 +42,7 @@ def test_the_few_token_kernel_is_the_product_of_the_dequantized_weights(name, sh
     m = scales.quantize_matrix(rng.standard_normal(shape, dtype=np.float32), FORMATS[name])
     x = rng.standard_normal((k, shape[1]), dtype=np.float32)
     assert_product(m, x, m.matmul(x))
-    assert_product(m, x, m.matmul_few(x))
+    assert_product(m, x, split(m, x))
 
 
 @pytest.mark.parametrize("name", ["q8", "q4", "q8b", "bf16"])
@@ -47,9 +54,9 @@ def test_small_row_blocks_and_odd_spans(name, monkeypatch):
     m = scales.quantize_matrix(rng.standard_normal((1003, 320), dtype=np.float32), FORMATS[name])
     for k in range(2, 65, 9):
         x = rng.standard_normal((k, 320), dtype=np.float32)
-        assert_product(m, x, m.matmul_few(x))
+        assert_product(m, x, split(m, x))
         with cores.kernel_threads(1):
-            assert_product(m, x, m.matmul_few(x))
+            assert_product(m, x, split(m, x))
 
 
 @pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes: Linux, two cores or more")
@@ -62,7 +69,7 @@ def test_the_helper_processes_take_their_rows_of_a_few_token_pass(name, monkeypa
     monkeypatch.delenv("DS2_HELPERS", raising=False)
     rng = np.random.default_rng(5)
     m = scales.quantize_matrix(rng.standard_normal((1536, 512), dtype=np.float32), FORMATS[name])
-    procs.start_helpers()
+    procs.start_helpers([m])
     try:
         helpers = procs.running()
         assert helpers is not None
@@ -70,7 +77,7 @@ def test_the_helper_processes_take_their_rows_of_a_few_token_pass(name, monkeypa
             x = rng.standard_normal((k, 512), dtype=np.float32)
             sent = helpers.seq
             with cores.forward_pass(low_bit=True, tokens=k):
-                y = m.matmul(x)
+                y = split(m, x)
             assert helpers.seq > sent                         # the helpers did take part
             assert_product(m, x, y)
         x = rng.standard_normal((cores.FEW_TOKENS + 1, 512), dtype=np.float32)

@@ -13,7 +13,7 @@ import pytest
 
 import ds2cli
 from ds2cli.parallel import cores
-from ds2cli.weights import quant
+from ds2cli.weights import formats as quant
 from ds2cli.weights import scales
 from ds2cli.parallel import processes as procs
 
@@ -26,7 +26,7 @@ def fresh(monkeypatch):
     monkeypatch.setattr(procs, "_helpers_failed", False)   # a test that kills a helper sets it
     monkeypatch.delenv("DS2_HELPERS", raising=False)
     # most of ds2-tiny's matrices are small enough to run whole on one core; split them all
-    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
+    monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)
     yield
     procs.stop_helpers_now()
 
@@ -124,7 +124,7 @@ def test_an_interrupted_step_leaves_no_stale_rows():
     answer unread: the next plan takes them and reads it first, and gets only its own rows."""
     m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((4096, 256), dtype=np.float32),
                                quant.FORMATS["q8"])
-    procs.start_helpers()                    # forked after m exists, so the helper knows it
+    procs.start_helpers([m])                 # m registered, then the helper forked: it knows m
     helpers = procs.running()
     x1, x2 = np.random.default_rng(1).standard_normal((2, 256), dtype=np.float32)
 
@@ -148,17 +148,18 @@ def test_an_interrupted_step_leaves_no_stale_rows():
 
 
 def test_q_and_its_w_uk_go_to_the_helpers_as_one_product():
-    """linear.AbsorbedQuery in a plan: a helper rebuilds it from the two matrices' keys, takes
+    """absorbed.AbsorbedQuery in a plan: a helper rebuilds it from the two matrices' keys, takes
     units of whole heads, and its rows are the bits this process's own spans give."""
     import ml_dtypes
     from ds2cli.model.linear import Heads
+    from ds2cli.parallel.absorbed import AbsorbedQuery
     rng = np.random.default_rng(3)
     H, d, R, C, D = 16, 128, 64, 512, 2048
     q_w = scales.quantize_matrix(rng.standard_normal((H * (d + R), D), dtype=np.float32), quant.FORMATS["bf16"])
     uk = Heads(rng.standard_normal((H, d, C), dtype=np.float32).astype(ml_dtypes.bfloat16))
-    procs.start_helpers()                    # forked after both exist, so the helper knows them
+    procs.start_helpers([q_w, uk])           # both registered, then the helper forked
     helpers = procs.running()
-    w = uk.after(q_w)
+    w = AbsorbedQuery(q_w, uk)
     units = helpers.helper_units
     for k in (1, 3) * 5:                     # (a helper just forked may wake too late for a plan)
         x = rng.standard_normal((k, D), dtype=np.float32)
@@ -179,7 +180,7 @@ def test_a_plan_cut_short_before_its_messages_is_settled_without_them(monkeypatc
     monkeypatch.setattr(procs, "HELPER_TIMEOUT", 5.0)
     m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((4096, 256), dtype=np.float32),
                                quant.FORMATS["q8"])
-    procs.start_helpers()
+    procs.start_helpers([m])
     helpers = procs.running()
     helpers.seq += 1                          # what send had done when the Ctrl-C came
     os.write(helpers.claims_w, b"".join(procs.TOKEN.pack(helpers.seq, u) for u in range(3)))
@@ -204,7 +205,7 @@ def test_a_slow_helper_takes_fewer_units(monkeypatch):
         return span(self, *args)
 
     monkeypatch.setattr(quant.QuantMatrix, "span", slow_in_a_helper)
-    procs.start_helpers()                     # forked now: the helpers run the slow span
+    procs.start_helpers([m])                  # forked now: the helpers run the slow span
     helpers = procs.running()
     x = np.random.default_rng(1).standard_normal(512, dtype=np.float32)
     expected = m.dequantize() @ x

@@ -14,10 +14,12 @@ from ds2cli.weights import calibration
 from ds2cli.weights import scales
 from ds2cli.cli.main import main
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.model.linear import Dense
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.model.executor import Executor
+from ds2cli.model.layers import Attention, Layer, MoE
+from ds2cli.weights.formats import Dense
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.model.moe import moe
-from ds2cli.weights.quant import FORMATS, QuantMatrix
+from ds2cli.weights.formats import FORMATS, QuantMatrix
 
 TINY = bundled_model_dir()
 
@@ -37,13 +39,12 @@ def test_a_routed_expert_counts_only_the_tokens_routed_to_it():
         x[t, b] += 19
     gate = np.zeros((E, D), np.float32)
     gate[np.arange(E), np.arange(E)] = 1
-    w = {"gate": gate,
-         "experts_gate_up": Dense(rng.standard_normal((E, 2 * inter, D)).astype(np.float32) * 0.05),
-         "experts_down": Dense(rng.standard_normal((E, D, inter)).astype(np.float32) * 0.05)}
-    layer = {"attn": {}, "mlp": w}
+    w = MoE(gate=gate, experts_gate_up=Dense(rng.standard_normal((E, 2 * inter, D)).astype(np.float32) * 0.05),
+            experts_down=Dense(rng.standard_normal((E, D, inter)).astype(np.float32) * 0.05))
+    layer = Layer(None, Attention(), None, w)
     moments = calibration.record(layer)
     trace = []
-    moe(x, layer["mlp"], cfg, trace)
+    moe(Executor(), x, layer.mlp, cfg, trace)
     calibration.unrecord(layer)
     assert [set(r) for r in trace[0].tolist()] == [set(r) for r in routes]   # the routing is as built
     up, down = moments["mlp", "experts_gate_up"], moments["mlp", "experts_down"]

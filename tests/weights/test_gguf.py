@@ -197,7 +197,7 @@ def test_a_q8_0_file_of_a_tied_all_moe_model_computes_the_files_own_logits(tmp_p
     src = tied_all_moe(REFERENCE / "lite_like_plainq_yarn", tmp_path / "tied")
     ids = reference("lite_like_plainq_yarn")[0]
     ref, model = logits_of(src, None, ids)                    # float32: the reference's math
-    assert model.config.tie_word_embeddings and not any(layer["is_moe"] is False for layer in model.layers)
+    assert model.config.tie_word_embeddings and not any(layer.is_moe is False for layer in model.layers)
     path = write_gguf(src, tmp_path / "m.gguf", "Q8_0")
     own, _ = logits_of(path, "auto", ids)                     # the blocks dequantized to float32
     got, model = logits_of(path, None, ids)
@@ -215,11 +215,11 @@ def test_q8_0_blocks_load_bit_for_bit(tmp_path):
     path = write_gguf(REFERENCE / "lite_like_plainq_yarn", tmp_path / "m.gguf", "Q8_0")
     model = load(path, quantize="exact")
     gf = GGUFFile([path])
-    w = model.layers[1]["mlp"]["experts_down"]               # (E, out, in), q8b
+    w = model.layers[1].mlp.experts_down               # (E, out, in), q8b
     assert w.f.name == "q8b"
     for e in range(len(w)):
         np.testing.assert_array_equal(w[e].dequantize(), dequantize(gf.tensors["blk.1.ffn_down_exps.weight"], e))
-    shared = model.layers[1]["mlp"]["shared_down"]
+    shared = model.layers[1].mlp.shared_down
     assert shared.f.name == "q8b"
     np.testing.assert_array_equal(shared.dequantize(), dequantize(gf.tensors["blk.1.ffn_down_shexp.weight"]))
     q4 = write_gguf(REFERENCE / "lite_like_plainq_yarn", tmp_path / "q4.gguf", "Q4_0")

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from ds2cli.cli.main import main
 from ds2cli.errors import ConfigError
 from ds2cli.weights.hub import hub_cache_dir, parse_hub_id, resolve_model_dir
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"

@@ -10,14 +10,14 @@ from click.testing import CliRunner
 
 import ds2cli
 from ds2cli.parallel import cores
-from ds2cli.weights import quant
+from ds2cli.weights import formats as quant
 from ds2cli.weights import scales
 from ds2cli.cli.main import main
-from ds2cli.model.linear import Dense
+from ds2cli.weights.formats import Dense
 from ds2cli.model.transformer import Step
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.weights.qcheckpoint import QuantConfig
-from ds2cli.weights.quant import FORMATS, QuantMatrix
+from ds2cli.weights.formats import FORMATS, QuantMatrix
 
 SHAPES = [(80, 256), (96, 64), (512, 384), (2, 30, 64)]   # partial last group; several groups; a stack
 
@@ -42,7 +42,7 @@ def test_round_trip_error_is_at_most_half_a_step(name, shape, search):
     m = QuantMatrix(*scales.quantize(w, f, search=search), f)
     assert m.qweight.dtype == f.qweight_dtype and m.scales.dtype == f.scale_dtype
     assert m.qweight.shape == f.qweight_shape(shape) and m.scales.shape == f.scales_shape(shape)
-    assert m.nbytes == f.nbytes(shape)
+    assert m.nbytes == f.nbytes_of(shape)
     if name == "bf16":
         assert np.all(m.scales == 1)
         assert np.all(np.abs(m.dequantize() - w) <= np.abs(w) * 2 ** -8)
@@ -88,10 +88,10 @@ def test_bf16_scales_round_up_so_the_extreme_never_clips():
 @pytest.mark.parametrize("threaded", [False, True])
 def test_kernels_equal_float32_products_of_the_dequantized_weight(monkeypatch, name, threaded, shape):
     if threaded:  # force the row-block path with its thread split, and chunked prefill
-        monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
-        monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 64 * 4 * shape[1])
-        monkeypatch.setattr(quant, "DEQUANTIZE_BLOCK_BYTES", 32 * 4 * shape[1])
-        monkeypatch.setattr(quant, "PREFILL_CHUNK_BYTES", 96 * 4 * shape[1])
+        monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)
+        monkeypatch.setattr(quant.base, "L2_BLOCK_BYTES", 64 * 4 * shape[1])
+        monkeypatch.setattr(quant.base, "DEQUANTIZE_BLOCK_BYTES", 32 * 4 * shape[1])
+        monkeypatch.setattr(quant.base, "PREFILL_CHUNK_BYTES", 96 * 4 * shape[1])
     m = scales.quantize_matrix(weights(shape), FORMATS[name])
     w = m.dequantize().astype(np.float64)
     rng = np.random.default_rng(1)
@@ -189,9 +189,9 @@ def test_the_unquantized_matrices_are_stored_bfloat16(quantized):
         headers, mapped, seen = checkpoint.read_headers(path), ds2cli.load(path), 0
         for i, layer in enumerate(mapped.layers):
             for part, key in UNQUANTIZED_MATRICES:
-                if key in layer[part]:
+                if key in layer.part(part):
                     assert headers[stored_name(i, part, key) + ".weight"].dtype == "BF16"
-                    stored, float = (getattr(w, "w", w) for w in (layer[part][key], source.layers[i][part][key]))
+                    stored, float = (getattr(w, "w", w) for w in (layer.part(part)[key], source.layers[i].part(part)[key]))
                     np.testing.assert_array_equal(stored.astype(np.float32), float)   # w_uk, w_uv: linear.Heads
                     seen += 1
         assert seen == 3 * (len(mapped.layers) - 1) + 2      # one dense layer, without a gate
@@ -201,7 +201,7 @@ def test_loading_is_a_memory_map_and_equals_quantizing_at_load(quantized):
     ids = [0, 74, 75, 76, 77, 300, 12]
     for bits, path in quantized.items():
         mapped = ds2cli.load(path)
-        w = mapped.layers[1]["mlp"]["experts_gate_up"]
+        w = mapped.layers[1].mlp.experts_gate_up
         assert isinstance(w, QuantMatrix)
         base = w.qweight
         while isinstance(base, np.ndarray) and base.base is not None:
@@ -426,12 +426,12 @@ def test_experts_quantized_as_they_load_equal_the_whole_stack_quantized(bits):
     qc, seen = QuantConfig.recipe(bits), 0
     for float_layer, layer in zip(source.layers, low.layers):
         for key in ("experts_gate_up", "experts_down"):
-            if key in layer["mlp"]:
-                w = float_layer["mlp"][key].w                                  # (E, out, in)
+            if key in layer.mlp:
+                w = float_layer.mlp[key].w                                  # (E, out, in)
                 q, s = scales.quantize(w, qc.format_of("mlp", key))
-                assert layer["mlp"][key].f is qc.format_of("mlp", key)
-                np.testing.assert_array_equal(layer["mlp"][key].qweight, q)
-                np.testing.assert_array_equal(layer["mlp"][key].scales, s)
+                assert layer.mlp[key].f is qc.format_of("mlp", key)
+                np.testing.assert_array_equal(layer.mlp[key].qweight, q)
+                np.testing.assert_array_equal(layer.mlp[key].scales, s)
                 seen += 1
     assert seen == 2 * (len(source.layers) - 1)
 
@@ -463,10 +463,10 @@ def test_a_layer_loading_never_holds_its_float32_expert_stack(monkeypatch):
 
     as_float, float_peak = peak(None)
     layer, low_peak = peak(QuantConfig.recipe(4))
-    assert isinstance(layer["mlp"]["experts_gate_up"], QuantMatrix)
+    assert isinstance(layer.mlp.experts_gate_up, QuantMatrix)
     assert float_peak > stacks and float_peak - low_peak > (E - 4) * 3 * inter * D * 4
-    np.testing.assert_array_equal(layer["mlp"]["experts_down"].dequantize(),
-                                  scales.quantize_matrix(as_float["mlp"]["experts_down"].w, FORMATS["q4"]).dequantize())
+    np.testing.assert_array_equal(layer.mlp.experts_down.dequantize(),
+                                  scales.quantize_matrix(as_float.mlp.experts_down.w, FORMATS["q4"]).dequantize())
 
 
 def test_an_expert_stack_names_the_experts_it_never_got_whole():

@@ -17,7 +17,7 @@ from ds2cli.weights import memory
 from ds2cli.weights import qcheckpoint
 from ds2cli.cli.main import main
 from ds2cli.weights.memory import MemoryCheckError
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.weights.qcheckpoint import QuantConfig
 
 

@@ -12,9 +12,9 @@ import ds2cli
 from ds2cli.weights import checkpoint
 from ds2cli.weights import qcheckpoint
 from ds2cli.weights import scales
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.weights.qcheckpoint import VERSION
-from ds2cli.weights.quant import FORMATS, QuantMatrix
+from ds2cli.weights.formats import FORMATS, QuantMatrix
 
 
 def weighted_error(w, m, weight=None):

@@ -16,6 +16,7 @@ import math
 
 from ds2cli.model.attention import absorbed_cost, expanded_cost
 from ds2cli.model.config import DeepseekV2Config
+from ds2cli.model.layers import Layer
 from ds2cli.model.transformer import Model
 
 
@@ -23,14 +24,14 @@ def params_of(w) -> int:
     return math.prod(w.shape)
 
 
-def layer_weights(layer: dict) -> list:
+def layer_weights(layer: Layer) -> list:
     """Everything every token reads in this layer, routed experts aside (absorbed decode reads
-    all of w_uk and w_uv): arrays and weight objects (linear.Dense, quant.QuantMatrix) alike."""
-    mlp = [a for name, a in layer["mlp"].items() if not name.startswith("experts_")]
-    return [layer["input_layernorm"], layer["post_attention_layernorm"], *layer["attn"].values(), *mlp]
+    all of w_uk and w_uv): arrays and weight objects (weights/formats) alike."""
+    mlp = [a for name, a in layer.mlp.items() if not name.startswith("experts_")]
+    return [layer.input_layernorm, layer.post_attention_layernorm, *layer.self_attn.values(), *mlp]
 
 
-def layer_params(layer: dict, matrices_only: bool = False) -> int:
+def layer_params(layer: Layer, matrices_only: bool = False) -> int:
     """Parameters of layer_weights; matrices_only leaves out the norm weights, for counting
     multiply-adds."""
     return sum(params_of(a) for a in layer_weights(layer) if len(a.shape) >= 2 or not matrices_only)
@@ -38,8 +39,8 @@ def layer_params(layer: dict, matrices_only: bool = False) -> int:
 
 def routed_expert(model: Model) -> list:
     """One routed expert's weights (gate_up, down); none without MoE layers."""
-    mlp = next((layer["mlp"] for layer in model.layers if layer["is_moe"]), None)
-    return [] if mlp is None else [mlp["experts_gate_up"][0], mlp["experts_down"][0]]
+    mlp = next((layer.mlp for layer in model.layers if layer.is_moe), None)
+    return [] if mlp is None else [mlp.experts_gate_up[0], mlp.experts_down[0]]
 
 
 def expert_params(model: Model) -> int:
@@ -60,7 +61,7 @@ def forward_weight_bytes(model: Model, routed_experts: float, tokens: int = 1) -
 def storage_format(w) -> str:
     """How a weight is stored, in the ceiling probe's names: a low-bit QuantMatrix's format (q8b
     counts as q8: int8 values, a scale per 32), bfloat16 arrays as bf16, the rest f32; q's
-    product with W_UK (linear.AbsorbedQuery) as q's."""
+    product with W_UK (parallel.absorbed.AbsorbedQuery) as q's."""
     if hasattr(w, "parts"):
         return storage_format(w.parts[0])
     f = getattr(w, "f", None)
@@ -112,8 +113,8 @@ def prefill_flops(model: Model, tokens: int) -> float:
 def all_weights(model: Model) -> list:
     arrays = [model.embed_tokens, model.norm, model.lm_head]
     for layer in model.layers:
-        arrays += [layer["input_layernorm"], layer["post_attention_layernorm"],
-                   *layer["attn"].values(), *layer["mlp"].values()]
+        arrays += [layer.input_layernorm, layer.post_attention_layernorm,
+                   *layer.self_attn.values(), *layer.mlp.values()]
     return list({id(a): a for a in arrays}.values())   # a tied lm_head is the embedding, once
 
 

@@ -18,8 +18,7 @@ from ds2cli.cli.bench.report import render, render_formats, stdout_console
 from ds2cli.cli.bench.settings import BenchError, cache_tokens, check_settings, clip_counts
 from ds2cli.cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.weights.gguf import checkpoint as gguf_model
-from ds2cli.weights.loader import check_model_dir, read_quant_config
+from ds2cli.weights.source import open_model
 from ds2cli.cli.options import model_option, thread_limits, threads_option
 from ds2cli.weights.qcheckpoint import QuantConfig
 
@@ -121,9 +120,8 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
     if model_dir is None:
         cfg = DeepseekV2Config.from_dict(lite_config(layers or DEFAULT_LAYERS))
     else:
-        model_dir = check_model_dir(model_dir)
-        gguf = gguf_model.open_model(model_dir, validate=False)     # a GGUF: config from its metadata
-        cfg = gguf.config if gguf else DeepseekV2Config.from_file(model_dir / "config.json")
+        source = open_model(model_dir)      # its config (a GGUF's from its metadata), nothing loaded
+        model_dir, cfg, gguf = source.path, source.config, source.gguf
         if gguf and not quantize and gguf.default_bits:
             # checked as load() will choose, which it then does (a Q8_0 file: its own blocks)
             gguf_default = (gguf.default_bits, gguf.default_recipe)
@@ -132,7 +130,7 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
     bench_dir = (cache_dir or Path("~/.cache/ds2/bench")).expanduser()
     context = cache_tokens(prompt_lengths, contexts, decode_steps)
     # refuse what cannot fit before synthesising or quantizing anything
-    stored = None if model_dir is None or model_dir.is_file() else read_quant_config(model_dir)
+    stored = None if model_dir is None else source.stored
     for bits in formats or [int(quantize) if quantize else gguf_default[0] if gguf_default else None]:
         memory.check(cfg, model_dir or synthetic_path(bench_dir, cfg.num_hidden_layers),
                      stored or (QuantConfig.recipe(bits) if bits and formats else None),

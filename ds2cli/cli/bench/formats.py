@@ -19,7 +19,8 @@ from ds2cli.cli.bench.measure import fill_cache
 from ds2cli.cli.bench.settings import BenchError, cache_tokens
 from ds2cli.cli.bench.timing import seconds, summary
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.weights.loader import load, read_quant_config
+from ds2cli.weights.loader import load
+from ds2cli.weights.source import read_quant_config
 from ds2cli.weights.quantize import quantize_checkpoint
 
 

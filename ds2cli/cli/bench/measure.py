@@ -149,7 +149,7 @@ def bench_passes(model: Model, ks: list[int], context: int, repeats: int, rng) -
             ids = rng.integers(model.config.vocab_size, size=k)
             cache.truncate(context)
             times[k].append(seconds(lambda: model.forward(ids, cache, all_logits=k > 1, trace=routes[k])))
-    layers = max(1, sum(1 for layer in model.layers if layer["is_moe"]))
+    layers = max(1, sum(1 for layer in model.layers if layer.is_moe))
     points = []
     for k in ks:
         routed = sum(len(np.unique(idx)) for idx in routes[k]) / repeats

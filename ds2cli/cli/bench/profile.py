@@ -23,7 +23,9 @@ from ds2cli.cli.bench.probes import probe_step_shapes
 from ds2cli.model import linear, moe, transformer
 from ds2cli.model.transformer import Model
 from ds2cli.parallel import cores, processes
-from ds2cli.weights import quant
+from ds2cli.parallel.absorbed import AbsorbedQuery
+from ds2cli.parallel.executor import CoreExecutor
+from ds2cli.weights import formats
 
 
 class Clock:
@@ -42,8 +44,9 @@ class Clock:
 
     def timed(self, label_of, fn, values_of=None, count: bool = True, own_of=None):
         """fn timed under label_of(*args), exclusive of the timed regions inside it; a call
-        counted where `count`, values_of(*args) weights added to the label's (a product: its
-        weight recorded too) and own_of(*args) to its own where given."""
+        counted where `count`, values_of(*args) weights added to the label's (a product, asked
+        of the executor: (executor, w, x[, heads]); its weights recorded too) and own_of(*args)
+        to its own where given."""
         def run(*args, **kwargs):
             label = label_of(*args)
             outer = not (values_of is not None and self.products)
@@ -51,7 +54,7 @@ class Clock:
                 self.calls[label] = self.calls.get(label, 0) + 1
             if values_of is not None and outer:
                 self.values[label] = self.values.get(label, 0.0) + values_of(*args)
-                self.weights.extend(getattr(args[0], "parts", [args[0]]))   # AbsorbedQuery: q, W_UK
+                self.weights.extend(w for w in args[1:2] + args[3:4] if w is not None)   # q and W_UK
             if own_of is not None:
                 self.own[label] = self.own.get(label, 0.0) + own_of(*args)
             self.stack.append([label, time.perf_counter(), 0.0])
@@ -68,12 +71,16 @@ class Clock:
         return run
 
 
-def product_label(w, *_) -> str:
+def product_label(_executor, w, *_) -> str:
     return f"products {storage_format(w)}"
 
 
-def product_values(w, x) -> float:
-    return sum(len(x) * p.shape[-1] * p.shape[-2] for p in getattr(w, "parts", [w]))
+def product_values(_executor, w, x, heads=None) -> float:
+    return sum(len(x) * p.shape[-1] * p.shape[-2] for p in (w, heads) if p is not None)
+
+
+def span_label(w, *_) -> str:
+    return f"products {storage_format(w)}"
 
 
 def span_values(m, x, y, a: int, b: int) -> float:
@@ -88,13 +95,11 @@ COORDINATION = "coordination: plans sent, helpers awaited"
 @contextlib.contextmanager
 def instrumented(clock: Clock):
     """The timers in place for the block, the originals restored after."""
-    patches = [(linear.Dense, "matmul", product_label, product_values, True, None),
-               (quant.QuantMatrix, "matmul", product_label, product_values, True, None),
-               (quant.QuantMatrix, "span", product_label, None, False, span_values),  # the calls are matmul's
-               (linear.Heads, "heads", product_label, product_values, True, None),    # w_uk, w_uv
-               (linear.Heads, "span", product_label, None, False, span_values),
-               (linear.AbsorbedQuery, "matmul", product_label, product_values, True, None),   # q with w_uk
-               (linear.AbsorbedQuery, "span", product_label, None, False, None),   # its parts' spans: theirs
+    patches = [(CoreExecutor, "start_product", product_label, product_values, True, None),   # q with w_uk too
+               (CoreExecutor, "heads", product_label, product_values, True, None),           # w_uk, w_uv
+               (formats.QuantMatrix, "span", span_label, None, False, span_values),  # the calls are the products'
+               (linear.Heads, "span", span_label, None, False, span_values),
+               (AbsorbedQuery, "span", span_label, None, False, None),   # its parts' spans: theirs
                (processes.Helpers, "send", lambda *a: COORDINATION, None, True, None),
                (processes.Helpers, "collect", lambda *a: COORDINATION, None, False, None),  # a plan: send's
                (processes.Helpers, "claim", lambda *a: COORDINATION, None, False, None),    # each unit taken
@@ -117,7 +122,7 @@ REPLAY_STEPS = 4
 
 def unmultiplied(model: Model) -> list:
     """The weights a decode step reads outside the products: each MoE layer's router gate."""
-    return [layer["mlp"]["gate"] for layer in model.layers if layer["is_moe"]]
+    return [layer.mlp.gate for layer in model.layers if layer.is_moe]
 
 
 def profile_decode(model: Model, cache, context: int, steps: int, rng) -> dict:

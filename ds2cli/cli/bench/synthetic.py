@@ -19,7 +19,7 @@ from ds2cli.cli import console
 from ds2cli.weights import staging as files
 from ds2cli.cli.bench.settings import BenchError
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.weights.loader import bundled_model_dir
+from ds2cli.weights.source import bundled_model_dir
 from ds2cli.wording import article
 
 LITE_LAYERS = 27            # DeepSeek-V2-Lite's depth; --layers takes the first N of them

@@ -15,7 +15,6 @@ Q8_0 file into ds2's own 8-bit recipe; `--quantize exact` names a Q8_0 file's de
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from pathlib import Path
 
@@ -83,6 +82,14 @@ class GGUFModel:
             gen["do_sample"] = gen["temperature"] > 0
         return gen
 
+    def check(self) -> None:
+        """The tensors against the metadata: every problem named, or none."""
+        found = self.tensors.problems(self.config)
+        if found:
+            shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+            raise CheckpointError(f"GGUF {self.file.name} does not match its metadata "
+                                  f"({len(found)} problem{'s' * (len(found) > 1)}): {shown}")
+
     def tokenizer(self):
         from ds2cli.weights.gguf.tokenizer import tokenizer_from_gguf
         return tokenizer_from_gguf(self.file, self.config.vocab_size)
@@ -108,27 +115,16 @@ def config_json(cfg: DeepseekV2Config) -> dict:
     return {"architectures": ["DeepseekV3ForCausalLM" if cfg.is_v3 else "DeepseekV2ForCausalLM"], **d}
 
 
-@functools.lru_cache(maxsize=1)
-def read_file(parts: tuple[Path, ...], mtimes: tuple[int, ...]) -> GGUFFile:
-    """The parsed file, kept for the next caller: a command reads the config before it loads
-    (options.model_config), and parsing a 100k-token vocabulary takes seconds. `mtimes` keys
-    the cache, so a file rewritten in between is read again."""
-    return GGUFFile(list(parts))
-
-
 def open_model(path: str | Path, validate: bool = True) -> GGUFModel | None:
-    """The GGUF at `path` (a file, a directory holding one, any part of a split file), read and
-    checked; None when `path` is not a GGUF."""
+    """The GGUF at `path` (a file, a directory holding one, any part of a split file), read and,
+    with `validate`, checked; None when `path` is not a GGUF. A command opens its model once
+    (weights/source.py) and loads from that."""
     parts = find(path)
     if parts is None:
         return None
-    gf = read_file(tuple(parts), tuple(p.stat().st_mtime_ns for p in parts))
+    gf = GGUFFile(list(parts))
     cfg = config_from_gguf(gf)
-    tensors = GGUFTensors(gf, cfg)
+    model = GGUFModel(gf, cfg, GGUFTensors(gf, cfg))
     if validate:
-        found = tensors.problems(cfg)
-        if found:
-            shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
-            raise CheckpointError(f"GGUF {gf.name} does not match its metadata "
-                                  f"({len(found)} problem{'s' * (len(found) > 1)}): {shown}")
-    return GGUFModel(gf, cfg, tensors)
+        model.check()
+    return model

@@ -1,0 +1,87 @@
+"""The executor: what the math asks for when it has work that may run at once, and where it runs.
+
+attention.py, moe.py and transformer.py are handed an executor (the Model's) and ask it for
+  matmul_all(products)   independent products [(w, x)] or [(w, x, heads)] computed together
+  heads(w, x)            a stack of per-head matrices applied head by head (linear.Heads)
+  map(fn, items, cost)   [fn(item) for item in items] for independent items (attention's pieces)
+  split(n, tokens)       [0, n) as slices that may run at once (heads of a long pass)
+  split_keys(S, tokens)  a cache's positions [0, S) as slices whose running sums merge (spread)
+  spread(fn, items)      [fn(item) for item in items], an item a core
+  experts(w, ...)        one MoE layer's routed experts (and shared ones) over their tokens
+  layers(n, block, x)    the decoder layers in order, block(i, x) -> x, and `after_layer(i, x)`
+  forward_pass(tokens)   the context one pass of `tokens` tokens runs in
+and know nothing of threads, processes, machines or where a weight lives. This class is the
+reference: everything on the calling thread, in order, each product through its weight's own
+`matmul`. parallel/executor.py shares the same work over the cores and helper processes; a
+cluster or a run that streams experts from disk is another subclass, never an edit to the math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import numpy as np
+
+
+class Executor:
+    """Everything on the calling thread: the reference path for tests and readers."""
+
+    def start(self, model) -> None:
+        """Called once the model's weights exist (ds2cli.load): nothing to set up here."""
+
+    def stop(self) -> None:
+        """Release what start set up."""
+
+    def forward_pass(self, tokens: int):
+        return contextlib.nullcontext()
+
+    def matmul_all(self, products) -> list[np.ndarray]:
+        """[w.matmul(x) for w, x in products], for products that do not depend on each other.
+        A product (w, x, heads) is w's output read as H heads, each followed by heads[h] over its
+        first n_in values (MLA's q and its fold through W_UK): the result holds, head by head,
+        the product's own values and then the fold's, (T, H*(width+n_out))."""
+        return [self.product(*p) for p in products]
+
+    def product(self, w, x: np.ndarray, heads=None) -> np.ndarray:
+        y = w.matmul(x)
+        if heads is None:
+            return y
+        H, n_in, n_out = heads.w.shape
+        q = y.reshape(len(x), H, -1)                                        # (T, H, width)
+        folded = heads.heads(q[..., :n_in])                                 # (T, H, n_out)
+        return np.concatenate([q, folded], axis=-1).reshape(len(x), -1)     # (T, H*(width+n_out))
+
+    def heads(self, w, x: np.ndarray) -> np.ndarray:
+        return w.heads(x)
+
+    def map(self, fn: Callable, items, cost=None) -> list:
+        return [fn(item) for item in items]
+
+    def split(self, n: int, tokens: int) -> list[slice]:
+        return [slice(0, n)]
+
+    def split_keys(self, S: int, tokens: int) -> list[slice]:
+        return [slice(0, S)]
+
+    def spread(self, fn: Callable, items) -> list:
+        return [fn(item) for item in items]
+
+    def experts(self, w, ids, xs: list[np.ndarray], shared: np.ndarray | None, ffn: Callable) -> list[np.ndarray]:
+        """MoE layer w's routed experts `ids`, each over its tokens xs[j], then its shared
+        experts over `shared` (None: none): ffn(self, [(x, gate_up, down), ...]) computes a list
+        of such MLPs. Where each expert runs is the executor's: here, all of them, at once."""
+        tasks = [(x, w.experts_gate_up[e], w.experts_down[e]) for e, x in zip(ids, xs)]
+        if shared is not None:
+            tasks.append((shared, w.shared_gate_up, w.shared_down))
+        return ffn(self, tasks)
+
+    def layers(self, n: int, block: Callable[[int, np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
+        """x through decoder layers 0..n-1 in order, block(i, x) each; after each, after_layer."""
+        for i in range(n):
+            x = block(i, x)
+            self.after_layer(i, x)
+        return x
+
+    def after_layer(self, i: int, x: np.ndarray) -> None:
+        """Layer i's output is known (a streamed run reads the next layer's experts ahead)."""
