@@ -257,8 +257,12 @@ class QuantMatrix:
                 np.matmul(w, xt, out=yt[c0:c1])                             # (chunk, T)
 
     def dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
-        """Rows r0..r1 of the weight as float32 into out."""
-        self.scale_rows(self.unpack(self.qweight[r0:r1], out), self.scales, r0)
+        """Rows r0..r1 of the weight as float32 into out, a few MB at a time (dequantize_arrays
+        says why)."""
+        block = row_block(self.shape[1], self.ROW_ALIGN, DEQUANTIZE_BLOCK_BYTES)
+        for b0 in range(r0, r1, block):
+            b1 = min(r1, b0 + block)
+            self.scale_rows(self.unpack(self.qweight[b0:b1], out[b0 - r0:b1 - r0]), self.scales, b0)
         return out
 
 

@@ -78,6 +78,11 @@ class Q8(QuantMatrix):
                 y[:, r0:r1] = yt.T
         self.output_rows(y, a, b)
 
+    @classmethod
+    def unpack_chunk(cls, qweight: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """A prefill chunk's values as float32: int8 in one cast."""
+        return cls.unpack(qweight, out)
+
     def span_many(self, xt: np.ndarray, yt: np.ndarray, a: int, b: int) -> None:
         """Rows a..b of yt = W @ xt for many tokens: each chunk cast once and multiplied; the
         per-row scales go on the output rows, not on every weight."""
@@ -87,5 +92,6 @@ class Q8(QuantMatrix):
             for c0 in range(a, b, chunk):
                 c1 = min(b, c0 + chunk)
                 w = buf[:(c1 - c0) * inp].reshape(c1 - c0, inp)
-                np.matmul(self.unpack(self.qweight[c0:c1], w), xt, out=yt[c0:c1])
-                self.output_rows(yt.T, c0, c1)
+                np.matmul(self.unpack_chunk(self.qweight[c0:c1], w), xt, out=yt[c0:c1])
+                if self.output_scales:
+                    yt[c0:c1] *= self.scales[c0:c1, None]                   # (chunk, T), rows contiguous
