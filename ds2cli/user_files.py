@@ -102,10 +102,14 @@ def check_destination(path: Path, what: str) -> None:
     parent = target.parent
     if not parent.is_dir():
         raise Ds2Error(f"{what} {path}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise Ds2Error(f"{what} {path}: the directory {parent} is not writable")
-    if target.exists() and not os.access(target, os.W_OK) and not os.access(parent, os.W_OK):
-        raise Ds2Error(f"{what} {path} is not writable")
+    # a file made and removed at once: the only test a read-only file system (or a full one's
+    # inode table) cannot pass, and root's os.access would
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{target.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise Ds2Error(f"{what} {path}: cannot write in {parent}: {e.strerror}") from None
 
 
 def temporaries(target: Path) -> list[Path]:

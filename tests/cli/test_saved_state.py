@@ -336,3 +336,18 @@ def test_transcripts_are_bounded(tmp_path):
     assert read_messages(path, 1000)[0]["content"] == "hi"
     with pytest.raises(TooLargeError):
         read_messages(path, 10)
+
+
+def test_a_read_only_directory_is_refused_before_any_work(tmp_path, monkeypatch):
+    """The destination's directory is probed with a real file (what a read-only file system
+    refuses even to root), not with os.access."""
+    import errno
+    import tempfile
+    from ds2cli import user_files
+    from ds2cli.errors import Ds2Error
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(Ds2Error, match="cannot write in .*Read-only file system"):
+        user_files.check_destination(tmp_path / "s.ds2", "--session")
