@@ -180,7 +180,7 @@ GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_positi
 @click.argument("prompt", required=False)
 @model_option
 @click.option("-p", "--prompt", "prompt_option", metavar="TEXT", help="The prompt (instead of the PROMPT argument).")
-@click.option("--prompt-file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+@click.option("-f", "--prompt-file", "--file", "prompt_file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
               help="Read the prompt from FILE (- for stdin).")
 @click.option("--encoding", default="utf-8", metavar="NAME",
               help="Encoding of the prompt file or stdin, and of the prompt and --system arguments where "

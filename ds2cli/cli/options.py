@@ -77,7 +77,7 @@ def chat_template_option(extra: str = ""):
 
 
 def threads_option(f):
-    return click.option("--threads", type=click.IntRange(min=1), metavar="N",
+    return click.option("-t", "--threads", type=click.IntRange(min=1), metavar="N",
                         help="Threads for the matrix products, BLAS's and the low-bit kernels' (default: "
                              "what the BLAS library picks, usually one per core; the kernels one per core, "
                              "at most 8).")(f)
@@ -102,9 +102,9 @@ def sampling_options(f):
         click.option("--repetition-penalty", type=FiniteFloatRange(min=0, min_open=True),
                      help=f"Penalise tokens already in the prompt or the reply (Hugging Face's "
                           f"multiplicative penalty); 1 = off {gen} 1)."),
-        click.option("--seed", type=Seed(), help="Random seed: the same seed gives the same output; "
+        click.option("-s", "--seed", type=Seed(), help="Random seed: the same seed gives the same output; "
                                                  "-1 = random (default: random)."),
-        click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), metavar="N",
+        click.option("-n", "--max-new-tokens", "--n-predict", "--max-tokens", type=click.IntRange(min=1), metavar="N",
                      help=f"Most tokens to generate (default: generation_config.json's max_new_tokens, "
                           f"else {DEFAULT_MAX_NEW_TOKENS})."),
     ]
@@ -148,7 +148,7 @@ def generation_options(ctx_help: str):
         click.option("--stop", multiple=True, callback=lambda ctx, param, value: checked_stops(value),
                      help="Stop at this string (repeatable; not printed). Understands the escapes "
                           "\\n \\t \\r \\0 \\\\ \\\" \\' and \\xNN, as llama-cli does."),
-        click.option("--ctx", type=click.IntRange(min=1), metavar="N", help=ctx_help),
+        click.option("-c", "--ctx", "--ctx-size", type=click.IntRange(min=1), metavar="N", help=ctx_help),
         max_prompt_bytes_option,
     ]
 

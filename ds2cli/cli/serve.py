@@ -112,7 +112,7 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 @chat_template_option()
 @sampling_options
 @draft_option
-@click.option("--ctx", type=click.IntRange(min=1), metavar="N", help=f"Tokens per request, prompt and reply; "
+@click.option("-c", "--ctx", "--ctx-size", type=click.IntRange(min=1), metavar="N", help=f"Tokens per request, prompt and reply; "
               f"more than the model's max_position_embeddings is refused (default: "
               f"min(max_position_embeddings, {DEFAULT_CTX})).")
 @click.option("--parallel", default=DEFAULT_PARALLEL, type=click.IntRange(1, 64), metavar="N",
