@@ -19,7 +19,6 @@ def run(*args, input=None):
     ("-s", "--seed", 7), ("-t", "--threads", 1)])
 def test_generate_takes_llama_cli_and_mlx_lm_spellings(alias, name, value):
     args = ["generate", "ROMEO:", "--temperature", "0.8", "--max-new-tokens", "6", "--seed", "3"]
-    args = [a for a in args]
     i = args.index(name) if name in args else None
     if i is not None:
         del args[i:i + 2]
