@@ -1,7 +1,8 @@
 """ds2: DeepSeek-V2 family language models on a CPU, in pure NumPy.
 
 The packages are the layers, bottom-up; each imports only those before it in this list:
-    errors, json_files, wording   modules every layer may use (error types, untrusted JSON, words)
+    errors, wording, user_files, json_files   modules every layer may use (error types, words,
+                 a user's files read within limits and written atomically, untrusted JSON)
     model        the math: config, RoPE, latent cache, MLA attention, MoE, the transformer, and
                  the executor interface it asks for parallel work (run on the calling thread)
     parallel     the default executor: this machine's cores, BLAS threads, helper processes

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from ds2cli.errors import Ds2Error
+from ds2cli.user_files import read_bounded
 
 # What json.loads raises on untrusted text: JSONDecodeError, UnicodeDecodeError and an integer of
 # thousands of digits are ValueErrors; deep nesting is a RecursionError.
@@ -23,14 +24,20 @@ def json_error(e: BaseException) -> str:
     return "a number has too many digits"
 
 
-def read_json_object(path: Path, error: type[Ds2Error]) -> dict:
-    """An untrusted JSON file that must hold an object; any failure raises `error` in one line."""
+JSON_FILE_LIMIT = 16 << 20     # config.json, generation_config.json ...: kilobytes in every real model
+
+
+def read_json_object(path: Path, error: type[Ds2Error], limit: int = JSON_FILE_LIMIT) -> dict:
+    """An untrusted JSON file that must hold an object, at most `limit` bytes (measured before it
+    is read); any failure raises `error` in one line."""
     try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except JSON_ERRORS as e:
+        raw = read_bounded(path, limit, "JSON file")
+    except Ds2Error as e:
+        raise error(str(e)) from None
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, *JSON_ERRORS) as e:
         raise error(f"{path} is not valid JSON: {json_error(e)}") from None
-    except OSError as e:
-        raise error(f"cannot read {path}: {e.strerror}") from None
     if not isinstance(d, dict):
         raise error(f"{path} must hold a JSON object, not {type(d).__name__}")
     return d

@@ -11,8 +11,10 @@ is the only way out besides /exit. Prompts go to stderr when stdout is not a ter
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -53,7 +55,14 @@ class LineEditor:
             self.readline = _readline(history)
 
     def read(self, prompt: str) -> str:
-        """One line, without its end; EOFError at end of input, KeyboardInterrupt on Ctrl-C."""
+        """One line, without its end; EOFError at end of input, KeyboardInterrupt on Ctrl-C.
+        SIGTERM and SIGHUP end the process at once meanwhile: everything said is on disk by then
+        (a --session is saved after every turn), and readline's wait would hold a Python
+        handler's exception until the next key."""
+        with default_signals():
+            return self._read(prompt)
+
+    def _read(self, prompt: str) -> str:
         if self.readline is not None:
             return clean_line(input(prompt))
         if self.interactive:
@@ -90,6 +99,18 @@ class LineEditor:
                                     encoding="utf-8", errors="surrogateescape")
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def default_signals():
+    """SIGTERM and SIGHUP as the system handles them (the process ends) for the block; the
+    handlers the chat set (which save the session first) again after it."""
+    before = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def escape_entry(entry: str) -> str:
@@ -159,7 +180,8 @@ CHAT_HELP = """commands:
   /system [TEXT] set the system message (without TEXT: show it)
   /save PATH     save the conversation as JSON (ds2 chat --load resumes it)
   /help          this help
-  /exit, /quit   leave (Ctrl-D too; Ctrl-C clears the line or stops a reply)
+  /exit, /quit   leave (Ctrl-D too; Ctrl-C clears the line or stops a reply);
+                 unsaved turns are pointed out first: /exit! leaves at once
 input:
   a line holding only \""" starts a multi-line message; the next one sends it
   a bracketed paste (most terminals) arrives as one message, newlines kept
@@ -174,8 +196,10 @@ class Repl:
         self.draft = draft
         self.interactive = sys.stdin.isatty()
         self.unsaved = False          # the conversation has turns no /save or --load holds
-        self.session_file = None      # --session: the conversation is saved there on leaving
+        self.session_file = None      # --session: the conversation is saved there after every turn
         self.turns = self.failed = 0
+        self.warned = False           # the unsaved turns were pointed out once: the next leave leaves
+        self.leave_now = False        # /exit!
 
     def resume(self, messages: list[dict], path: Path) -> None:
         self.session.load(messages)
@@ -201,17 +225,39 @@ class Repl:
         if self.interactive:
             console.info("ds2 chat: /help for commands, \"\"\" for a multi-line message, Ctrl-D to leave")
         try:
-            for text in MessageReader(editor, on_interrupt=lambda: console.info("")):
-                try:
-                    if not self.handle(text):
-                        break
-                except KeyboardInterrupt:   # Ctrl-C between a reply and the prompt: keep going
-                    console.info("")
+            while True:
+                for text in MessageReader(editor, on_interrupt=lambda: console.info("")):
+                    try:
+                        if not self.handle(text):
+                            break
+                    except KeyboardInterrupt:   # Ctrl-C between a reply and the prompt: keep going
+                        console.info("")
+                if self.may_leave():
+                    break
         finally:
             editor.close()
-        if self.interactive and self.unsaved and self.session_file is None:
-            console.info("(leaving with unsaved turns: /save PATH keeps a conversation)")
         return not self.interactive and self.turns > 0 and self.failed == self.turns
+
+    def may_leave(self) -> bool:
+        """On a terminal, turns that nothing holds are pointed out before leaving, as editors do:
+        the next /exit or Ctrl-D (or /exit! at once) leaves without them."""
+        if self.leave_now or not self.interactive or not self.unsaved or self.session_file is not None \
+                or self.warned:
+            return True
+        self.warned = True
+        console.info("(this conversation has unsaved turns: /save PATH keeps them; /exit again, "
+                     "/exit! or Ctrl-D leaves without saving)")
+        return False
+
+    def autosave(self) -> None:
+        """--session: the conversation and its cache saved after every turn, so that nothing
+        said is lost however the process ends."""
+        if self.session_file is None:
+            return
+        try:
+            self.session.save_session(self.session_file)
+        except Ds2Error as e:
+            console.error(f"{e} (the conversation goes on; the next turn saves it again)")
 
     def handle(self, text: str) -> bool:
         """One message or /command; False to leave."""
@@ -227,7 +273,9 @@ class Repl:
             console.error(str(e))
             self.failed += 1
             return True
-        self.unsaved = True
+        finally:
+            self.autosave()             # an interrupted reply too: the conversation kept it
+        self.unsaved, self.warned = True, False
         if last is not None and self.stats:
             console.info(console.stats_line(None, last, self.session.cache))
         return True
@@ -238,12 +286,17 @@ class Repl:
         arg = arg.strip()
         if name in ("/exit", "/quit") and not arg:
             return False
+        if name in ("/exit!", "/quit!") and not arg:
+            self.leave_now = True
+            return False
         if name == "/clear" and not arg:
             self.session.clear()
             self.unsaved = False
+            self.autosave()
             console.info("(new conversation)")
         elif name == "/system" and arg:
             self.session.set_system(arg)
+            self.autosave()
             console.info("(system message set)")
         elif name == "/system":
             current = next((m["content"] for m in self.session.messages if m["role"] == "system"), None)
@@ -281,6 +334,10 @@ def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop, draf
             console.info(reading.summary())
         console.info("(reply interrupted; the conversation is kept)")
         return None
+    except BaseException:        # SIGTERM, SIGHUP: the reply so far joins the conversation first
+        chunks.close()
+        reading.close()
+        raise
     write_out("\n")
     if session.cut:
         console.warn(session.cut)

@@ -30,6 +30,7 @@ from ds2cli.cli.inspect_gguf import describe_gguf
 from ds2cli.weights.source import bundled_model_dir, check_model_dir
 from ds2cli.model.transformer import Model
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, generation_options,
+                            prompt_bytes_limit,
                             load_model, max_new_tokens_for, memory_options, model_from_env, open_source, tokenizer_of,
                             model_option, naming_ds2_model, sampler_for, stats_option, strip_bom, thread_limits,
                             threads_option, unescape)
@@ -39,6 +40,7 @@ from ds2cli.generation.sampling import CountingSampler
 from ds2cli.cli.serve import serve
 from ds2cli.cli.inspect_tables import render
 from ds2cli.wording import plural
+from ds2cli.user_files import Lock, check_destination, read_bounded
 
 DEFAULT_CHAT_CTX = 4096  # chat keeps one cache for the whole conversation; cap its default size
 PIPE_CLOSED_EXIT = 0     # every command, when the reader of stdout goes away (`| head`)
@@ -133,8 +135,9 @@ def main():
     DeepSeek-V2-Lite slice)."""
 
 
-def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str) -> str:
-    """The prompt argument, or the file (`-` is stdin), or stdin; without a byte-order mark."""
+def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str, limit: int) -> str:
+    """The prompt argument, or the file (`-` is stdin), or stdin; without a byte-order mark. A
+    file or stdin is measured against `limit` (--max-prompt-bytes) before it is read."""
     if prompt_file is not None and prompt not in (None, "-"):
         raise click.UsageError("give the prompt as an argument or with --prompt-file, not both")
     try:
@@ -143,23 +146,30 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str) -> 
         raise click.BadParameter(f"unknown encoding {encoding!r}", param_hint="--encoding") from None
     if prompt_file is not None and str(prompt_file) != "-":
         try:
-            return strip_bom(prompt_file.read_bytes().decode(encoding))
-        except OSError as e:
-            raise Ds2Error(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
+            return strip_bom(read_bounded(prompt_file, limit, "prompt file", "--max-prompt-bytes").decode(encoding))
         except UnicodeDecodeError as e:
             raise Ds2Error(f"prompt file {prompt_file} is not valid {encoding} (byte {e.start}); "
                            f"pass --encoding to read it") from None
     if prompt_file is not None or prompt in (None, "-"):
-        stdin = sys.stdin.buffer
-        if prompt is None and prompt_file is None and stdin.isatty():
+        if prompt is None and prompt_file is None and sys.stdin.isatty():
             raise click.UsageError("no prompt: pass one as an argument, with -p, --prompt-file, or on stdin")
         try:
-            return strip_bom(stdin.read().decode(encoding))
+            return strip_bom(read_bounded("-", limit, "the prompt on stdin", "--max-prompt-bytes").decode(encoding))
         except UnicodeDecodeError as e:
             raise Ds2Error(f"the prompt on stdin is not valid {encoding} (byte {e.start}); "
                            f"pass --encoding to read it") from None
     return strip_bom(argument_text(prompt, "prompt argument", encoding))
 
+
+def check_prompt_cache(path: Path | None, config) -> None:
+    """--prompt-cache, before anything loads: a place a file can be written, and, if something is
+    there, a prompt cache (a chat session or any other file is refused, never written over)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise Ds2Error(f"--prompt-cache {path} is a directory, not a prompt cache file")
+    check_destination(path, "--prompt-cache")
+    saved_cache.check_kind(path, config, saved_cache.PROMPT_CACHE)
 
 
 GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_position_embeddings is refused "
@@ -170,7 +180,7 @@ GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_positi
 @click.argument("prompt", required=False)
 @model_option
 @click.option("-p", "--prompt", "prompt_option", metavar="TEXT", help="The prompt (instead of the PROMPT argument).")
-@click.option("--prompt-file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+@click.option("-f", "--prompt-file", "--file", "prompt_file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
               help="Read the prompt from FILE (- for stdin).")
 @click.option("--encoding", default="utf-8", metavar="NAME",
               help="Encoding of the prompt file or stdin, and of the prompt and --system arguments where "
@@ -206,18 +216,24 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
     source = open_source(model_dir)
     config = source.config
     check_ctx(config, opts["ctx"])
-    if prompt_cache is not None and prompt_cache.is_dir():
-        raise Ds2Error(f"--prompt-cache {prompt_cache} is a directory, not a prompt cache file")
-    text = read_prompt(prompt if prompt_option is None else prompt_option, prompt_file, encoding)
+    check_prompt_cache(prompt_cache, config)
+    text = read_prompt(prompt if prompt_option is None else prompt_option, prompt_file, encoding,
+                       prompt_bytes_limit(config, opts["max_prompt_bytes"]))
     if not text and not from_bos:
         raise Ds2Error("the prompt is empty: give some text, or pass --from-bos to generate "
                        "from the bos token alone")
     with thread_limits(opts["threads"]):
         # the prompt's ids and the context they need, before any weight loads: a prompt longer
         # than the context is refused here, and the memory check counts prompt + -n tokens
-        ids = prompt_ids(tokenizer_of(source, chat_template), text, chat, system)
         max_positions = config.max_position_embeddings
         limit = opts["ctx"] or max_positions
+        tokenizer = tokenizer_of(source, chat_template)
+        at_least = tokenizer.count_at_least(text, limit + 1)     # slices, stopping past the context
+        if at_least > limit:
+            what = "--ctx" if opts["ctx"] else "the model's max_position_embeddings"
+            raise ContextFullError(f"the prompt is at least {at_least} tokens, more than the context of "
+                                   f"{limit} tokens ({what})")
+        ids = prompt_ids(tokenizer, text, chat, system)
         if len(ids) > limit:
             what = "--ctx" if opts["ctx"] else "the model's max_position_embeddings"
             raise ContextFullError(f"the prompt is {len(ids)} tokens, more than the context of {limit} tokens "
@@ -250,9 +266,13 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
     capacity = opts["ctx"] or min(len(ids) + max_new, limit)
     cache, keep = model.new_cache(capacity), 0
     if prompt_cache is not None and prompt_cache.exists():
-        cache, kept, _ = saved_cache.load(prompt_cache, model, capacity, match=ids)
-        keep = len(kept)
-        console.info(f"(prompt cache {prompt_cache}: {keep} of the prompt's {plural(len(ids), 'token')} already read)")
+        try:
+            cache, kept, _ = saved_cache.load(prompt_cache, model, capacity, match=ids)
+            keep = len(kept)
+            console.info(f"(prompt cache {prompt_cache}: {keep} of the prompt's {plural(len(ids), 'token')} "
+                         f"already read)")
+        except saved_cache.ForeignCacheError as e:       # llama-cli's behaviour: a cache, rebuilt
+            console.warn(f"{e}; rebuilding it")
     room = cache.capacity - len(ids) + 1          # the last sampled token is never fed back
     if max_new > room:
         console.warn(f"the context of {cache.capacity} tokens leaves room for {room} of the {max_new} "
@@ -270,8 +290,8 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
     except KeyboardInterrupt:
         chunks.close()
         reading.close()
-        if prompt_cache is not None and cache.length >= len(ids):    # the prompt was read: keep it
-            saved_cache.save(prompt_cache, model, cache, ids)
+        if prompt_cache is not None and cache.length > keep:   # what was read of the prompt: keep it
+            save_prompt_cache(prompt_cache, model, cache, ids[:cache.length])
         # the timings of what ran: the prefill, and the decode steps up to the last chunk shown
         ran = pieces[-1] if pieces else Chunk("", prompt_tokens=len(ids))
         interrupted = dataclasses.replace(ran, text="".join(c.text for c in pieces), finish_reason="interrupted")
@@ -286,11 +306,61 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
             console.info(console.stats_line(load_s, interrupted, cache))
         sys.exit(130)
     if prompt_cache is not None:
-        saved_cache.save(prompt_cache, model, cache, ids)
+        save_prompt_cache(prompt_cache, model, cache, ids)
     if as_json:
         write_out(json.dumps(generation_json(last, load_s, opts["draft"]), ensure_ascii=False) + "\n")
     if opts["stats"]:
         console.info(console.stats_line(load_s, last, cache))
+
+
+def save_prompt_cache(path: Path, model: Model, cache, ids: list[int]) -> None:
+    """The prompt's cache, written while this process holds the file (another generate waits its
+    turn by failing, never by interleaving two writes)."""
+    with Lock(path, "--prompt-cache"):
+        saved_cache.save(path, model, cache, ids, kind=saved_cache.PROMPT_CACHE, clean=True)
+
+
+class Left(BaseException):
+    """SIGTERM or SIGHUP (a closed terminal) arrived: leave as from /exit, saving what there is."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def leaving_on_signals():
+    """SIGTERM and SIGHUP leave the block through its finally clauses (a chat's session is saved),
+    once: a second one while saving is ignored. Yields a list that gets the signal's number."""
+    left: list[int] = []
+
+    def leave(signum, _frame):
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        left.append(signum)
+        raise Left(signum)
+    before = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield left
+    except Left:
+        pass
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def save_on_leaving(session: ChatSession, path: Path) -> None:
+    """The session saved once more as the chat ends, however it ends; saying so may fail when the
+    terminal is gone (SIGHUP), which must not undo the save."""
+    try:
+        session.save_session(path)
+    except Ds2Error as e:
+        with contextlib.suppress(OSError):
+            console.error(str(e))
+        return
+    with contextlib.suppress(OSError):
+        console.info(f"(session saved to {path}: {plural(len(session.messages), 'message')}, "
+                     f"{plural(len(session.cached_ids), 'token')} cached)")
 
 
 def show_prompt(tok, ids: list[int]) -> None:
@@ -355,34 +425,48 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
     check_ctx(source.config, opts["ctx"])
     if load_path is not None and session_path is not None:
         raise click.UsageError("--load rereads a transcript and --session resumes a saved session: give one")
-    if session_path is not None and session_path.is_dir():
-        raise Ds2Error(f"--session {session_path} is a directory, not a session file")
-    messages = read_messages(load_path) if load_path is not None else None
-    with thread_limits(opts["threads"]):
-        tokenizer_of(source, chat_template)
-        model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check)
-        capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
-        session = ChatSession(model, capacity, warn=console.warn)
-        repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
-                    [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]], opts["stats"],
-                    opts["draft"])
-        if messages is not None:
-            repl.resume(messages, load_path)
-        if session_path is not None and session_path.exists():
-            session.resume_session(session_path)
-            repl.show_resumed(session.messages, session_path, len(session.cached_ids))
-        repl.session_file = session_path
-        if system:
-            session.set_system(system)
-        if opts["stats"]:
-            console.info(f"[load {load_s:.2f}s]")
-        try:
-            failed_everything = repl.run()
-        finally:
-            if session_path is not None:
-                session.save_session(session_path)
-                console.info(f"(session saved to {session_path}: {plural(len(session.messages), 'message')}, "
-                             f"{plural(len(session.cached_ids), 'token')} cached)")
+    lock = None
+    if session_path is not None:
+        # all a session's end depends on, checked before the model loads: its place, its kind, its lock
+        if session_path.is_dir():
+            raise Ds2Error(f"--session {session_path} is a directory, not a session file")
+        check_destination(session_path, "--session")
+        saved_cache.check_kind(session_path, source.config, saved_cache.SESSION)
+        lock = Lock(session_path, "--session")
+    try:
+        messages = None if load_path is None else \
+            read_messages(load_path, prompt_bytes_limit(source.config, opts["max_prompt_bytes"]))
+        with thread_limits(opts["threads"]), leaving_on_signals() as left:
+            tokenizer_of(source, chat_template)
+            model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check)
+            capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
+            session = ChatSession(model, capacity, warn=console.warn)
+            repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
+                        [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]], opts["stats"],
+                        opts["draft"])
+            if messages is not None:
+                repl.resume(messages, load_path)
+            if session_path is not None and session_path.exists():
+                foreign = session.resume_session(session_path)
+                if foreign:
+                    console.warn(f"{foreign}: its {plural(len(session.messages), 'message')} are read again "
+                                 f"by this model at the next turn")
+                repl.show_resumed(session.messages, session_path, len(session.cached_ids))
+            repl.session_file = session_path
+            if system:
+                session.set_system(system)
+            if opts["stats"]:
+                console.info(f"[load {load_s:.2f}s]")
+            try:
+                failed_everything = repl.run()
+            finally:
+                if session_path is not None:
+                    save_on_leaving(session, session_path)
+        if left:
+            sys.exit(128 + left[0])
+    finally:
+        if lock is not None:
+            lock.release()
     if failed_everything:
         sys.exit(1)
 

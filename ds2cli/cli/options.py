@@ -22,6 +22,7 @@ from ds2cli.generation.draft import MAX_DRAFT
 from ds2cli.generation.generate import check_stops
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
+from ds2cli.user_files import read_bounded
 from ds2cli.weights.loader import load
 from ds2cli.weights.source import Source, open_model
 from ds2cli.model.transformer import Model
@@ -76,7 +77,7 @@ def chat_template_option(extra: str = ""):
 
 
 def threads_option(f):
-    return click.option("--threads", type=click.IntRange(min=1), metavar="N",
+    return click.option("-t", "--threads", type=click.IntRange(min=1), metavar="N",
                         help="Threads for the matrix products, BLAS's and the low-bit kernels' (default: "
                              "what the BLAS library picks, usually one per core; the kernels one per core, "
                              "at most 8).")(f)
@@ -101,9 +102,9 @@ def sampling_options(f):
         click.option("--repetition-penalty", type=FiniteFloatRange(min=0, min_open=True),
                      help=f"Penalise tokens already in the prompt or the reply (Hugging Face's "
                           f"multiplicative penalty); 1 = off {gen} 1)."),
-        click.option("--seed", type=Seed(), help="Random seed: the same seed gives the same output; "
+        click.option("-s", "--seed", type=Seed(), help="Random seed: the same seed gives the same output; "
                                                  "-1 = random (default: random)."),
-        click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), metavar="N",
+        click.option("-n", "--max-new-tokens", "--n-predict", "--max-tokens", type=click.IntRange(min=1), metavar="N",
                      help=f"Most tokens to generate (default: generation_config.json's max_new_tokens, "
                           f"else {DEFAULT_MAX_NEW_TOKENS})."),
     ]
@@ -128,6 +129,18 @@ def checked_stops(stops: tuple[str, ...]) -> tuple[str, ...]:
     return stops
 
 
+max_prompt_bytes_option = click.option(
+    "--max-prompt-bytes", type=click.IntRange(min=1), metavar="N",
+    help="Refuse a prompt, a transcript (--load) or stdin larger than this, measured before it is read "
+         "(default: 32 bytes a position of the model's context, at least 1 MiB).")
+
+
+def prompt_bytes_limit(config: DeepseekV2Config, requested: int | None) -> int:
+    """--max-prompt-bytes, else what the model's context could hold: no tokenizer turns more
+    than a few bytes into a token, so 32 a position refuses only what could never fit."""
+    return requested if requested is not None else max(1 << 20, 32 * config.max_position_embeddings)
+
+
 def generation_options(ctx_help: str):
     """generate's and chat's: the sampling options and -n, then --stop and --ctx. The commands
     place --draft, --threads, the memory options and --stats after them, in that order."""
@@ -135,7 +148,8 @@ def generation_options(ctx_help: str):
         click.option("--stop", multiple=True, callback=lambda ctx, param, value: checked_stops(value),
                      help="Stop at this string (repeatable; not printed). Understands the escapes "
                           "\\n \\t \\r \\0 \\\\ \\\" \\' and \\xNN, as llama-cli does."),
-        click.option("--ctx", type=click.IntRange(min=1), metavar="N", help=ctx_help),
+        click.option("-c", "--ctx", "--ctx-size", type=click.IntRange(min=1), metavar="N", help=ctx_help),
+        max_prompt_bytes_option,
     ]
 
     def decorate(f):
@@ -176,12 +190,19 @@ def open_source(model_dir: Path | None) -> Source:
         return open_model(model_dir)
 
 
+TEMPLATE_LIMIT = 1 << 20      # a chat template: kilobytes in every real model
+
+
 def tokenizer_of(source: Source, chat_template: Path | None = None):
     """The model's tokenizer (read once), with --chat-template's file in place of its own."""
     with naming_ds2_model():
         tokenizer = source.tokenizer
     if chat_template is not None:
-        tokenizer.set_chat_template(read_text_file(chat_template, "chat template"))
+        text = read_text_file(chat_template, "chat template", TEMPLATE_LIMIT)
+        try:
+            tokenizer.set_chat_template(text)
+        except Ds2Error as e:
+            raise type(e)(f"chat template {chat_template}: {e}") from None
     return tokenizer
 
 
@@ -239,11 +260,10 @@ def load_model(source: Source, quantize: str | None = None, context: int | None 
     return model, time.perf_counter() - t0
 
 
-def read_text_file(path: Path, what: str) -> str:
+def read_text_file(path: Path, what: str, limit: int, option: str = "") -> str:
+    """A UTF-8 text file of at most `limit` bytes, measured before it is read (user_files)."""
     try:
-        return strip_bom(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise Ds2Error(f"cannot read {what} {path}: {e.strerror}") from None
+        return strip_bom(read_bounded(path, limit, what, option).decode("utf-8"))
     except UnicodeDecodeError as e:
         raise Ds2Error(f"{what} {path} is not valid UTF-8 (byte {e.start})") from None
 

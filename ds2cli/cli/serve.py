@@ -18,7 +18,7 @@ from ds2cli.generation import grammar as grammars
 from ds2cli.server.api import Defaults
 from ds2cli.server.scheduler import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, Scheduler
 from ds2cli.errors import Ds2Error
-from ds2cli.server.http_server import Server, State
+from ds2cli.server.http_server import MAX_BODY_BYTES, Server, State
 from ds2cli.server.prompt_disk import DiskPool
 from ds2cli.wording import human_bytes
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
@@ -112,7 +112,7 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 @chat_template_option()
 @sampling_options
 @draft_option
-@click.option("--ctx", type=click.IntRange(min=1), metavar="N", help=f"Tokens per request, prompt and reply; "
+@click.option("-c", "--ctx", "--ctx-size", type=click.IntRange(min=1), metavar="N", help=f"Tokens per request, prompt and reply; "
               f"more than the model's max_position_embeddings is refused (default: "
               f"min(max_position_embeddings, {DEFAULT_CTX})).")
 @click.option("--parallel", default=DEFAULT_PARALLEL, type=click.IntRange(1, 64), metavar="N",
@@ -121,6 +121,9 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 @click.option("--queue", "max_queue", default=DEFAULT_QUEUE, type=click.IntRange(min=0), metavar="N",
               help=f"Requests that may wait for one of the --parallel slots; beyond, a 503 at once "
                    f"(default: {DEFAULT_QUEUE}).")
+@click.option("--max-prompt-bytes", type=click.IntRange(min=1), metavar="N",
+              help=f"A request body larger than this gets 413, unread (default: {MAX_BODY_BYTES // 2**20} MiB, "
+                   f"which holds a prompt as long as V2's whole context).")
 @click.option("--prefill-chunk", default=DEFAULT_PREFILL_CHUNK, type=click.IntRange(min=1), metavar="N",
               help="While other requests decode, a new prompt runs this many tokens a pass: their "
                    f"streams wait at most one such pass for a token (default: {DEFAULT_PREFILL_CHUNK}).")
@@ -136,7 +139,7 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 @threads_option
 @memory_options
 def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_cache_dir, prompt_cache_dir_mb,
-          max_queue, parallel, prefill_chunk,
+          max_queue, parallel, prefill_chunk, max_prompt_bytes,
           draft, cors_origins, system, chat_template, quantize, no_memory_check, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
@@ -153,6 +156,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
     # the port first: a taken one is an error at once, not after minutes of loading; meanwhile
     # /health answers 503 "loading" and the API 503 with Retry-After
     state = State(None, model_id, None, api_key or None, cors_origins=cors_origins)
+    state.max_body = max_prompt_bytes or MAX_BODY_BYTES
     server = listen(host, port, state, max_queue + parallel)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     thread.start()

@@ -6,8 +6,6 @@ tokens the cache already holds, and prefills only what differs (usually just the
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -18,35 +16,28 @@ from ds2cli.model.transformer import Model
 from ds2cli.generation import saved_cache
 from ds2cli.generation.sampling import Sampler
 from ds2cli.model.cache import common_prefix
+from ds2cli.user_files import read_bounded, write_atomic
 
 ROLES = ("system", "user", "assistant")
+TRANSCRIPT_LIMIT = 64 << 20     # a saved conversation's default limit: far beyond any context
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: a crash never leaves half a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write beside `path` (a symlink's target), then rename: a crash never leaves half a file,
+    and the file keeps its mode."""
+    write_atomic(Path(path), lambda f: f.write(text.encode("utf-8")), clean=False)
+
+
+def read_messages(path: Path, limit: int = TRANSCRIPT_LIMIT) -> list[dict]:
+    """A saved conversation: a JSON list of {role, content} (or an object with "messages"),
+    at most `limit` bytes, measured before it is read."""
+    if not Path(path).exists():
+        raise Ds2Error(f"conversation file {path} does not exist")
+    raw = read_bounded(path, limit, "conversation file", "--max-prompt-bytes")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_messages(path: Path) -> list[dict]:
-    """A saved conversation: a JSON list of {role, content} (or an object with "messages")."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise Ds2Error(f"conversation file {path} does not exist") from None
-    except JSON_ERRORS as e:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, *JSON_ERRORS) as e:
         raise Ds2Error(f"conversation file {path} is not valid JSON: {json_error(e)}") from None
-    except OSError as e:
-        raise Ds2Error(f"cannot read conversation {path}: {e.strerror}") from None
     return checked_messages(data, path)
 
 
@@ -87,20 +78,28 @@ class ChatSession:
 
     def save(self, path: str | Path) -> None:
         try:
-            write_atomic(Path(path), json.dumps(self.messages, ensure_ascii=False, indent=2) + "\n")
+            write_text_atomic(Path(path), json.dumps(self.messages, ensure_ascii=False, indent=2) + "\n")
         except OSError as e:
             raise Ds2Error(f"cannot save the conversation to {path}: {e.strerror}") from None
 
     def save_session(self, path: Path) -> None:
         """The conversation and the latent cache of what it has read (saved_cache.py): resuming it
         reads nothing again."""
-        saved_cache.save(path, self.model, self.cache, self.cached_ids, {"messages": self.messages})
+        saved_cache.save(path, self.model, self.cache, self.cached_ids, {"messages": self.messages},
+                         kind=saved_cache.SESSION, clean=True)     # the chat holds the session's lock
 
-    def resume_session(self, path: Path) -> None:
-        """The conversation `save_session` wrote, its cache as it was."""
-        cache, ids, state = saved_cache.load(path, self.model, self.cache.capacity)
+    def resume_session(self, path: Path) -> str | None:
+        """The conversation `save_session` wrote, its cache as it was. A session of another model
+        or ds2 version keeps its conversation: its messages come back, to be read again by this
+        model at the next turn; the reason is returned, to be said (None: resumed as it was)."""
+        try:
+            cache, ids, state = saved_cache.load(path, self.model, self.cache.capacity, kind=saved_cache.SESSION)
+        except saved_cache.ForeignCacheError as e:
+            self.load(checked_messages(e.state, path))
+            return str(e)
         self.messages = checked_messages(state, path)
         self.cache, self.cached_ids = cache, ids
+        return None
 
     def _fit(self, reserve: int) -> list[int]:
         """Render the history with the generation prompt, dropping the oldest whole turns

@@ -93,7 +93,9 @@ class Model:
         own tokens: the projections, norms, router and experts run once on all their rows
         stacked, attention per sequence against its cache. Returns each step's logits.
         More than PREFILL_CHUNK tokens run as several passes in order; `progress(done, total)`
-        hears of each. An error or interrupt leaves every cache at the length it had."""
+        hears of each. An error leaves every cache at the length it had; an interrupt (Ctrl-C,
+        SIGTERM) leaves each holding the passes it finished, so that what was read can be kept
+        (a chat's session, a prompt cache)."""
         ids = [self._check_ids(s.ids) for s in steps]
         if len({id(s.cache) for s in steps}) < len(steps):
             raise Ds2Error("a forward pass got the same cache twice")
@@ -108,7 +110,7 @@ class Model:
         lengths = [s.cache.length for s in steps]
         try:
             return self._forward_in_chunks(ids, steps, trace, progress)
-        except BaseException:
+        except Exception:
             for s, n in zip(steps, lengths):
                 s.cache.length = n
             raise

@@ -56,6 +56,7 @@ class State:
                  sink=None, cors_origins: tuple[str, ...] = ()):
         self.scheduler, self.model_id, self.defaults, self.api_key = scheduler, model_id, defaults, api_key
         self.sink = sink                    # where log lines go (tests collect them); default stderr
+        self.max_body = MAX_BODY_BYTES      # a request body beyond this gets 413 (--max-prompt-bytes)
         self.cors_origins = tuple(cors_origins)     # --cors-origin: the origins whose pages may call us ("*": any)
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -465,10 +466,11 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise ApiError(400, f"bad Content-Length {length[:40]!r}")
         n = int(length)
-        if n > MAX_BODY_BYTES:
+        limit = self.server.state.max_body
+        if n > limit:
             self.linger = True
-            raise ApiError(413, f"the request body is {n} bytes, more than the limit of {MAX_BODY_BYTES} bytes",
-                           code="request_too_large")
+            raise ApiError(413, f"the request body is {n} bytes, more than the limit of {limit} bytes "
+                                f"(ds2 serve --max-prompt-bytes)", code="request_too_large")
         raw = self.rfile.read(n)
         self.body_read = True
         if len(raw) < n:

@@ -23,11 +23,14 @@ import json
 import os
 import re
 import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ds2cli.errors import ConfigError, Ds2Error
 from ds2cli.json_files import JSON_ERRORS
+from ds2cli.wording import human_bytes
 
 # org/name as the Hub spells repository ids, with an optional @revision (branch, tag or commit).
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?")
@@ -132,9 +135,14 @@ def not_found(repo: str, cache_dir: Path, missing: list[str]) -> str:
 
 def failed(where: str, action: str, repo: str, reason: str) -> ConfigError:
     """One line: where ds2 looked, what failed and why, what to do."""
-    offline = " (HF_HUB_OFFLINE is set: huggingface_hub does not download)" if os.environ.get("HF_HUB_OFFLINE") else ""
+    offline = " (HF_HUB_OFFLINE is set: huggingface_hub does not download)" if hub_offline() else ""
     return ConfigError(f"{where}, and {action} failed{offline}: {reason}; download it where there is "
                        f"a network (`hf download {repo}`) or pass a local directory")
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it: 1, ON, YES or TRUE; 0 or empty is not offline."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def first_sentence(e: Exception) -> str:
@@ -248,26 +256,57 @@ def fetch_heads(repo: str, snapshot: Path, limit: int) -> RemoteShards:
                           f"most {MAX_REMOTE_SHARDS} over the network: download it (`hf download {repo}`) "
                           f"and inspect its directory")
     urls = [huggingface_hub.hf_hub_url(repo, name, revision=commit) for name in names]
+    budget = Budget(max(limit, HEADS_TOTAL_BYTES), time.monotonic() + HEADS_DEADLINE_S)
     with ThreadPoolExecutor(HEAD_WORKERS) as pool:
-        heads = list(pool.map(lambda url: read_head(url, limit), urls))
+        heads = list(pool.map(lambda url: read_head(url, limit, budget), urls))
     return RemoteShards({name: head for name, head in zip(names, heads) if head is not None})
 
 
-def read_head(url: str, limit: int) -> tuple[int, bytes] | None:
+# All the shards' headers together: a real model's are a few MB (V3's 163 shards: 9 MB), so a
+# repository that claims more is refused before it is read; and all of them within one deadline,
+# so that a server that drips a byte a second ends the command instead of holding it forever
+# (huggingface_hub's timeout is per read).
+HEADS_TOTAL_BYTES = 200 << 20
+HEADS_DEADLINE_S = 120.0
+
+
+class Budget:
+    """What the shard heads of one inspect may still take: bytes, and time until `deadline`."""
+
+    def __init__(self, nbytes: int, deadline: float):
+        self.left, self.deadline, self.lock = nbytes, deadline, threading.Lock()
+
+    def take(self, n: int, url: str) -> None:
+        with self.lock:
+            if n > self.left:
+                raise ConfigError(f"the shards' safetensors headers add up to more than "
+                                  f"{human_bytes(HEADS_TOTAL_BYTES)} (at {url.rsplit('/', 1)[-1]}): "
+                                  f"not a checkpoint ds2 reads over the network")
+            self.left -= n
+
+    def check(self, url: str) -> None:
+        if time.monotonic() > self.deadline:
+            raise OSError(f"reading the safetensors headers took more than {HEADS_DEADLINE_S:.0f} s "
+                          f"(at {url.rsplit('/', 1)[-1]})")
+
+
+def read_head(url: str, limit: int, budget: Budget | None = None) -> tuple[int, bytes] | None:
     """(file size, first 8 + header-length bytes) of the safetensors file at `url`, in two Range
     requests (None: the Hub has no such file). The length is asked for only when it fits the
     file and `limit`; otherwise checkpoint.read_header reports it from the 8 bytes alone."""
-    first = read_range(url, 0, 8)
+    first = read_range(url, 0, 8, budget)
     if first is None:
         return None
     size, head = first
     n = int.from_bytes(head, "little") if len(head) == 8 else 0
     if 0 < n <= min(size - 8, limit):
-        head += read_range(url, 8, 8 + n)[1]
+        if budget is not None:
+            budget.take(n, url)
+        head += read_range(url, 8, 8 + n, budget)[1]
     return size, head
 
 
-def read_range(url: str, start: int, stop: int) -> tuple[int, bytes] | None:
+def read_range(url: str, start: int, stop: int, budget: Budget | None = None) -> tuple[int, bytes] | None:
     """Bytes [start, stop) of the file at `url` and the file's size (Content-Range's total), with
     huggingface_hub's session, token and timeout; None on 404. The body is cut at stop - start
     bytes: a server that ignores the range is an error, not a shard downloaded whole."""
@@ -287,6 +326,8 @@ def read_range(url: str, start: int, stop: int) -> tuple[int, bytes] | None:
             data += chunk
             if len(data) >= stop - start:
                 break
+            if budget is not None:
+                budget.check(url)
     return int(total[1]), bytes(data[:stop - start])
 
 

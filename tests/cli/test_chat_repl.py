@@ -220,7 +220,10 @@ def test_line_editing_history_ctrl_c_and_ctrl_d(terminal, tmp_path):
     assert "2 + 3 = 5." in t.expect(PROMPT)
     t.wait_for_keys()                                         # as before a Ctrl-C at a fresh prompt
     t.send(CTRL_D)
-    assert "unsaved" in t.expect(r"unsaved turns.*\n")
+    assert "unsaved" in t.expect(r"unsaved turns.*\n")              # said before leaving: still here
+    t.expect(PROMPT)
+    t.wait_for_keys()
+    t.send(CTRL_D)                                            # the second one leaves
     assert t.wait() == 0
     history = (tmp_path / "data" / "ds2" / "chat_history").read_text()
     assert "What is 2 + 3?" in history and "regretted" not in history
@@ -229,7 +232,7 @@ def test_line_editing_history_ctrl_c_and_ctrl_d(terminal, tmp_path):
     t.expect(PROMPT)
     t.send(UP + "\r")
     assert "2 + 3 = 5." in t.expect(PROMPT)
-    t.send("/exit\r")
+    t.send("/exit!\r")
     assert t.wait() == 0
 
 
@@ -290,8 +293,7 @@ def test_prompts_go_to_stderr_when_stdout_is_a_file(terminal, tmp_path):
         t.send("/help\r")
         t.expect(r"/exit, /quit")
         t.expect(r">>> ")
-        t.wait_for_keys()                                     # as before a Ctrl-C at a fresh prompt
-        t.send(CTRL_D)
+        t.send("/exit!\r")                                   # leaves at once, unsaved turns and all
         assert t.wait() == 0
     assert out.read_text() == "2 + 3 = 5.\n"                  # replies only
 
@@ -309,10 +311,10 @@ def test_a_multi_line_message_is_one_history_entry(terminal, tmp_path):
     t.expect(r"\.\.\. $")
     t.send('"""\r')
     first = t.expect(PROMPT)
-    t.send("/exit\r")
+    t.send("/exit!\r")
     assert t.wait() == 0
     history = (tmp_path / "data" / "ds2" / "chat_history").read_text().splitlines()
-    assert history[-2:] == ["What is\\n17 + 25?", "/exit"], history
+    assert history[-2:] == ["What is\\n17 + 25?", "/exit!"], history
 
     t = terminal()
     t.expect(PROMPT, timeout=STARTUP)
@@ -320,5 +322,5 @@ def test_a_multi_line_message_is_one_history_entry(terminal, tmp_path):
     again = t.expect(PROMPT)
     reply = [line for line in first.splitlines() if "=" in line or "42" in line]
     assert reply and reply[-1].strip() in again, (first, again)
-    t.send("/exit\r")
+    t.send("/exit!\r")
     assert t.wait() == 0

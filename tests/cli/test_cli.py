@@ -230,7 +230,7 @@ def test_chat_template_file_replaces_the_checkpoints(tmp_path):
     assert r.exit_code == 0 and r.stdout.strip()
     template.write_text("{% for %}")
     r = run("generate", "hi", "--chat-template", str(template))
-    assert r.exit_code == 1 and r.stderr.startswith("error: chat template line 1")
+    assert r.exit_code == 1 and r.stderr.startswith(f"error: chat template {template}: chat template line 1")
     r = run("generate", "hi", "--chat-template", str(tmp_path / "none.jinja"))
     assert r.exit_code == 1 and "cannot read chat template" in r.stderr
 

@@ -20,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli.generation import conversation as chat_module
+from ds2cli import user_files as chat_module
 from ds2cli.weights import checkpoint
-from ds2cli.generation.conversation import ChatSession, read_messages, write_atomic
+from ds2cli.generation.conversation import ChatSession, read_messages, write_text_atomic as write_atomic
 from ds2cli.cli.main import main
 from ds2cli.errors import CheckpointError, ConfigError, Ds2Error, TokenizerError
 from ds2cli.generation.sampling import SamplingParams, make_sampler

@@ -94,8 +94,8 @@ def flip_last_byte(path: Path):
     (header_edit(lambda h: h.update(layers="2")), "layers"),
     (lambda p: p.write_bytes(b"DS2CACHE" + struct.pack("<I", 2 ** 31) + b"{}"), "header claims"),
     (lambda p: p.write_bytes(b"DS2CACHE" + struct.pack("<I", 3) + b"{]}"), "corrupt header"),
-    (lambda p: p.write_bytes(b"PK\x03\x04 a zip file"), "not a ds2 saved cache"),
-    (lambda p: p.write_bytes(b""), "not a ds2 saved cache"),
+    (lambda p: p.write_bytes(b"PK\x03\x04 a zip file"), "not a ds2 session or prompt cache"),
+    (lambda p: p.write_bytes(b""), "not a ds2 session or prompt cache"),
 ], ids=["truncated", "extended", "edited", "version", "other_model", "bad_token", "huge_length", "typed_dims",
         "huge_header", "bad_json", "other_format", "empty"])
 def test_hostile_files_are_one_error_and_stay_as_they_were(model, tmp_path, spoil, message):
@@ -158,21 +158,39 @@ def test_generate_prompt_cache_reuses_the_prompt_and_answers_the_same(tmp_path):
     assert plain.stdout == first.stdout
 
 
-@pytest.mark.parametrize("spoil", ["directory", "other_version"])
-def test_generate_refuses_a_bad_prompt_cache_and_leaves_it(tmp_path, model, spoil):
+@pytest.mark.parametrize("spoil", ["directory", "session", "transcript"])
+def test_generate_refuses_what_is_not_a_prompt_cache_and_leaves_it(tmp_path, model, spoil):
+    """A directory, a chat session or any other file given as --prompt-cache is one error line,
+    before anything loads, and the file is byte for byte as it was."""
+    path = tmp_path / "x"
     if spoil == "directory":
-        path = tmp_path / "dir"
         path.mkdir()
-        before = None
+    elif spoil == "session":
+        cache = model.new_cache(8)
+        model.forward([1, 2, 3], cache)
+        saved_cache.save(path, model, cache, [1, 2, 3], {"messages": []}, kind=saved_cache.SESSION)
     else:
-        path = saved_file(model, tmp_path)
-        header_edit(lambda h: h.update(version=0))(path)
-        before = path.read_bytes()
+        path.write_text('[{"role": "user", "content": "hi"}]')
+    before = None if spoil == "directory" else path.read_bytes()
     r = ds2("generate", "hello", "-n", "2", "--prompt-cache", path)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert r.stdout == ""
+    if spoil == "session":
+        assert "is a chat session, not a prompt cache" in lines[0]
     assert (path.is_dir() if before is None else path.read_bytes() == before)
+
+
+def test_a_prompt_cache_of_another_version_or_model_is_rebuilt(tmp_path, model):
+    """llama-cli's behaviour: a prompt cache that belongs to another model or ds2 version is a
+    cache, not the user's work: one warning, then it is written again for this model."""
+    path = saved_file(model, tmp_path)
+    header_edit(lambda h: h.update(version=0))(path)
+    r = ds2("generate", "hello", "-n", "2", "--temperature", "0", "--prompt-cache", path)
+    assert r.returncode == 0, r.stderr
+    assert "another version of ds2" in r.stderr and "rebuilding it" in r.stderr
+    tokens, _ = saved_cache.load_into(path, model, model.new_cache(32))
+    assert tokens == model.tokenizer.encode("hello")
 
 
 def test_chat_session_resumes_without_reading_again(tmp_path):
@@ -186,7 +204,7 @@ def test_chat_session_resumes_without_reading_again(tmp_path):
     assert "resumed 2 messages" in two.stderr and "already read" in two.stderr
     both = ds2("chat", "--temperature", "0", "-n", "20", stdin="What is 12 + 30?\nWhat is 451 - 123?\n")
     assert one.stdout + two.stdout == both.stdout
-    state = saved_cache.load(session, ds2cli.load(), 1024)
+    state = saved_cache.load(session, ds2cli.load(), 1024, kind=saved_cache.SESSION)
     assert [m["role"] for m in state[2]["messages"]] == ["user", "assistant", "user", "assistant"]
 
 

@@ -173,7 +173,9 @@ def test_a_batch_is_chunked_with_each_sequence_in_order(monkeypatch):
     assert (ca.length, cb.length) == (len(a), len(b))
 
 
-def test_an_interrupted_chunked_prefill_leaves_the_cache_as_it_was(monkeypatch):
+def test_an_interrupted_chunked_prefill_keeps_the_passes_it_finished(monkeypatch):
+    """Ctrl-C while a long prompt is read keeps the passes already read (a chat's session or a
+    prompt cache saves them); an error keeps the cache as it was."""
     model = ds2cli.load()
     ids = model.tokenizer.encode("ROMEO: " * 30)
     cache = model.new_cache(len(ids) + 5)
@@ -185,6 +187,14 @@ def test_an_interrupted_chunked_prefill_leaves_the_cache_as_it_was(monkeypatch):
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         model.forward(ids, cache, progress=interrupt)
+    assert cache.length == 5 + 16
+
+    def fail(done, total):
+        if done >= 16:
+            raise ValueError("a bug")
+    cache.truncate(5)
+    with pytest.raises(ValueError):
+        model.forward(ids, cache, progress=fail)
     assert cache.length == 5
 
 
