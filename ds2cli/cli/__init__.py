@@ -9,6 +9,7 @@ Bottom-up:
     inspect_gguf    the same report for a GGUF file
     inspect_tables  inspect's report as rich tables
     chat_loop       `ds2 chat`'s terminal loop and line editor (over generation.conversation)
+    saved_state     --session and --prompt-cache: checked first, held, saved however the chat ends
     serve           `ds2 serve`: options, loading, listening, the graceful stop
     bench/          `ds2 bench` (its __init__ lists its modules)
     main            the click group and commands: parse, call, render

@@ -40,7 +40,9 @@ from ds2cli.generation.sampling import CountingSampler
 from ds2cli.cli.serve import serve
 from ds2cli.cli.inspect_tables import render
 from ds2cli.wording import plural
-from ds2cli.user_files import Lock, check_destination, read_bounded
+from ds2cli.user_files import read_bounded
+from ds2cli.cli.saved_state import (check_prompt_cache, hold_session, leaving_on_signals, save_on_leaving,
+                                    save_prompt_cache)
 
 DEFAULT_CHAT_CTX = 4096  # chat keeps one cache for the whole conversation; cap its default size
 PIPE_CLOSED_EXIT = 0     # every command, when the reader of stdout goes away (`| head`)
@@ -159,17 +161,6 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, encoding: str, lim
             raise Ds2Error(f"the prompt on stdin is not valid {encoding} (byte {e.start}); "
                            f"pass --encoding to read it") from None
     return strip_bom(argument_text(prompt, "prompt argument", encoding))
-
-
-def check_prompt_cache(path: Path | None, config) -> None:
-    """--prompt-cache, before anything loads: a place a file can be written, and, if something is
-    there, a prompt cache (a chat session or any other file is refused, never written over)."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise Ds2Error(f"--prompt-cache {path} is a directory, not a prompt cache file")
-    check_destination(path, "--prompt-cache")
-    saved_cache.check_kind(path, config, saved_cache.PROMPT_CACHE)
 
 
 GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_position_embeddings is refused "
@@ -313,56 +304,6 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
         console.info(console.stats_line(load_s, last, cache))
 
 
-def save_prompt_cache(path: Path, model: Model, cache, ids: list[int]) -> None:
-    """The prompt's cache, written while this process holds the file (another generate waits its
-    turn by failing, never by interleaving two writes)."""
-    with Lock(path, "--prompt-cache"):
-        saved_cache.save(path, model, cache, ids, kind=saved_cache.PROMPT_CACHE, clean=True)
-
-
-class Left(BaseException):
-    """SIGTERM or SIGHUP (a closed terminal) arrived: leave as from /exit, saving what there is."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def leaving_on_signals():
-    """SIGTERM and SIGHUP leave the block through its finally clauses (a chat's session is saved),
-    once: a second one while saving is ignored. Yields a list that gets the signal's number."""
-    left: list[int] = []
-
-    def leave(signum, _frame):
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        left.append(signum)
-        raise Left(signum)
-    before = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield left
-    except Left:
-        pass
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-
-
-def save_on_leaving(session: ChatSession, path: Path) -> None:
-    """The session saved once more as the chat ends, however it ends; saying so may fail when the
-    terminal is gone (SIGHUP), which must not undo the save."""
-    try:
-        session.save_session(path)
-    except Ds2Error as e:
-        with contextlib.suppress(OSError):
-            console.error(str(e))
-        return
-    with contextlib.suppress(OSError):
-        console.info(f"(session saved to {path}: {plural(len(session.messages), 'message')}, "
-                     f"{plural(len(session.cached_ids), 'token')} cached)")
-
-
 def show_prompt(tok, ids: list[int]) -> None:
     """--verbose-prompt: the text the model is conditioned on (special tokens included), then its ids."""
     console.info(f"prompt ({plural(len(ids), 'token')}):")
@@ -427,12 +368,7 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
         raise click.UsageError("--load rereads a transcript and --session resumes a saved session: give one")
     lock = None
     if session_path is not None:
-        # all a session's end depends on, checked before the model loads: its place, its kind, its lock
-        if session_path.is_dir():
-            raise Ds2Error(f"--session {session_path} is a directory, not a session file")
-        check_destination(session_path, "--session")
-        saved_cache.check_kind(session_path, source.config, saved_cache.SESSION)
-        lock = Lock(session_path, "--session")
+        lock = hold_session(session_path, source.config)
     try:
         messages = None if load_path is None else \
             read_messages(load_path, prompt_bytes_limit(source.config, opts["max_prompt_bytes"]))
