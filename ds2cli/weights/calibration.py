@@ -8,7 +8,7 @@ H = mean over tokens of x x^T (in, in). Each routed expert's comes only from the
 sent to it; an expert that saw fewer than MIN_EXPERT_TOKENS takes its layer's, pooled over all
 the experts' tokens.
 
-How the statistics act depends on the format (quant.py):
+How the statistics act depends on the format (weights/formats/):
   - q8's scale spans a row, across input channels of very different energy, so the row-scale
     search weighs each column's squared error by diag(H) (the error of output o is
     sum_i e_oi x_i, whose mean square is e_o^T H e_o, diag(H)-weighted when the channels are
@@ -128,7 +128,7 @@ class Moments:
 
 
 class Recorder:
-    """A float weight (linear.Dense) that adds up the second moments of what it multiplies, so
+    """A float weight (formats.Dense) that adds up the second moments of what it multiplies, so
     attention.py and moe.py run unchanged; `w[e]` records into expert e's moments."""
 
     def __init__(self, dense: Dense, moments: Moments, expert: int = 0):

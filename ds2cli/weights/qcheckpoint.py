@@ -19,7 +19,7 @@ the RoPE rows of q and kv_a_proj_with_mqa de-interleaved, kv_b_proj split into p
   model.layers.{i}.mlp.{experts_gate_up, experts_down, shared_gate_up, shared_down}.*
   model.embed_tokens.*, model.norm.weight, lm_head.* (absent when tied)
 
-where `*` is `qweight` + `scales` for a low-bit matrix (formats in quant.py) and `weight` (F32)
+where `*` is `qweight` + `scales` for a low-bit matrix (weights/formats/) and `weight` (F32)
 for one kept in float32. Every tensor starts at a multiple of 64 bytes in its file.
 """
 
@@ -307,7 +307,7 @@ HEAD_STACKS = (("attn", "w_uk"), ("attn", "w_uv"))    # multiplied head by head 
 
 def as_stored_weight(part: str, key: str, array):
     """A prepared layer's float array as the model multiplies by it: a projection's as a
-    linear.Dense, w_uk's and w_uv's as a linear.Heads, a norm's or the gate's as it is."""
+    formats.Dense, w_uk's and w_uv's as a linear.Heads, a norm's or the gate's as it is."""
     if isinstance(array, (Dense, Heads, QuantMatrix)):
         return array
     if (part, key) in ROLE_OF:

@@ -1,4 +1,4 @@
-"""Choosing the scales: a float weight into one of quant.py's formats, each q8 row's, q8b block's
+"""Choosing the scales: a float weight into one of weights/formats' classes, each q8 row's, q8b block's
 or q4 group's scale the one of least squared error (after llama.cpp's make_qx_quants), or round
 to nearest. This runs once, in `ds2 quantize` and `--quantize`; the kernels never see it.
 """

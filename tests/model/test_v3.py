@@ -290,7 +290,7 @@ def test_loaded_fp8_weights_equal_the_stored_bytes_times_their_scales():
     assert scale.shape == (2, 1)                       # 160 rows: one full block and a partial one
     rows = np.arange(info.shape[0])[:, None] // 128
     want = raw.reshape(info.shape).astype(np.float32) * scale[rows, 0]
-    np.testing.assert_array_equal(model.layers[2].self_attn.o_proj.w, want)   # a linear.Dense
+    np.testing.assert_array_equal(model.layers[2].self_attn.o_proj.w, want)   # a formats.Dense
 
 
 # ---- MTP layers ----

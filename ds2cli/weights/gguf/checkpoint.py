@@ -6,7 +6,7 @@ time, put into ds2's own formats (the ones the engine, the few-token kernel and 
 already multiply by). A Q8_0 file loads as q8b, Q8_0's own blocks of 32: its integers and
 scales come back bit for bit, so ds2 computes what the file holds (requantizing its blocks into
 per-row q8 measured KL 1.15x-1.80x the file's own on the reference cases), and q8b's panel
-kernel decodes about as fast as q8 (quant.py). Q6_K / Q5_* files load as `--bits 8` (float32
+kernel decodes about as fast as q8 (weights/formats/q8b.py). Q6_K / Q5_* files load as `--bits 8` (float32
 for F32/F16/BF16 files, like a safetensors checkpoint), Q4_0 / Q4_1 / Q4_K as `--bits 4`.
 `--quantize 8` loads a 4-bit file into 8 bits (near-lossless, about twice the memory), or a
 Q8_0 file into ds2's own 8-bit recipe; `--quantize exact` names a Q8_0 file's default.
