@@ -105,7 +105,7 @@ def check_destination(path: Path, what: str) -> None:
     # a file made and removed at once: the only test a read-only file system (or a full one's
     # inode table) cannot pass, and root's os.access would
     try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{target.name}.", suffix=".tmp")
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".ds2-probe.")     # not a temporary write_atomic cleans
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
