@@ -101,16 +101,24 @@ class LineEditor:
             pass
 
 
+ENDING = (signal.SIGTERM, signal.SIGHUP)   # the signals that end a chat: a kill, a closed terminal
+
+
 @contextlib.contextmanager
-def default_signals():
-    """SIGTERM and SIGHUP as the system handles them (the process ends) for the block; the
-    handlers the chat set (which save the session first) again after it."""
-    before = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGHUP)}
+def ending_signals(handler):
+    """SIGTERM and SIGHUP handled by `handler` for the block, as they were after it."""
+    before = {sig: signal.signal(sig, handler) for sig in ENDING}
     try:
         yield
     finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
+        for sig, previous in before.items():
+            signal.signal(sig, previous)
+
+
+def default_signals():
+    """SIGTERM and SIGHUP as the system handles them (the process ends) for the block; the
+    handlers the chat set (which save the session first) again after it."""
+    return ending_signals(signal.SIG_DFL)
 
 
 def escape_entry(entry: str) -> str:

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 from ds2cli.cli import console
+from ds2cli.cli.chat_loop import ENDING, ending_signals
 from ds2cli.errors import Ds2Error
 from ds2cli.generation import saved_cache
 from ds2cli.generation.conversation import ChatSession
@@ -60,18 +61,15 @@ def leaving_on_signals():
     left: list[int] = []
 
     def leave(signum, _frame):
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        for sig in ENDING:
             signal.signal(sig, signal.SIG_IGN)
         left.append(signum)
         raise Left(signum)
-    before = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield left
-    except Left:
-        pass
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
+    with ending_signals(leave):
+        try:
+            yield left
+        except Left:
+            pass
 
 
 def save_on_leaving(session: ChatSession, path: Path) -> None:

@@ -154,6 +154,13 @@ def kind_of(h: dict) -> str | None:
     return h.get("kind") if h.get("kind") in KIND_NAMES else None
 
 
+def require_kind(path: Path, h: dict, kind: str) -> None:
+    found = kind_of(h)
+    if found != kind:
+        what = KIND_NAMES.get(found, "a saved cache of an unknown kind")
+        raise WrongKindError(f"{path} is {what}, not {KIND_NAMES[kind]}")
+
+
 def check_kind(path: Path, cfg: DeepseekV2Config, kind: str) -> None:
     """Before anything loads: `path`, when it exists, is a saved cache of `kind`; anything else
     (the other kind, a transcript, any other file) is refused, so it is never written over."""
@@ -168,10 +175,7 @@ def check_kind(path: Path, cfg: DeepseekV2Config, kind: str) -> None:
         raise SavedCacheError(f"cannot read {path}: {e.strerror}") from None
     except SavedCacheError as e:
         raise SavedCacheError(f"{e}; refusing to use it as {KIND_NAMES[kind]} or to write over it") from None
-    found = kind_of(h)
-    if found != kind:
-        what = KIND_NAMES.get(found, "a saved cache of an unknown kind")
-        raise WrongKindError(f"{path} is {what}, not {KIND_NAMES[kind]}")
+    require_kind(path, h, kind)
 
 
 def load_into(path: Path, model: Model, cache: LatentCache, match: list[int] | None = None,
@@ -211,10 +215,7 @@ def load_into(path: Path, model: Model, cache: LatentCache, match: list[int] | N
 
 def check_header(path: Path, h: dict, model: Model, kind: str) -> dict:
     """The header, every field checked against this model before anything is allocated."""
-    found = kind_of(h)
-    if found != kind:
-        raise WrongKindError(f"{path} is {KIND_NAMES.get(found, 'a saved cache of an unknown kind')}, "
-                             f"not {KIND_NAMES[kind]}")
+    require_kind(path, h, kind)
     state = h.get("state") if isinstance(h.get("state"), dict) else {}
     if h.get("version") not in (1, VERSION):
         raise ForeignCacheError(f"{path} was written by another version of ds2 (format {h.get('version')!r}, "

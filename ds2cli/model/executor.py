@@ -44,12 +44,14 @@ class Executor:
         return [self.product(*p) for p in products]
 
     def product(self, w, x: np.ndarray, heads=None) -> np.ndarray:
-        y = w.matmul(x)
-        if heads is None:
-            return y
+        return w.matmul(x) if heads is None else self.fold(w, x, heads)
+
+    def fold(self, w, x: np.ndarray, heads) -> np.ndarray:
+        """The product (w, x, heads) as two: w's, then each head's first n_in values through
+        heads[h], both asked of this executor."""
         H, n_in, n_out = heads.w.shape
-        q = y.reshape(len(x), H, -1)                                        # (T, H, width)
-        folded = heads.heads(q[..., :n_in])                                 # (T, H, n_out)
+        q = self.matmul_all([(w, x)])[0].reshape(len(x), H, -1)            # (T, H, width)
+        folded = self.heads(heads, q[..., :n_in])                           # (T, H, n_out)
         return np.concatenate([q, folded], axis=-1).reshape(len(x), -1)     # (T, H*(width+n_out))
 
     def heads(self, w, x: np.ndarray) -> np.ndarray:

@@ -53,9 +53,7 @@ class CoreExecutor(Executor):
         outs = [o.result() if isinstance(o, Rows) else o for o in outs]
         for j, (w, x, heads) in enumerate(products):
             if chained[j]:
-                q = self.matmul_all([(w, x)])[0].reshape(len(x), heads.w.shape[0], -1)   # (T, H, width)
-                folded = self.heads(heads, q[..., :heads.w.shape[1]])
-                outs[j] = np.concatenate([q, folded], axis=-1).reshape(len(x), -1)
+                outs[j] = self.fold(w, x, heads)
         return outs
 
     def start_product(self, w, x: np.ndarray, heads=None):

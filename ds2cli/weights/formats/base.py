@@ -167,13 +167,19 @@ class QuantMatrix:
             for e in np.ndindex(qweight.shape[:-2]):
                 cls.dequantize_arrays(qweight[e], scales[e], out[e])
             return out
+        return cls.dequantize_into(qweight, scales, 0,
+                                   np.empty(cls.weight_shape(qweight.shape), np.float32) if out is None else out)
+
+    @classmethod
+    def dequantize_into(cls, qweight: np.ndarray, scales: np.ndarray, r0: int, out: np.ndarray) -> np.ndarray:
+        """Rows r0 .. r0 + len(qweight) of a matrix whose scales are `scales` (qweight: those
+        rows), as float32 into `out`, a few MB at a time (dequantize_arrays says why)."""
         rows, inp = cls.weight_shape(qweight.shape)
-        w = np.empty((rows, inp), np.float32) if out is None else out
         block = row_block(inp, cls.ROW_ALIGN, DEQUANTIZE_BLOCK_BYTES)
-        for r0 in range(0, rows, block):
-            r1 = min(rows, r0 + block)
-            cls.scale_rows(cls.unpack(qweight[r0:r1], w[r0:r1]), scales, r0)
-        return w
+        for b0 in range(0, rows, block):
+            b1 = min(rows, b0 + block)
+            cls.scale_rows(cls.unpack(qweight[b0:b1], out[b0:b1]), scales, r0 + b0)
+        return out
 
     @classmethod
     def unpack(cls, qweight: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -257,13 +263,8 @@ class QuantMatrix:
                 np.matmul(w, xt, out=yt[c0:c1])                             # (chunk, T)
 
     def dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
-        """Rows r0..r1 of the weight as float32 into out, a few MB at a time (dequantize_arrays
-        says why)."""
-        block = row_block(self.shape[1], self.ROW_ALIGN, DEQUANTIZE_BLOCK_BYTES)
-        for b0 in range(r0, r1, block):
-            b1 = min(r1, b0 + block)
-            self.scale_rows(self.unpack(self.qweight[b0:b1], out[b0 - r0:b1 - r0]), self.scales, b0)
-        return out
+        """Rows r0..r1 of the weight as float32 into out."""
+        return self.dequantize_into(self.qweight[r0:r1], self.scales, r0, out)
 
 
 def dequantize(qweight: np.ndarray, scales: np.ndarray, f: type[QuantMatrix], out: np.ndarray | None = None) -> np.ndarray:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds2cli.model.linear import float32
-from ds2cli.weights.formats import base
-from ds2cli.weights.formats.base import BF16, register, row_block
+from ds2cli.weights.formats.base import BF16, register
 from ds2cli.weights.formats.q8 import Q8
 
 
@@ -40,11 +39,8 @@ class BFloat16(Q8):
     @classmethod
     def unpack_chunk(cls, qweight: np.ndarray, out: np.ndarray) -> np.ndarray:
         """A prefill chunk's values as float32, a few MB at a time: widening is two passes, and
-        the second finds a block still in cache."""
-        block = row_block(qweight.shape[1], cls.ROW_ALIGN, base.DEQUANTIZE_BLOCK_BYTES)
-        for r0 in range(0, len(qweight), block):
-            cls.unpack(qweight[r0:r0 + block], out[r0:r0 + block])
-        return out
+        the second finds a block still in cache (its scales are 1: dequantizing is widening)."""
+        return cls.dequantize_into(qweight, None, 0, out)
 
     @classmethod
     def scale_rows(cls, w: np.ndarray, scales: np.ndarray, r0: int) -> None:
