@@ -8,6 +8,7 @@ The packages are the layers, bottom-up; each imports only those before it in thi
     parallel     the default executor: this machine's cores, BLAS threads, helper processes
     text         tokenizers and chat templates
     weights      checkpoints (safetensors, low-bit, GGUF, hub ids), formats and kernels, the loader
+    cluster      a model spread over a Ray cluster's nodes by ranges of layers (--ray)
     generation   sampling, drafts, grammars, the generation loop, logprobs, a conversation
     server       the OpenAI-compatible server (`ds2 serve` without its click command)
     cli          the `ds2` command line: every command's click side, chat's loop, inspect, bench

@@ -232,7 +232,7 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
                                                   if opts["ctx"] and len(ids) <= max_positions else ""))
         context = opts["ctx"] or min(len(ids) + max_new_tokens_for(source.generation_config, opts["max_new_tokens"]),
                                      limit)
-        model, load_s = load_model(source, quantize, context, not no_memory_check)
+        model, load_s = load_model(source, quantize, context, not no_memory_check, opts["ray"])
         run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts, prompt_cache)
 
 
@@ -374,7 +374,8 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
             read_messages(load_path, prompt_bytes_limit(source.config, opts["max_prompt_bytes"]))
         with thread_limits(opts["threads"]), leaving_on_signals() as left:
             tokenizer_of(source, chat_template)
-            model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check)
+            model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
+                                        opts["ray"])
             capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
             session = ChatSession(model, capacity, warn=console.warn)
             repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),

@@ -235,21 +235,35 @@ def memory_options(f):
                           "such a file loads without this option (8 loads it into the 8-bit recipe)."),
         click.option("--no-memory-check", is_flag=True,
                      help="Load even when the model looks too big for the memory available."),
+        ray_option,
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
+ray_option = click.option(
+    "--ray", "ray", metavar="ADDRESS",
+    help="Spread the model over the nodes of a Ray cluster by ranges of layers: the head's HOST:PORT "
+         "(as `ray start --head` prints it), or auto to read RAY_ADDRESS. Each node reads its layers from "
+         "the same path on its own disk; the placement is printed before anything loads (docs/cluster.md).")
+
+
 def load_model(source: Source, quantize: str | None = None, context: int | None = None,
-               memory_check: bool = True) -> tuple[Model, float]:
+               memory_check: bool = True, ray: str | None = None) -> tuple[Model, float]:
     """Load the opened model with a progress bar; `quantize` as --quantize gives it ("8", "4",
     "auto", "exact" or None). A command reads its tokenizer and prompt from `source` first
     (tokenizer_of), so it can refuse a prompt too long for its context and name the context the
-    memory check counts before any weight loads."""
+    memory check counts before any weight loads. `ray`: --ray's address, the model placed over
+    that cluster's nodes (the placement printed first) instead of loaded here."""
     t0 = time.perf_counter()
-    progress = console.LoadProgress()
     bits = quantize if quantize in (None, "auto", "exact") else int(quantize)
+    if ray is not None:
+        from ds2cli.cluster import driver
+        with naming_ds2_model():
+            model = driver.load(source, ray, bits, context, show=console.info, memory_check=memory_check)
+        return model, time.perf_counter() - t0
+    progress = console.LoadProgress()
     try:
         with naming_ds2_model():
             model = load(source, progress=progress, quantize=bits, context=context, memory_check=memory_check)

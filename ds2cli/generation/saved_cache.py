@@ -78,8 +78,7 @@ def save(path: Path, model: Model, cache: LatentCache, tokens: list[int], state:
     path, n = Path(path), len(tokens)
     if n > cache.length:
         raise SavedCacheError(f"cannot save {n} tokens from a cache holding {cache.length}")
-    latent = np.ascontiguousarray(cache.latent[:, :n], np.float32)                  # (L, n, C)
-    k_pe = np.ascontiguousarray(cache.k_pe[:, :n], np.float32)                      # (L, n, R)
+    latent, k_pe = cache.prefix(n)                                                  # (L, n, C), (L, n, R)
     if not (np.isfinite(latent).all() and np.isfinite(k_pe).all()):
         raise SavedCacheError(f"not saving {path}: the cache holds values that are not finite")
     tokens = [int(t) for t in tokens]
@@ -208,8 +207,7 @@ def load_into(path: Path, model: Model, cache: LatentCache, match: list[int] | N
     if keep > capacity:
         raise SavedCacheError(f"{path} holds {keep} tokens, more than the context of {capacity} tokens; "
                               f"a larger --ctx holds it")
-    cache.latent[:, :keep], cache.k_pe[:, :keep] = latent[:, :keep], k_pe[:, :keep]
-    cache.length = keep
+    cache.set_prefix(latent[:, :keep], k_pe[:, :keep])
     return header["tokens"][:keep], header["state"]
 
 

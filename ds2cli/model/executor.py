@@ -8,7 +8,9 @@ attention.py, moe.py and transformer.py are handed an executor (the Model's) and
   split_keys(S, tokens)  a cache's positions [0, S) as slices whose running sums merge (spread)
   spread(fn, items)      [fn(item) for item in items], an item a core
   experts(w, ...)        one MoE layer's routed experts (and shared ones) over their tokens
-  layers(n, block, x)    the decoder layers in order, block(i, x) -> x, and `after_layer(i, x)`
+  run_pass(model, p)     one forward pass (transformer.Pass): its layers where they live,
+                         model.compute(p, layers, x) for each range; `after_layer(i, x)` after each
+  new_cache(model, n)    a latent cache of n positions, held where the layers are
   forward_pass(tokens)   the context one pass of `tokens` tokens runs in
 and know nothing of threads, processes, machines or where a weight lives. This class is the
 reference: everything on the calling thread, in order, each product through its weight's own
@@ -22,6 +24,8 @@ import contextlib
 from typing import Callable
 
 import numpy as np
+
+from ds2cli.model.cache import LatentCache
 
 
 class Executor:
@@ -78,12 +82,13 @@ class Executor:
             tasks.append((shared, w.shared_gate_up, w.shared_down))
         return ffn(self, tasks)
 
-    def layers(self, n: int, block: Callable[[int, np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
-        """x through decoder layers 0..n-1 in order, block(i, x) each; after each, after_layer."""
-        for i in range(n):
-            x = block(i, x)
-            self.after_layer(i, x)
-        return x
+    def run_pass(self, model, p) -> np.ndarray | None:
+        """Pass p through every layer, here: the picked rows' logits (M, V), or None."""
+        return model.compute(p, range(model.config.num_hidden_layers))
+
+    def new_cache(self, model, capacity: int):
+        cfg = model.config
+        return LatentCache(cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def after_layer(self, i: int, x: np.ndarray) -> None:
         """Layer i's output is known (a streamed run reads the next layer's experts ahead)."""

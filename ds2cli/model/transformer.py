@@ -77,7 +77,7 @@ class Model:
             raise ContextFullError(f"a cache of {capacity} tokens is larger than the model's "
                                    f"max_position_embeddings ({cfg.max_position_embeddings}); "
                                    f"refusing positions the model was never trained on")
-        return LatentCache(cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        return self.executor.new_cache(self, capacity)
 
     def forward(self, token_ids, cache: LatentCache, all_logits: bool = False, trace: list | None = None,
                 progress: Callable[[int, int], None] | None = None) -> np.ndarray:
@@ -156,37 +156,76 @@ class Model:
         return ids
 
     def _forward(self, ids: list[np.ndarray], steps: Sequence[Step], trace: list | None) -> list:
-        cfg = self.config
-        ends = np.cumsum([len(t) for t in ids])
-        rows = [slice(int(e - len(t)), int(e)) for t, e in zip(ids, ends)]   # each sequence's rows
-        starts = [s.cache.length for s in steps]
-        positions = np.concatenate([np.arange(p, p + len(t)) for p, t in zip(starts, ids)])
-        cos, sin = rope.cos_sin(positions, self.inv_freq, self.rope_scale)  # (N, R/2) each
-        x = self.embed_tokens.rows(np.concatenate(ids))                     # (N, D), N = sum of T
-        ex, eps = self.executor, cfg.rms_norm_eps
+        p = Pass.of(ids, steps, trace)
+        logits = self.executor.run_pass(self, p)                            # (M, V) or None
+        for s, t, start in zip(steps, ids, p.starts):
+            s.cache.length = start + len(t)
+        out, at = [], 0
+        for s, n in zip(steps, p.wanted):
+            part = logits[at:at + n] if n else None
+            out.append(None if s.logits == "none" else part[0] if s.logits == "last" else part)
+            at += n
+        return out
 
-        def block(i: int, x: np.ndarray) -> np.ndarray:
+    def compute(self, p: "Pass", layers: range, x: np.ndarray | None = None) -> np.ndarray | None:
+        """Decoder layers `layers` of pass p over x (N, D): the embedding first when they start
+        at layer 0, the final norm and the head when they end at the last, which return the
+        picked rows' logits (M, V) (None: no row wanted). The executor runs all of them here, or
+        each range where its layers live (a node of a cluster: its own weights and caches)."""
+        cfg, ex, eps = self.config, self.executor, self.config.rms_norm_eps
+        if layers.start == 0:
+            x = self.embed_tokens.rows(p.tokens)                             # (N, D)
+        cos, sin = rope.cos_sin(p.positions, self.inv_freq, self.rope_scale)  # (N, R/2) each
+        for i in layers:
             layer = self.layers[i]
-            spans = [Span(r, s.cache.latent[i], s.cache.k_pe[i], p) for r, s, p in zip(rows, steps, starts)]
+            spans = [Span(r, *c.layer(i), start) for r, c, start in zip(p.rows, p.caches, p.starts)]
             x = x + mla(ex, rms_norm(x, layer.input_layernorm, eps), layer.self_attn, spans, cos, sin, eps,
                         self.softmax_scale)
             h = rms_norm(x, layer.post_attention_layernorm, eps)
-            return x + (moe(ex, h, layer.mlp, cfg, trace) if layer.is_moe else
-                        swiglu(ex, h, layer.mlp.gate_up, layer.mlp.down_proj))
-
-        x = ex.layers(len(self.layers), block, x)
-        for s, t, p in zip(steps, ids, starts):
-            s.cache.length = p + len(t)
+            x = x + (moe(ex, h, layer.mlp, cfg, p.trace) if layer.is_moe else
+                     swiglu(ex, h, layer.mlp.gate_up, layer.mlp.down_proj))
+            ex.after_layer(i, x)
+        if layers.stop < cfg.num_hidden_layers:
+            return x
+        if len(p.picked) == 0:
+            return None
         # the head runs only on the rows whose logits are wanted
-        wanted = [np.arange(r.start, r.stop) if s.logits == "all" else [r.stop - 1] if s.logits == "last" else []
-                  for r, s in zip(rows, steps)]
-        picked = np.concatenate([np.asarray(w, dtype=np.int64) for w in wanted])
-        if len(picked) == 0:
-            return [None] * len(steps)
-        logits, = ex.matmul_all([(self.lm_head, rms_norm(x[picked], self.norm, eps))])   # (M, V)
-        out, at = [], 0
-        for s, w in zip(steps, wanted):
-            part = logits[at:at + len(w)]
-            out.append(None if s.logits == "none" else part[0] if s.logits == "last" else part)
-            at += len(w)
-        return out
+        logits, = ex.matmul_all([(self.lm_head, rms_norm(x[p.picked], self.norm, eps))])   # (M, V)
+        return logits
+
+
+@dataclasses.dataclass
+class Pass:
+    """One forward pass as every decoder layer sees it: all sequences' new tokens stacked
+    (N = sum of T), where each sequence starts in its cache, and which rows the head computes.
+    Whatever runs a range of layers gets this with its own caches (Pass.with_caches)."""
+    tokens: np.ndarray            # (N,) new token ids, sequence after sequence
+    lengths: list[int]            # each sequence's T
+    starts: list[int]             # each sequence's cached length before the pass
+    wanted: list[int]             # how many logits rows each sequence gets back
+    caches: list                  # each sequence's LatentCache
+    trace: list | None = None     # each MoE layer appends the expert ids it chose (T, k)
+
+    @classmethod
+    def of(cls, ids: list[np.ndarray], steps: Sequence[Step], trace: list | None) -> "Pass":
+        lengths = [len(t) for t in ids]
+        wanted = [n if s.logits == "all" else 1 if s.logits == "last" else 0 for s, n in zip(steps, lengths)]
+        return cls(np.concatenate(ids), lengths, [s.cache.length for s in steps], wanted,
+                   [s.cache for s in steps], trace)
+
+    @property
+    def rows(self) -> list[slice]:
+        ends = np.cumsum(self.lengths)
+        return [slice(int(e - n), int(e)) for n, e in zip(self.lengths, ends)]
+
+    @property
+    def positions(self) -> np.ndarray:
+        return np.concatenate([np.arange(p, p + n) for p, n in zip(self.starts, self.lengths)])   # (N,)
+
+    @property
+    def picked(self) -> np.ndarray:
+        """The rows the head computes: a sequence's last (wanted 1) or all of its rows."""
+        return np.concatenate([np.arange(r.stop - w, r.stop) for r, w in zip(self.rows, self.wanted)]).astype(np.int64)
+
+    def with_caches(self, caches: list, trace: list | None) -> "Pass":
+        return dataclasses.replace(self, caches=caches, trace=trace)

@@ -91,9 +91,9 @@ class CoreExecutor(Executor):
 
 
 def model_weights(model):
-    """Every weight object of a model: the embedding, the head, each layer's parts' values."""
-    yield model.embed_tokens
-    yield model.lm_head
+    """Every weight object of a model: the embedding, the head, each layer's parts' values (a
+    node of a cluster holds some of them: the rest are None)."""
+    yield from (w for w in (model.embed_tokens, model.lm_head) if w is not None)
     for layer in model.layers:
-        for _, part in layer.parts():
+        for _, part in layer.parts() if layer is not None else ():
             yield from part.values()

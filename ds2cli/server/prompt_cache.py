@@ -101,6 +101,4 @@ class PromptCache:
 
 def copy_prefix(src: LatentCache, dst: LatentCache, n: int) -> None:
     """dst holds src's first n positions (and nothing after)."""
-    dst.latent[:, :n] = src.latent[:, :n]                                 # (L, n, C)
-    dst.k_pe[:, :n] = src.k_pe[:, :n]                                     # (L, n, R)
-    dst.length = n
+    dst.copy_prefix(src, n)

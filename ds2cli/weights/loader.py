@@ -25,6 +25,34 @@ from ds2cli.wording import article
 Progress = Callable[[int, int], None]  # (layers done, layers total)
 
 
+def load_form(source: Source, quantize: int | str | None, context: int | None = None) -> tuple:
+    """(bits to quantize to at load or None, the recipe when not quantize's own) for loading
+    `source` with load's `quantize`: checked, "auto" decided, a GGUF's own form by default."""
+    model_dir, cfg, gguf, stored = source.path, source.config, source.gguf, source.stored
+    recipe = None                                  # the formats it loads into, when not quantize's recipe
+    if quantize == "exact":                        # a Q8_0 GGUF's own blocks (gguf_model.exact_recipe)
+        if gguf is None or gguf.exact_recipe is None:
+            raise ConfigError("--quantize exact keeps a Q8_0 GGUF's own blocks; "
+                              f"{model_dir} is {'a ' + gguf.bulk_type if gguf else 'not a'} GGUF")
+        quantize, recipe = 8, gguf.exact_recipe
+    if gguf is not None and quantize is None:
+        # the ds2 format nearest the file's own types (a Q8_0 file: its own blocks)
+        quantize, recipe = gguf.default_bits, gguf.default_recipe
+    if quantize not in (None, 8, 4, "auto"):
+        raise ConfigError(f"quantize must be 8, 4, 'auto' or 'exact', got {quantize!r}")
+    if stored is not None and quantize not in (None, "auto", stored.bits):
+        raise ConfigError(f"{model_dir} is already {article(stored.bits)} {stored.bits}-bit ds2 checkpoint; "
+                          f"it cannot be loaded as {quantize}-bit")
+    if quantize == "auto":
+        quantize = None if stored is not None else memory.choose_auto(cfg, context, path=model_dir)
+    return quantize, recipe
+
+
+def formats_of(source: Source, quantize: int | None, recipe) -> "qcheckpoint.QuantConfig | None":
+    """The formats the weights take in memory (None: float32)."""
+    return source.stored or recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
+
+
 def names_by_layer(tensors, num_layers: int) -> list[list[str]]:
     """Each layer's stored tensor names, found in one pass (a full V2 holds ~55k tensors).
     fp8 scales travel with their weights (checkpoint.iter_tensors) and the MTP layers stored
@@ -159,11 +187,15 @@ def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
     return as_layer(cfg, i, norms, prepare_attention(t, cfg), mlp)
 
 
-def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None = None) -> dict:
-    """The embedding, final norm and lm_head (the embedding itself when tied), in qc's formats."""
-    top = {}
+def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None = None,
+             needed: set[str] = frozenset({"embed_tokens", "norm", "lm_head"})) -> dict:
+    """The embedding, final norm and lm_head (the embedding itself when tied), in qc's formats;
+    those not `needed` are None."""
+    top = {"embed_tokens": None, "norm": None, "lm_head": None}
     for key, name in (("embed_tokens", "model.embed_tokens.weight"), ("norm", "model.norm.weight"),
                       ("lm_head", "lm_head.weight")):
+        if key not in needed:
+            continue
         if key == "lm_head" and cfg.tie_word_embeddings:
             top[key] = top["embed_tokens"]
             continue
@@ -175,13 +207,19 @@ def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None 
 
 
 def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | None = None,
-                 qc: qcheckpoint.QuantConfig | None = None, tensors: dict | None = None) -> dict:
+                 qc: qcheckpoint.QuantConfig | None = None, tensors: dict | None = None,
+                 layers: range | None = None) -> dict:
     """A Hugging Face checkpoint's weights, prepared; with qc, each layer is quantized as soon as
-    it is loaded, so only one layer ever exists in float32. `tensors`: the validated headers."""
+    it is loaded, so only one layer ever exists in float32. `tensors`: the validated headers.
+    With `layers`, only those decoder layers (the others None) and the top weights they need."""
     tensors = checkpoint.validate(cfg, model_dir) if tensors is None else tensors
-    top = load_top(tensors, cfg, qc)
+    wanted = range(cfg.num_hidden_layers) if layers is None else layers
+    top = load_top(tensors, cfg, qc, qcheckpoint.top_needed(cfg, wanted))
     layers = []
     for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
+        if i not in wanted:
+            layers.append(None)
+            continue
         layer = load_layer(tensors, names, cfg, i, qc)
         layers.append(qcheckpoint.quantize_layer(layer, qc) if qc else layer)
         if progress:
@@ -191,7 +229,7 @@ def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | No
 
 def load(path: str | Path | Source | None = None, progress: Progress | None = None,
          quantize: int | str | None = None, context: int | None = None, memory_check: bool = True,
-         executor: Executor | None = None) -> Model:
+         executor: Executor | None = None, layers: range | None = None) -> Model:
     """Load a model (default: the bundled ds2-tiny): a path, or a Source that source.open_model
     opened (a command reads its config, tokenizer and prompt from that first, then loads from
     the same object). Config, weights with MLA absorption precomputed, tokenizer and
@@ -204,37 +242,23 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     read, what the model will hold (with a cache of `context` tokens) is checked against the
     memory available (memory.py); `memory_check=False` skips that. `executor` runs the model's
     parallel work (model/executor.py); by default this machine's cores and, over low-bit weights,
-    helper processes (parallel/executor.py), which the Model starts once its weights exist."""
+    helper processes (parallel/executor.py), which the Model starts once its weights exist.
+    `layers`: only that range of decoder layers, and the top weights it needs (a node of a
+    cluster computes its range with Model.compute; the memory check is the placement's)."""
     source = open_model(path)
-    model_dir, cfg, gguf = source.path, source.config, source.gguf
-    recipe = None                                  # the formats it loads into, when not quantize's recipe
-    if quantize == "exact":                        # a Q8_0 GGUF's own blocks (gguf_model.exact_recipe)
-        if gguf is None or gguf.exact_recipe is None:
-            raise ConfigError("--quantize exact keeps a Q8_0 GGUF's own blocks; "
-                              f"{model_dir} is {'a ' + gguf.bulk_type if gguf else 'not a'} GGUF")
-        quantize, recipe = 8, gguf.exact_recipe
-    if gguf is not None and quantize is None:
-        # the ds2 format nearest the file's own types (a Q8_0 file: its own blocks)
-        quantize, recipe = gguf.default_bits, gguf.default_recipe
-    stored = source.stored
-    if quantize not in (None, 8, 4, "auto"):
-        raise ConfigError(f"quantize must be 8, 4, 'auto' or 'exact', got {quantize!r}")
-    if stored is not None and quantize not in (None, "auto", stored.bits):
-        raise ConfigError(f"{model_dir} is already {article(stored.bits)} {stored.bits}-bit ds2 checkpoint; "
-                          f"it cannot be loaded as {quantize}-bit")
+    model_dir, cfg, stored = source.path, source.config, source.stored
+    quantize, recipe = load_form(source, quantize, context)
     # headers first (cheap, and they name a broken checkpoint precisely), then the memory check,
     # then the weights
     tensors = source.tensors
     tokenizer, gen = source.tokenizer, source.generation_config
-    if quantize == "auto":
-        quantize = None if stored is not None else memory.choose_auto(cfg, context, path=model_dir)
     if memory_check:
         memory.check(cfg, model_dir, stored, quantize, context, recipe=recipe)
     if stored is not None:
-        weights = qcheckpoint.load_weights(cfg, stored, tensors, progress)
+        weights = qcheckpoint.load_weights(cfg, stored, tensors, progress, layers)
     else:
         qc = recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None)
-        weights = load_weights(model_dir, cfg, progress, qc, tensors)
-    quantization = stored or recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize else None)
+        weights = load_weights(model_dir, cfg, progress, qc, tensors, layers)
+    quantization = formats_of(source, quantize, recipe)
     return Model(cfg, Weights(**weights), tokenizer, gen, model_dir, executor=executor or CoreExecutor(),
                  quantization=quantization)

@@ -56,14 +56,19 @@ def layer_bytes(cfg: DeepseekV2Config, i: int, qc: QuantConfig | None) -> int:
     return sum(matrix_bytes(qc, p, k, s) for (p, k), s in qcheckpoint.layer_shapes(cfg, i).items())
 
 
-def weight_bytes(cfg: DeepseekV2Config, qc: QuantConfig | None) -> int:
-    """Bytes of the prepared weights in qc's formats (None: float32), the tied head once."""
-    top = sum(matrix_bytes(qc, p, k, s) for (p, k), s in qcheckpoint.top_shapes(cfg).items())
-    return top + sum(layer_bytes(cfg, i, qc) for i in range(cfg.num_hidden_layers))
+def weight_bytes(cfg: DeepseekV2Config, qc: QuantConfig | None, layers: range | None = None) -> int:
+    """Bytes of the prepared weights in qc's formats (None: float32), the tied head once; with
+    `layers`, of those decoder layers and the top weights they need (a node of a cluster)."""
+    layers = range(cfg.num_hidden_layers) if layers is None else layers
+    needed = qcheckpoint.top_needed(cfg, layers)
+    top = sum(matrix_bytes(qc, p, k, s) for (p, k), s in qcheckpoint.top_shapes(cfg).items() if k in needed)
+    return top + sum(layer_bytes(cfg, i, qc) for i in layers)
 
 
-def cache_bytes(cfg: DeepseekV2Config, tokens: int) -> int:
-    return tokens * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * FLOAT32
+def cache_bytes(cfg: DeepseekV2Config, tokens: int, layers: int | None = None) -> int:
+    """A latent cache of `tokens` positions over `layers` decoder layers (default: all)."""
+    layers = cfg.num_hidden_layers if layers is None else layers
+    return tokens * layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * FLOAT32
 
 
 def pass_bytes(cfg: DeepseekV2Config) -> int:
@@ -96,14 +101,15 @@ def staging_bytes(cfg: DeepseekV2Config, i: int, qc: QuantConfig | None) -> int:
 
 
 def required(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None,
-             quantize_at_load: bool = False) -> dict:
-    """The bytes a loaded model holds, by part."""
+             quantize_at_load: bool = False, layers: range | None = None) -> dict:
+    """The bytes a loaded model holds, by part; with `layers`, the bytes a process holding only
+    that range of decoder layers holds (a node of a cluster: cluster/placement.py)."""
     context = min(cfg.max_position_embeddings, DEFAULT_CONTEXT) if context is None else context
-    weights = weight_bytes(cfg, qc)
-    staging = max((staging_bytes(cfg, i, qc) for i in range(cfg.num_hidden_layers)), default=0) \
-        if quantize_at_load else 0
+    layers = range(cfg.num_hidden_layers) if layers is None else layers
+    weights = weight_bytes(cfg, qc, layers)
+    staging = max((staging_bytes(cfg, i, qc) for i in layers), default=0) if quantize_at_load else 0
     margin = WORKING_MARGIN_BYTES + int(WORKING_MARGIN_FRACTION * weights) + staging
-    cache = cache_bytes(cfg, context)
+    cache = cache_bytes(cfg, context, len(layers))
     working = pass_bytes(cfg)
     return {"weights": weights, "cache": cache, "working": working, "margin": margin, "context": context,
             "total": weights + cache + working + margin}

@@ -278,8 +278,13 @@ def problems(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict[str, checkpoi
 
 # ---- loading: views of the mapped files ----
 
-def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress: Callable | None = None) -> dict:
+def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress: Callable | None = None,
+                 layers: range | None = None) -> dict:
+    """The stored weights memory-mapped; with `layers`, only those decoder layers (the others
+    None) and only the top weights they need (top_needed)."""
     mapped = checkpoint.Mapped()
+    layers_wanted = range(cfg.num_hidden_layers) if layers is None else layers
+    needed = top_needed(cfg, layers_wanted)
 
     def build(layer: int | None, part: str, key: str, shape: tuple[int, ...]):
         name = stored_name(layer, part, key)
@@ -288,9 +293,12 @@ def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress
             return f(mapped.array(tensors[name + ".qweight"]), mapped.array(tensors[name + ".scales"]))
         return as_stored_weight(part, key, mapped.array(tensors[name + ".weight"]))
 
-    top = {key: build(None, part, key, shape) for (part, key), shape in top_shapes(cfg).items()}
+    top = {key: build(None, part, key, shape) for (part, key), shape in top_shapes(cfg).items() if key in needed}
     layers = []
     for i in range(cfg.num_hidden_layers):
+        if i not in layers_wanted:
+            layers.append(None)
+            continue
         parts = {"attn": new_part("attn", cfg.is_moe_layer(i)), "mlp": new_part("mlp", cfg.is_moe_layer(i)), "": {}}
         for (part, key), shape in layer_shapes(cfg, i).items():
             parts[part][key] = build(i, part, key, shape)
@@ -298,8 +306,19 @@ def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress
                             parts["mlp"]))
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
-    return {"embed_tokens": top["embed_tokens"], "norm": top["norm"],
-            "lm_head": top.get("lm_head", top["embed_tokens"]), "layers": layers}
+    return {"embed_tokens": top.get("embed_tokens"), "norm": top.get("norm"),
+            "lm_head": top.get("lm_head", top.get("embed_tokens") if "lm_head" in needed else None), "layers": layers}
+
+
+def top_needed(cfg: DeepseekV2Config, layers: range) -> set[str]:
+    """The top weights a range of decoder layers computes with: the embedding before layer 0,
+    the final norm and the head after the last (a tied head is the embedding)."""
+    needed = set()
+    if layers.start == 0:
+        needed.add("embed_tokens")
+    if layers.stop == cfg.num_hidden_layers:
+        needed |= {"norm", "lm_head"} | ({"embed_tokens"} if cfg.tie_word_embeddings else set())
+    return needed
 
 
 HEAD_STACKS = (("attn", "w_uk"), ("attn", "w_uv"))    # multiplied head by head (linear.Heads)

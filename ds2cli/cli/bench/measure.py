@@ -79,7 +79,7 @@ def fill_cache(model: Model, cache, ids: np.ndarray) -> None:
         model.forward(ids[cache.length:min(cache.length + FILL_CHUNK, real)], cache)
     for at in range(max(cache.length, real), len(ids), real):
         n = min(real, len(ids) - at)
-        cache.latent[:, at:at + n], cache.k_pe[:, at:at + n] = cache.latent[:, :n], cache.k_pe[:, :n]
+        cache.repeat(n, at)
     cache.length = max(cache.length, len(ids))
 
 

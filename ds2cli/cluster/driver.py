@@ -1,0 +1,58 @@
+"""The driver's side of `--ray`: the placement planned and shown before anything loads, then a
+Model whose layers run on the cluster's nodes (RayExecutor) and which holds no weights itself:
+generation, sessions, the server and its scheduler use it as they use any Model."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+from typing import Callable
+
+from ds2cli.cluster import placement as placing
+from ds2cli.cluster import ray_cluster
+from ds2cli.model.layers import Weights
+from ds2cli.model.transformer import Model
+from ds2cli.weights import loader, memory
+from ds2cli.weights.source import Source
+
+
+def plan(source: Source, address: str, quantize=None, context: int | None = None, memory_check: bool = True):
+    """(ray, placement, bits, formats) for loading `source` over the cluster at `address`: every
+    node probed (its memory, its ds2 and Ray, the checkpoint at the same path), the layers placed
+    (without memory_check: as if every node's memory were unlimited, by their order alone)."""
+    ray = ray_cluster.connect(address)
+    bits, recipe = loader.load_form(source, None if quantize == "auto" else quantize, context)
+    qc = loader.formats_of(source, bits, recipe)
+    nodes = ray_cluster.nodes(ray, source.path)
+    placing.check_nodes(nodes, ray_cluster.ds2cli.__version__, ray.__version__)
+    if not memory_check:
+        nodes = [dataclasses.replace(n, available=None) for n in nodes]
+    placement = placing.plan(source.config, qc, context, nodes, quantize_at_load=source.stored is None and bits is not None,
+                             name=memory.model_name(source.config, source.path))
+    return ray, placement, bits, qc
+
+
+def describe(source: Source, placement: placing.Placement) -> list[str]:
+    cfg = source.config
+    return [f"placement of {memory.model_name(cfg, source.path)} over {len(placement.stages)} "
+            f"node{'s' if len(placement.stages) != 1 else ''}:"] + ["  " + line for line in placement.lines(cfg.num_hidden_layers)]
+
+
+def load(source: Source, address: str, quantize=None, context: int | None = None,
+         show: Callable[[str], None] | None = None, memory_check: bool = True) -> Model:
+    """The model at `source` over the cluster at `address`: the placement (shown line by line
+    with `show` before any weight loads), a stage on each node that loads its own range from its
+    own disk, and the driver's Model over them."""
+    ray, placement, bits, qc = plan(source, address, quantize, context, memory_check)
+    for line in describe(source, placement) if show else ():
+        show(line)
+    cfg = source.config
+    executor = ray_cluster.RayExecutor(ray, placement, source.path, bits if quantize == "auto" else quantize)
+    weights = Weights(embed_tokens=None, layers=[None] * cfg.num_hidden_layers, norm=None, lm_head=None)
+    atexit.register(executor.stop)     # Ray also ends a driver's actors with it: this says so at once
+    try:
+        return Model(cfg, weights, source.tokenizer, source.generation_config, source.path,
+                     executor=executor, quantization=qc)
+    except BaseException:
+        executor.stop()
+        raise
