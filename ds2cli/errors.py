@@ -23,3 +23,8 @@ class ContextFullError(Ds2Error):
 
 class GenerationError(Ds2Error):
     """Generation cannot continue (for example the model produced non-finite logits)."""
+
+
+class UnavailableError(Ds2Error):
+    """What the model runs on is gone (a node of a cluster was lost): the request cannot be
+    served now; the server answers 503 and /health says degraded."""

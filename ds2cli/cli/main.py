@@ -33,7 +33,7 @@ from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, 
                             prompt_bytes_limit,
                             load_model, max_new_tokens_for, memory_options, model_from_env, open_source, tokenizer_of,
                             model_option, naming_ds2_model, sampler_for, stats_option, strip_bom, thread_limits,
-                            threads_option, unescape)
+                            ray_option, threads_option, unescape)
 from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.cli.chat_loop import CHAT_HELP, Repl
 from ds2cli.generation.sampling import CountingSampler
@@ -414,7 +414,11 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
 @click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data: a Hugging "
                                             "Face id's shards are downloaded first, as generate does).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def inspect(directory, model_dir, as_json, check):
+@ray_option
+@click.option("--ctx", type=click.IntRange(min=1), metavar="N",
+              help="With --ray: the context each node's part of the cache is counted at (default: the model's, "
+                   "at most 4096).")
+def inspect(directory, model_dir, as_json, check, ray, ctx):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics.
 
     A Hugging Face id whose shards are not cached is read without them: its small files are
@@ -434,10 +438,19 @@ def inspect(directory, model_dir, as_json, check):
                      "generate and chat download them)")
     if check and report.get("format") == "gguf":
         report["warnings"].append("--check scans a safetensors checkpoint's values; this GGUF file's were not read")
+    placement = None
+    if ray is not None:           # the plan over the cluster, nothing loaded (headers and probes only)
+        from ds2cli.cluster import driver
+        source = open_source(path)
+        check_ctx(source.config, ctx)
+        placement = driver.plan(source, ray, None, ctx)[1]
+        report["placement"] = placement.to_json()
     if as_json:
         write_out(json.dumps(report, ensure_ascii=False) + "\n")
     else:
         render(report, console.stdout_console())
+        if placement is not None:
+            write_out("\n".join(driver.describe(source, placement)) + "\n")
     for warning in report.get("warnings", []):
         console.warn(warning)
     if report["problems"]:

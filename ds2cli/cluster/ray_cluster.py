@@ -19,10 +19,13 @@ call waiting on it then fails: the request ends with a ClusterError, never a han
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import re
 import socket
 import sys
+import tempfile
 import threading
 import weakref
 
@@ -30,7 +33,7 @@ import numpy as np
 
 import ds2cli
 from ds2cli.cluster.placement import Node, Placement, PlacementError
-from ds2cli.errors import Ds2Error
+from ds2cli.errors import Ds2Error, UnavailableError
 from ds2cli.model.cache import LatentCache
 from ds2cli.model.executor import Executor
 
@@ -38,12 +41,17 @@ CONNECT_TIMEOUT_S = 10         # an address that does not answer within this is 
 PROBE_TIMEOUT_S = 60           # a node's probe (a short task there) must answer within this
 
 
-class ClusterError(Ds2Error):
+class ClusterError(UnavailableError):
     """The cluster cannot be reached, or a node was lost."""
 
 
 def ray_module():
     """Ray, or one line on how to get it (it is the optional `ray` extra)."""
+    # Ray's core logs warnings to stderr (no route to find its own address by, retries while it
+    # connects); errors stay. Read when Ray is first imported.
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
+    # a head that answers TCP but not as Ray's GCS: an error after about this many tries, a second each
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(CONNECT_TIMEOUT_S))
     try:
         import ray
     except ImportError:
@@ -82,14 +90,40 @@ def connect(address: str):
     reachable(address)
     if not ray.is_initialized():
         import logging
-        # Ray's core logs warnings to stderr (say, no route to find its address by); errors stay
-        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
         try:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR,
-                     configure_logging=True, namespace="ds2")
+            with without_ray_logs():
+                ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR,
+                         configure_logging=True, namespace="ds2")
         except Exception as e:      # Ray raises ConnectionError, RuntimeError and its own
-            raise ClusterError(f"cannot join the Ray cluster at {address}: {str(e).splitlines()[0]}") from None
+            raise ClusterError(f"cannot join the Ray cluster at {address}: {str(e).splitlines()[0]} "
+                               f"(is it a Ray head's GCS port?)") from None
     return ray
+
+
+RAY_LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+ [DIWE] \d+ \d+\] ")
+
+
+@contextlib.contextmanager
+def without_ray_logs():
+    """Ray's core writes its own log lines to the file descriptor of stderr while it connects
+    (retries, how it found its address); they are held back, and any other line passes."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read(1 << 20).decode("utf-8", "replace").splitlines(keepends=True):
+                if not RAY_LOG_LINE.match(line):
+                    sys.stderr.write(line)
 
 
 def probe(path: str) -> dict:

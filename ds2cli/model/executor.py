@@ -37,6 +37,10 @@ class Executor:
     def stop(self) -> None:
         """Release what start set up."""
 
+    def health(self) -> str | None:
+        """None while everything the model runs on is there; else what is missing (a lost node)."""
+        return None
+
     def forward_pass(self, tokens: int):
         return contextlib.nullcontext()
 

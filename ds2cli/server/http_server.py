@@ -27,7 +27,7 @@ from ds2cli import __version__
 from ds2cli.server.api import ApiError, Defaults, parse_jobs
 from ds2cli.json_files import JSON_ERRORS, json_error
 from ds2cli.server.scheduler import ClientGone, Scheduler, Refused
-from ds2cli.errors import Ds2Error
+from ds2cli.errors import Ds2Error, UnavailableError
 from ds2cli.generation.grammar import GrammarError
 from ds2cli.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from ds2cli.server.metrics import Metrics
@@ -232,6 +232,8 @@ class Handler(BaseHTTPRequestHandler):
             self.fail(ApiError(503, str(e), code=e.code))
         except GrammarError as e:  # the request's grammar failed while generating (a schema that loops)
             self.fail(ApiError(400, f"the constrained output cannot continue: {e}", param="response_format"))
+        except UnavailableError as e:  # what the model runs on is gone (a cluster's node)
+            self.fail(ApiError(503, str(e), code="unavailable"))
         except Ds2Error as e:  # the model failed mid-request (e.g. non-finite logits)
             self.fail(ApiError(500, str(e)))
         except (ClientGone, ConnectionError, TimeoutError):  # BrokenPipeError is a ConnectionError
@@ -339,9 +341,11 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(503, {"status": "loading", "model": self.server.state.model_id, "running": False,
                                  "waiting": 0, "requests_running": 0, "requests_waiting": 0})
             return
-        status = 503 if scheduler.closing else 200
+        lost = scheduler.model.executor.health()       # a cluster that lost a node: degraded
+        status = 503 if scheduler.closing or lost else 200
         running, waiting = scheduler.running(), scheduler.waiting()
-        self.send_json(status, {"status": "shutting down" if scheduler.closing else "ok",
+        self.send_json(status, {"status": "shutting down" if scheduler.closing else "degraded" if lost else "ok",
+                                **({"error": lost} if lost else {}),
                                 "model": self.server.state.model_id,
                                 "running": running > 0, "waiting": waiting,
                                 "requests_running": running, "requests_waiting": waiting,
@@ -427,7 +431,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.tokens += 1
                 self.check_alive()
         except Ds2Error as e:  # the status is sent: the error travels as an event, then the stream ends
-            error = ApiError(500, str(e))
+            error = ApiError(503, str(e), code="unavailable") if isinstance(e, UnavailableError) else ApiError(500, str(e))
             self.send_event(error.body())
             self.end_events()
             raise error from None
