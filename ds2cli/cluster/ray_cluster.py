@@ -50,6 +50,8 @@ def ray_module():
     # Ray's core logs warnings to stderr (no route to find its own address by, retries while it
     # connects); errors stay. Read when Ray is first imported.
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
+    # a stage's failure is ds2's to report, once: not again by Ray for each reference it orphaned
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     # a head that answers TCP but not as Ray's GCS: an error after about this many tries, a second each
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(CONNECT_TIMEOUT_S))
     try:
@@ -163,6 +165,22 @@ def nodes(ray, path: str) -> list[Node]:
         out.append(Node(n["NodeID"], n["NodeManagerAddress"], int(n["Resources"]["CPU"]),
                         info["available"], info["ds2_version"], info["ray_version"], info["python"], info["problem"]))
     return out
+
+
+def causes(e: BaseException):
+    """e and what it wraps: a stage's RayTaskError carries the error of the stage before it."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = getattr(e, "cause", None) if isinstance(getattr(e, "cause", None), BaseException) else e.__cause__
+
+
+def LOST_TYPES(errors) -> tuple:
+    """Ray's errors that say a stage's process or node is gone."""
+    return tuple(getattr(errors, n) for n in ("RayActorError", "ActorDiedError", "ActorUnavailableError",
+                                              "NodeDiedError", "ObjectLostError", "OwnerDiedError",
+                                              "WorkerCrashedError") if hasattr(errors, n))
 
 
 class StageActor:
@@ -343,28 +361,38 @@ class RayExecutor(Executor):
         return self.lost
 
     def get(self, refs):
-        """ray.get, with a lost node or stage as one ClusterError naming it."""
+        """ray.get, with a lost node or stage as one ClusterError naming it; a ds2 error a stage
+        raised (a bug's, or a full context's) as itself."""
         if self.lost is not None:
             raise ClusterError(f"the cluster is degraded: {self.lost}")
         try:
             return self.ray.get(refs)
-        except self.ray.exceptions.RayTaskError as e:
-            cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
-            if isinstance(cause, Ds2Error):
-                raise type(cause)(str(cause)) from None
-            raise ClusterError(f"a stage failed: {str(e).strip().splitlines()[-1][:300]}") from None
-        except (self.ray.exceptions.RayActorError, self.ray.exceptions.ObjectLostError,
-                self.ray.exceptions.NodeDiedError if hasattr(self.ray.exceptions, "NodeDiedError") else (),
-                ) as e:
+        except Exception as e:      # noqa: BLE001 - Ray's errors, classified below
+            errors = self.ray.exceptions
+            if not isinstance(e, errors.RayError):
+                raise
+            chain = list(causes(e))
+            gone = any(isinstance(c, LOST_TYPES(errors)) for c in chain) or "could not be computed" in str(e)
+            ds2 = next((c for c in chain if isinstance(c, Ds2Error)), None)
+            if ds2 is not None and not gone:
+                raise type(ds2)(str(ds2)) from None
+            if not gone and not self.dead_stages():
+                raise ClusterError(f"a stage failed: {str(e).strip().splitlines()[-1][:300]}") from None
             self.lost = self.which_lost(e)
             raise ClusterError(f"lost a node of the cluster: {self.lost}") from None
 
-    def which_lost(self, error) -> str:
+    def dead_stages(self) -> list | None:
+        """The stages whose node the head no longer counts alive (None: the head does not answer)."""
         try:
             alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
         except Exception:           # noqa: BLE001 - the head itself is gone
+            return None
+        return [s for s in self.placement.stages if s.node.node_id not in alive]
+
+    def which_lost(self, error) -> str:
+        gone = self.dead_stages()
+        if gone is None:
             return "the cluster's head does not answer"
-        gone = [s for s in self.placement.stages if s.node.node_id not in alive]
         if gone:
             return "; ".join(f"node {s.node.name} (layers {s.layers.start}-{s.layers.stop - 1}) died" for s in gone)
         return f"a stage's process ended ({type(error).__name__})"

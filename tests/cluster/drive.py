@@ -1,0 +1,38 @@
+"""A driver the cluster tests run inside the namespace: each reference case over the cluster at
+ADDRESS, fed in several splits (one pass, chunks then decode steps, one token at a time) and as a
+batched pass of two sequences, the logits written to OUT.npz for the test to hold against the
+reference. Usage: drive.py ADDRESS OUT CASE_DIR..."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from conftest import run_split, splits               # noqa: E402  (tests/conftest.py)
+from ds2cli.cluster import driver                   # noqa: E402
+from ds2cli.model.transformer import Step           # noqa: E402
+from ds2cli.weights.source import open_model        # noqa: E402
+
+
+def main(address: str, out: str, cases: list[str]) -> None:
+    results = {}
+    for case in cases:
+        ids = np.load(Path(case) / "ref.npz")["ids"]
+        model = driver.load(open_model(Path(case) / "model" if (Path(case) / "model").is_dir() else
+                                       case if (Path(case) / "config.json").is_file() else None), address)
+        name = Path(case).name
+        results[f"{name}/stages"] = np.array(len(model.executor.stages))
+        for split in ("all_at_once", "two_chunks_then_decode", "one_at_a_time"):
+            results[f"{name}/{split}"] = run_split(model, ids, splits(len(ids))[split])
+        # a batched pass: the first half of ids beside the whole, each in its own cache
+        half = len(ids) // 2
+        a, b = model.new_cache(len(ids)), model.new_cache(len(ids))
+        la, lb = model.forward_batch([Step(ids[:half], a, "all"), Step(ids, b, "all")])
+        results[f"{name}/batch_a"], results[f"{name}/batch_b"] = la, lb
+        model.executor.stop()
+    np.savez(out, **results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

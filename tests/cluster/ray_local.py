@@ -1,0 +1,142 @@
+"""A real Ray cluster on this machine, inside a private network namespace, for the cluster tests.
+
+The namespace is held by one `unshare -n sleep` process; its loopback is brought up, and every
+node (`ray start`), driver (`ds2 ... --ray`) and client runs in it through `nsenter`, so nothing
+leaves 127.0.0.1 (outside a namespace, Ray binds the machine's own address). The head and one
+worker start once a session (two nodes); a test adds nodes of its own (a third for parity over
+three, one to kill, one that cannot see the checkpoint) and removes them. Each node offers
+NODE_MEMORY to ds2 (DS2_MEMORY_AVAILABLE in its environment, which its probe reads) and 1 CPU.
+Needs root (unshare, nsenter, mount) and Ray: skipped without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PORT = 6399
+ADDRESS = f"127.0.0.1:{PORT}"
+NODE_MEMORY = "2G"
+BIN = Path(sys.executable).parent
+CALL_TIMEOUT = 180          # no command a test runs in the namespace may take longer
+
+LO_UP = """
+import fcntl, socket, struct
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH", b"lo", 0))[:18])[1]
+fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | IFF_UP))
+"""
+
+
+def usable() -> str | None:
+    """Why the cluster tests cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "a private network namespace needs root (CI runs as root)"
+    if not (shutil.which("unshare") and shutil.which("nsenter")):
+        return "unshare and nsenter (util-linux) are needed"
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "Ray is not installed (pip install '.[test]')"
+    return None
+
+
+class Cluster:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.keeper = subprocess.Popen(["unshare", "-n", "sleep", "infinity"])
+        self.prefix = ["nsenter", "-t", str(self.keeper.pid), "-n"]
+        self.nodes: list[subprocess.Popen] = []      # the tests' own nodes
+        self.own: list[subprocess.Popen] = []        # the session's head and worker
+        self.env = {**os.environ, "DS2_MEMORY_AVAILABLE": NODE_MEMORY, "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_gcs_server_port_wait_time_s": "3",
+                    "PYTHONUNBUFFERED": "1"}
+        time.sleep(0.2)
+        self.run([sys.executable, "-c", LO_UP], check=True)
+
+    def run(self, args: list[str], check: bool = False, env: dict | None = None, timeout: float = CALL_TIMEOUT,
+            **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(self.prefix + args, capture_output=True, text=True, timeout=timeout,
+                              check=check, env=env or self.env, **kw)
+
+    def popen(self, args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        return subprocess.Popen(self.prefix + args, env=env or self.env, start_new_session=True, **kw)
+
+    def ds2(self, *args: str, env: dict | None = None, timeout: float = CALL_TIMEOUT) -> subprocess.CompletedProcess:
+        return self.run([sys.executable, "-m", "ds2cli", *args], env=env, timeout=timeout)
+
+    def start_head(self) -> None:
+        self.own.append(self.popen([str(BIN / "ray"), "start", "--head", "--port", str(PORT), "--num-cpus", "1",
+                                    "--include-dashboard=false", "--disable-usage-stats", "--block",
+                                    "--temp-dir", str(self.tmp / "ray")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60
+        while self.run([sys.executable, "-c", COUNT, ADDRESS]).returncode != 0:
+            if time.monotonic() > deadline or self.own[0].poll() is not None:
+                raise RuntimeError("the Ray head did not start within 60 s")
+            time.sleep(0.5)
+
+    def add_node(self, hide: Path | None = None, memory: str = NODE_MEMORY) -> subprocess.Popen:
+        """A worker node (`ray start --block` in a process group of its own, so a test can kill
+        it whole). `hide`: a directory this node cannot see (an empty one mounted over it, in
+        a mount namespace of the node's own): a node without the checkpoint."""
+        cmd = [str(BIN / "ray"), "start", "--address", ADDRESS, "--num-cpus", "1", "--block", "--disable-usage-stats"]
+        if hide is not None:
+            empty = self.tmp / f"empty-{len(self.nodes)}"
+            empty.mkdir()
+            cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                   f"mount --bind {empty} {hide} && exec \"$@\"", "sh", *cmd]
+        before = self.count()
+        node = self.popen(cmd, env={**self.env, "DS2_MEMORY_AVAILABLE": memory},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.nodes.append(node)
+        self.wait_for(before + 1)
+        return node
+
+    def kill(self, node: subprocess.Popen) -> None:
+        """The node dies at once: its `ray start`, raylet and workers, SIGKILL."""
+        try:
+            os.killpg(node.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        node.wait(timeout=30)
+
+    def remove(self, node: subprocess.Popen) -> None:
+        before = self.count()
+        self.kill(node)
+        self.nodes.remove(node)
+        self.wait_for(before - 1)
+
+    def count(self) -> int:
+        out = self.run([sys.executable, "-c", COUNT, ADDRESS], check=True).stdout
+        return int(next(line for line in out.splitlines() if line.startswith("alive ")).split()[1])
+
+    def wait_for(self, n: int, within: float = 60) -> None:
+        deadline = time.monotonic() + within
+        while self.count() != n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster did not reach {n} alive nodes in {within} s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Every process of this cluster, by its process group (never `ray stop`, which ends
+        every Ray process of the machine)."""
+        for node in self.nodes + self.own[::-1]:
+            self.kill(node)
+        self.keeper.kill()
+        self.keeper.wait()
+
+
+COUNT = """
+import logging, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level=logging.ERROR)   # exits 1 until the head is up
+print("alive", sum(1 for n in ray.nodes() if n["Alive"]))   # Ray may print its own lines too
+"""
+
+
