@@ -413,11 +413,11 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
 @model_option
 @click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data: a Hugging "
                                             "Face id's shards are downloaded first, as generate does).")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @ray_option
 @click.option("--ctx", type=click.IntRange(min=1), metavar="N",
               help="With --ray: the context each node's part of the cache is counted at (default: the model's, "
                    "at most 4096).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def inspect(directory, model_dir, as_json, check, ray, ctx):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics.
 

@@ -26,7 +26,7 @@ import re
 import socket
 import sys
 import tempfile
-import threading
+import time
 import weakref
 
 import numpy as np
@@ -298,7 +298,9 @@ class RayExecutor(Executor):
         self.ray, self.placement, self.path, self.quantize = ray, placement, str(path), quantize
         self.stages = []
         self.lost: str | None = None          # why the cluster is degraded, once a node is lost
-        self.lock = threading.Lock()
+        # what the passes sent, for bench: actor calls, bytes of hidden states and logits moved
+        # between processes (the pass's description aside), seconds the driver waited
+        self.traffic = {"passes": 0, "tokens": 0, "calls": 0, "bytes": 0, "seconds": 0.0}
 
     def start(self, model) -> None:
         """Create a stage on each node of the placement and wait until every one has loaded."""
@@ -329,7 +331,13 @@ class RayExecutor(Executor):
         for a in self.stages:
             x, trace = a.compute.options(num_returns=2).remote(wire, x)
             traces.append(trace)
+        t0 = time.perf_counter()
         *traces, logits = self.get(traces + [x])
+        n, D = int(sum(p.lengths)), model.config.hidden_size
+        t = self.traffic
+        t["passes"], t["tokens"], t["calls"] = t["passes"] + 1, t["tokens"] + n, t["calls"] + len(self.stages)
+        t["bytes"] += (len(self.stages) - 1) * n * D * 4 + (0 if logits is None else logits.nbytes)
+        t["seconds"] += time.perf_counter() - t0
         if p.trace is not None:
             for t in traces:
                 p.trace.extend(t)

@@ -13,6 +13,7 @@ Bottom-up:
     compare_hf  --compare-hf: the same runs through Hugging Face transformers
     measure     timing the model: load, prefill and decode runs, their repeats, peak RSS
     formats     --formats: rounds of `ds2 bench` processes, then every format side by side
+    cluster     --ray: prefill and decode over a Ray cluster, with the traffic between its nodes
     command     the click command: parse, call, render
 """
 

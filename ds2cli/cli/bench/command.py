@@ -13,13 +13,14 @@ from click.core import ParameterSource
 from ds2cli.cli import console
 from ds2cli.weights import memory
 from ds2cli.cli.bench.formats import compare_formats
+from ds2cli.cli.bench.cluster import render_cluster, run_cluster_bench
 from ds2cli.cli.bench.measure import run_bench
 from ds2cli.cli.bench.report import render, render_formats, stdout_console
 from ds2cli.cli.bench.settings import BenchError, cache_tokens, check_settings, clip_counts
 from ds2cli.cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights.source import open_model
-from ds2cli.cli.options import model_option, thread_limits, threads_option
+from ds2cli.cli.options import model_option, ray_option, thread_limits, threads_option
 from ds2cli.weights.qcheckpoint import QuantConfig
 
 
@@ -102,10 +103,11 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
               help="Also split a decode step after the smallest context: products by format, attention, "
                    "the router and the Python between them, summed to the step's time.")
 @threads_option
+@ray_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
 def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, passes,
-          compare_hf, quantize, formats, profile, as_json):
+          compare_hf, quantize, formats, profile, ray, as_json):
     """Measure load, prefill and decode speed, and compare them with what this machine's memory
     bandwidth and float32 GEMM can do.
 
@@ -116,6 +118,9 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
         raise BenchError("--layers sets the depth of the synthetic checkpoint; it cannot be used with --model")
     if formats and (quantize or compare_hf):
         raise click.UsageError("--formats runs each format itself; it cannot be combined with --quantize or --compare-hf")
+    if ray is not None and (formats or compare_hf or profile):
+        raise click.UsageError("--ray times prefill and decode over the cluster; it cannot be combined with "
+                               "--formats, --compare-hf or --profile")
     gguf_default = None
     if model_dir is None:
         cfg = DeepseekV2Config.from_dict(lite_config(layers or DEFAULT_LAYERS))
@@ -129,15 +134,18 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
     check_settings(cfg, prompt_lengths, contexts, decode_steps)
     bench_dir = (cache_dir or Path("~/.cache/ds2/bench")).expanduser()
     context = cache_tokens(prompt_lengths, contexts, decode_steps)
-    # refuse what cannot fit before synthesising or quantizing anything
+    # refuse what cannot fit before synthesising or quantizing anything (a cluster: its placement)
     stored = None if model_dir is None else source.stored
-    for bits in formats or [int(quantize) if quantize else gguf_default[0] if gguf_default else None]:
+    for bits in [] if ray is not None else formats or [int(quantize) if quantize else gguf_default[0] if gguf_default else None]:
         memory.check(cfg, model_dir or synthetic_path(bench_dir, cfg.num_hidden_layers),
                      stored or (QuantConfig.recipe(bits) if bits and formats else None),
                      None if formats else bits, context, recipe=gguf_default[1] if gguf_default and not formats else None)
     path = model_dir or synthetic_model(bench_dir, layers or DEFAULT_LAYERS)
     with thread_limits(threads):
-        if formats:
+        if ray is not None:
+            report = run_cluster_bench(source if model_dir is not None else open_model(path), ray, repeats,
+                                       prompt_lengths, contexts, decode_steps, int(quantize) if quantize else None)
+        elif formats:
             report = compare_formats(path, bench_dir, formats, repeats, prompt_lengths, contexts, decode_steps,
                                      threads)
         else:
@@ -146,5 +154,5 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
     if as_json:
         click.echo(json.dumps(report))
     else:
-        (render_formats if formats else render)(report, stdout_console())
+        (render_cluster if ray is not None else render_formats if formats else render)(report, stdout_console())
 
