@@ -68,8 +68,8 @@ class Cluster:
     def popen(self, args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
         return subprocess.Popen(self.prefix + args, env=env or self.env, start_new_session=True, **kw)
 
-    def ds2(self, *args: str, env: dict | None = None, timeout: float = CALL_TIMEOUT) -> subprocess.CompletedProcess:
-        return self.run([sys.executable, "-m", "ds2cli", *args], env=env, timeout=timeout)
+    def ds2(self, *args: str, env: dict | None = None, timeout: float = CALL_TIMEOUT, **kw) -> subprocess.CompletedProcess:
+        return self.run([sys.executable, "-m", "ds2cli", *args], env=env, timeout=timeout, **kw)
 
     def start_head(self) -> None:
         self.own.append(self.popen([str(BIN / "ray"), "start", "--head", "--port", str(PORT), "--num-cpus", "1",

@@ -21,9 +21,9 @@ STAGE_LINE = re.compile(r"^  \S+ \([0-9a-f]{8}\): layers \d+-\d+( \+ [a-z, ]+)?,
 
 
 def blocks() -> list[list[str]]:
-    """The `$ ` lines of each block the page marks `<!-- cluster: ... -->`."""
+    """The `$ ` lines of each block the page marks as checked here."""
     text, out = PAGE.read_text(), []
-    for m in re.finditer(r"<!-- cluster: [^>]*-->\s*```text\n(.*?)```", text, re.S):
+    for m in re.finditer(r"<!-- checked by tests/cluster/test_cluster_doc.py[^>]*-->\s*```text\n(.*?)```", text, re.S):
         out.append([line.strip()[2:] for line in m.group(1).splitlines() if line.strip().startswith("$ ")])
     return out
 
@@ -48,6 +48,8 @@ def test_the_ds2_lines_run_against_a_local_cluster_as_shown(cluster):
         if "-m" in args:                          # the page's model: the bundled one here
             i = args.index("-m")
             del args[i:i + 2]
+        if "--ctx" in args:                       # ... which holds 1,024 positions
+            args[args.index("--ctx") + 1] = "1024"
         r = cluster.ds2(*args, timeout=120, input="What is 451 - 123?\n" if args[0] == "chat" else None)
         assert r.returncode == 0, (command, r.stderr[-2000:])
         shown = r.stdout if args[0] == "inspect" else r.stderr

@@ -1,0 +1,67 @@
+"""The placement alone (no Ray): contiguous ranges in node order, shares in proportion to what
+each node offers, every range within its node by the memory check's accounting, one error when
+the nodes cannot hold the model, and the nodes' own problems named."""
+
+import pytest
+
+from ds2cli.cli.bench.synthetic import lite_config
+from ds2cli.cluster.placement import Node, PlacementError, check_nodes, plan
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.weights import memory
+from ds2cli.weights.qcheckpoint import QuantConfig
+
+LITE = DeepseekV2Config.from_dict(lite_config(27))
+Q4 = QuantConfig.recipe(4)
+
+
+def nodes(*gb: float) -> list[Node]:
+    return [Node(f"{i:08x}" * 7, f"10.0.0.{i + 1}", 8, int(g * 1e9), "0.1.0", "2.60.0") for i, g in enumerate(gb)]
+
+
+def test_ranges_are_contiguous_and_cover_every_layer_once():
+    p = plan(LITE, Q4, 2048, nodes(6, 6))
+    assert [s.layers for s in p.stages] == [range(0, 14), range(14, 27)]
+    for s in p.stages:
+        assert s.need == memory.required(LITE, Q4, 2048, False, s.layers)
+        assert s.need["total"] <= s.node.available
+
+
+def test_a_node_offering_more_holds_more():
+    small, big = plan(LITE, Q4, 2048, nodes(4, 12)).stages
+    assert len(small.layers) < len(big.layers)
+    assert small.need["total"] <= 4e9
+
+
+def test_the_first_holds_the_embedding_and_the_last_the_head():
+    first, last = plan(LITE, Q4, 2048, nodes(6, 6)).stages
+    alone = memory.required(LITE, Q4, 2048)["weights"]
+    assert first.need["weights"] + last.need["weights"] == alone
+    assert "+ embedding" in first.describe(27) and "+ norm and head" in last.describe(27)
+
+
+def test_a_node_with_too_little_holds_nothing():
+    p = plan(LITE, Q4, 2048, nodes(6, 6, 0.5))
+    assert len(p.stages) == 2 and [n.address for n in p.idle] == ["10.0.0.3"]
+    assert "holds nothing" in p.lines(27)[-1]
+
+
+def test_a_cluster_too_small_is_one_error_saying_what_it_offers():
+    with pytest.raises(PlacementError, match=r"the cluster cannot hold the model: 2 nodes offer 8.0 GB, and "
+                                             r"layers \d+-26 found no room"):
+        plan(LITE, Q4, 2048, nodes(4, 4))
+
+
+def test_unknown_memory_is_not_limited():
+    p = plan(LITE, None, 2048, [Node("a" * 56, "10.0.0.1", 8, None, "0.1.0", "2.60.0")])
+    assert [s.layers for s in p.stages] == [range(0, 27)]
+
+
+def test_a_node_with_a_problem_or_another_version_is_named():
+    bad = [Node("b" * 56, "10.0.0.2", 8, 10**9, "0.1.0", "2.60.0", problem="cannot read the model at /m: gone"),
+           Node("c" * 56, "10.0.0.3", 8, 10**9, "0.0.9", "2.60.0"),
+           Node("d" * 56, "10.0.0.4", 8, 10**9, "0.1.0", "2.59.0")]
+    with pytest.raises(PlacementError) as e:
+        check_nodes(bad, "0.1.0", "2.60.0")
+    assert str(e.value) == ("node 10.0.0.2 (bbbbbbbb): cannot read the model at /m: gone; "
+                            "node 10.0.0.3 (cccccccc) runs ds2 0.0.9, the driver 0.1.0; "
+                            "node 10.0.0.4 (dddddddd) runs Ray 2.59.0, the driver 2.60.0")
