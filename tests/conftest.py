@@ -88,3 +88,22 @@ def no_loading(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
     monkeypatch.setattr(options_module, "load", load)
+
+
+# ---- a real Ray cluster (tests/cluster), made by ray_local.py ----
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Two nodes (the head and a worker) on 127.0.0.1 inside a private network namespace."""
+    from ray_local import Cluster, usable
+    why = usable()
+    if why:
+        pytest.skip(why)
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        c.start_head()
+        c.own.append(c.add_node())
+        c.nodes.clear()           # the session's own worker stays until stop: tests add their own
+        yield c
+    finally:
+        c.stop()

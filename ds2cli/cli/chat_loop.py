@@ -285,7 +285,7 @@ class Repl:
             self.autosave()             # an interrupted reply too: the conversation kept it
         self.unsaved, self.warned = True, False
         if last is not None and self.stats:
-            console.info(console.stats_line(None, last, self.session.cache))
+            console.info(console.stats_line(None, last, self.session.cache, self.session.model.executor.stats()))
         return True
 
     def command(self, line: str) -> bool:

@@ -46,13 +46,23 @@ def utf8_streams() -> None:
                 pass
 
 
-def stats_line(load_s: float | None, last: Chunk, cache: LatentCache) -> str:
-    """The --stats line; chat shows the load time once at start, so it passes None."""
+def stats_line(load_s: float | None, last: Chunk, cache: LatentCache, run: dict | None = None) -> str:
+    """The --stats line; chat shows the load time once at start, so it passes None. `run`: the
+    executor's stats (a streamed run's experts: hits, bytes read, reads ahead used)."""
     load = "" if load_s is None else f"load {load_s:.2f}s | "
     return (f"[{load}prefill {last.prompt_tokens} tok, {last.prefill_tok_per_s:.1f} tok/s"
             f" | decode {last.generated_tokens} tok, {last.decode_tok_per_s:.1f} tok/s"
             + (f" | draft {last.drafted} tok, {last.accepted} accepted" if last.drafted else "")
-            + f" | cache {cache.length}/{cache.capacity} tok, {human_bytes(cache.length * cache.bytes_per_token)}]")
+            + f" | cache {cache.length}/{cache.capacity} tok, {human_bytes(cache.length * cache.bytes_per_token)}"
+            + (experts_stats(run) if run and "hits" in run else "") + "]")
+
+
+def experts_stats(run: dict) -> str:
+    asked = run["hits"] + run["misses"]
+    ahead = run["read_ahead"]
+    return (f" | experts {run['slots']} slots, {100 * run['hits'] / max(1, asked):.0f}% hits, "
+            f"{human_bytes(run['bytes_read'])} read in {run['read_seconds']:.1f}s"
+            + (f", {100 * run['read_ahead_used'] / ahead:.0f}% of {ahead} read ahead used" if ahead else ""))
 
 
 class LoadProgress:

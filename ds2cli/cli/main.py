@@ -232,7 +232,7 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
                                                   if opts["ctx"] and len(ids) <= max_positions else ""))
         context = opts["ctx"] or min(len(ids) + max_new_tokens_for(source.generation_config, opts["max_new_tokens"]),
                                      limit)
-        model, load_s = load_model(source, quantize, context, not no_memory_check, opts["ray"])
+        model, load_s = load_model(source, quantize, context, not no_memory_check, opts["ray"], opts["memory_budget"])
         run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts, prompt_cache)
 
 
@@ -294,14 +294,14 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
         if not pieces and reading.done:
             console.info(reading.summary())
         elif opts["stats"]:
-            console.info(console.stats_line(load_s, interrupted, cache))
+            console.info(console.stats_line(load_s, interrupted, cache, model.executor.stats()))
         sys.exit(130)
     if prompt_cache is not None:
         save_prompt_cache(prompt_cache, model, cache, ids)
     if as_json:
         write_out(json.dumps(generation_json(last, load_s, opts["draft"]), ensure_ascii=False) + "\n")
     if opts["stats"]:
-        console.info(console.stats_line(load_s, last, cache))
+        console.info(console.stats_line(load_s, last, cache, model.executor.stats()))
 
 
 def show_prompt(tok, ids: list[int]) -> None:
@@ -375,7 +375,7 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
         with thread_limits(opts["threads"]), leaving_on_signals() as left:
             tokenizer_of(source, chat_template)
             model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
-                                        opts["ray"])
+                                        opts["ray"], opts["memory_budget"])
             capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
             session = ChatSession(model, capacity, warn=console.warn)
             repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),

@@ -236,10 +236,27 @@ def memory_options(f):
         click.option("--no-memory-check", is_flag=True,
                      help="Load even when the model looks too big for the memory available."),
         ray_option,
+        click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
+                     help="Run a low-bit checkpoint larger than memory: everything but the routed experts "
+                          "stays resident, the experts are read from disk into a cache that fills the rest of "
+                          "SIZE (8G, 8GiB or bytes), reading ahead what the next layer will likely need "
+                          "(docs/performance.md)."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def budget_size(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        size = memory.parse_size(value)
+    except Ds2Error as e:
+        raise click.BadParameter(str(e).replace(memory.ENV, "the budget")) from None
+    if size <= 0:
+        raise click.BadParameter("the budget must be more than 0 bytes")
+    return size
 
 
 ray_option = click.option(
@@ -250,7 +267,8 @@ ray_option = click.option(
 
 
 def load_model(source: Source, quantize: str | None = None, context: int | None = None,
-               memory_check: bool = True, ray: str | None = None) -> tuple[Model, float]:
+               memory_check: bool = True, ray: str | None = None,
+               memory_budget: int | None = None) -> tuple[Model, float]:
     """Load the opened model with a progress bar; `quantize` as --quantize gives it ("8", "4",
     "auto", "exact" or None). A command reads its tokenizer and prompt from `source` first
     (tokenizer_of), so it can refuse a prompt too long for its context and name the context the
@@ -259,6 +277,9 @@ def load_model(source: Source, quantize: str | None = None, context: int | None 
     t0 = time.perf_counter()
     bits = quantize if quantize in (None, "auto", "exact") else int(quantize)
     if ray is not None:
+        if memory_budget is not None:
+            raise click.UsageError("--memory-budget streams experts on one machine; with --ray each node "
+                                   "holds its layers whole")
         from ds2cli.cluster import driver
         with naming_ds2_model():
             model = driver.load(source, ray, bits, context, show=console.info, memory_check=memory_check)
@@ -266,7 +287,8 @@ def load_model(source: Source, quantize: str | None = None, context: int | None 
     progress = console.LoadProgress()
     try:
         with naming_ds2_model():
-            model = load(source, progress=progress, quantize=bits, context=context, memory_check=memory_check)
+            model = load(source, progress=progress, quantize=bits, context=context, memory_check=memory_check,
+                         memory_budget=memory_budget)
     finally:
         progress.close()
     if quantize == "auto":

@@ -164,7 +164,8 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
         with thread_limits(opts["threads"]):
             # the memory check counts the --parallel caches the running requests use at once
             tokenizer_of(source, chat_template)
-            model, load_s = load_model(source, quantize, ctx * parallel, not no_memory_check, opts["ray"])
+            model, load_s = load_model(source, quantize, ctx * parallel, not no_memory_check, opts["ray"],
+                                       opts["memory_budget"])
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                                 ctx, system, tuple(model.eos_token_ids))
             disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * MB, model) \

@@ -37,6 +37,10 @@ class Executor:
     def stop(self) -> None:
         """Release what start set up."""
 
+    def stats(self) -> dict:
+        """What running the model cost beyond computing (a streamed run: experts read from disk)."""
+        return {}
+
     def health(self) -> str | None:
         """None while everything the model runs on is there; else what is missing (a lost node)."""
         return None

@@ -96,4 +96,5 @@ def model_weights(model):
     yield from (w for w in (model.embed_tokens, model.lm_head) if w is not None)
     for layer in model.layers:
         for _, part in layer.parts() if layer is not None else ():
-            yield from part.values()
+            for w in part.values():     # a weight whose data lives elsewhere names what holds it
+                yield from getattr(w, "stacks", (w,))

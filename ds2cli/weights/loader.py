@@ -12,6 +12,7 @@ import numpy as np
 from ds2cli.weights import checkpoint
 from ds2cli.weights import memory
 from ds2cli.weights import qcheckpoint
+from ds2cli.weights import streaming
 from ds2cli.model import rope
 from ds2cli.model.layers import MLP, Attention, Layer, MoE, Weights
 from ds2cli.model.config import DeepseekV2Config
@@ -229,7 +230,8 @@ def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | No
 
 def load(path: str | Path | Source | None = None, progress: Progress | None = None,
          quantize: int | str | None = None, context: int | None = None, memory_check: bool = True,
-         executor: Executor | None = None, layers: range | None = None) -> Model:
+         executor: Executor | None = None, layers: range | None = None,
+         memory_budget: int | None = None) -> Model:
     """Load a model (default: the bundled ds2-tiny): a path, or a Source that source.open_model
     opened (a command reads its config, tokenizer and prompt from that first, then loads from
     the same object). Config, weights with MLA absorption precomputed, tokenizer and
@@ -244,7 +246,9 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     parallel work (model/executor.py); by default this machine's cores and, over low-bit weights,
     helper processes (parallel/executor.py), which the Model starts once its weights exist.
     `layers`: only that range of decoder layers, and the top weights it needs (a node of a
-    cluster computes its range with Model.compute; the memory check is the placement's)."""
+    cluster computes its range with Model.compute; the memory check is the placement's).
+    `memory_budget` (bytes): a low-bit checkpoint's routed experts streamed from disk into a
+    cache that, with everything else, fits the budget (weights/streaming.py)."""
     source = open_model(path)
     model_dir, cfg, stored = source.path, source.config, source.stored
     quantize, recipe = load_form(source, quantize, context)
@@ -252,10 +256,23 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     # then the weights
     tensors = source.tensors
     tokenizer, gen = source.tokenizer, source.generation_config
-    if memory_check:
+    plan = None
+    if memory_budget is not None:
+        if stored is None:
+            raise ConfigError(f"--memory-budget streams the routed experts of a low-bit ds2 checkpoint; {model_dir} "
+                              f"is not one: make one first with ds2 quantize {model_dir} OUT --bits 4 (or 8)")
+        plan = memory.streamed(cfg, stored, context, memory_budget)
+        available = memory.available_bytes() if memory_check else None
+        if available is not None and memory_budget > available:
+            raise memory.MemoryCheckError(f"--memory-budget {memory.gb(memory_budget)} is more than the "
+                                          f"{memory.gb(available)} available")
+    elif memory_check:
         memory.check(cfg, model_dir, stored, quantize, context, recipe=recipe)
     if stored is not None:
         weights = qcheckpoint.load_weights(cfg, stored, tensors, progress, layers)
+        if plan is not None:
+            cache = streaming.streamed_weights(weights, cfg, stored, tensors, plan["slots"])
+            executor = executor or streaming.StreamingExecutor(cache)
     else:
         qc = recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None)
         weights = load_weights(model_dir, cfg, progress, qc, tensors, layers)

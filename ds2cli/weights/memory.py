@@ -115,6 +115,38 @@ def required(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None,
             "total": weights + cache + working + margin}
 
 
+def routed_bytes(cfg: DeepseekV2Config, qc: QuantConfig | None) -> int:
+    """Bytes of every MoE layer's routed experts: what --memory-budget streams from disk."""
+    total = 0
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            shapes = qcheckpoint.layer_shapes(cfg, i)
+            total += sum(matrix_bytes(qc, "mlp", k, shapes["mlp", k]) for k in ("experts_gate_up", "experts_down"))
+    return total
+
+
+def streamed(cfg: DeepseekV2Config, qc: QuantConfig, context: int | None, budget: int) -> dict:
+    """What a run within `budget` holds: the always-used part resident (weights but the routed
+    experts, cache, working memory, margin) and the expert slots the rest admits. A budget
+    that cannot hold the resident part and one token's experts is a MemoryCheckError."""
+    need = required(cfg, qc, context)
+    routed = routed_bytes(cfg, qc)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    expert = routed // max(1, moe_layers * (cfg.n_routed_experts or 1))
+    weights = need["weights"] - routed
+    resident = weights + need["cache"] + need["working"] + WORKING_MARGIN_BYTES + int(WORKING_MARGIN_FRACTION * weights)
+    slots = (budget - resident) // expert if expert else 0
+    k = cfg.num_experts_per_tok or 1
+    if slots < k:
+        raise MemoryCheckError(f"a memory budget of {gb(budget)} cannot stream this model: its always-used part "
+                               f"(weights but the routed experts {gb(weights)}, cache {gb(need['cache'])} at "
+                               f"{need['context']} tokens, working memory and margin) takes {gb(resident)}, and one "
+                               f"token's {k} experts {gb(k * expert)} more; give at least "
+                               f"--memory-budget {math.ceil((resident + k * expert) / 1e8) / 10:.1f}G")
+    return {"resident": resident, "resident_weights": weights, "routed": routed, "expert": expert,
+            "slots": int(min(slots, moe_layers * cfg.n_routed_experts)), "context": need["context"]}
+
+
 def parse_size(text: str) -> int:
     """"8589934592", "8G" or "8GB" (10^9, as ds2 prints sizes), "8GiB" (2^30); K, M, T alike."""
     t = text.strip().upper()
@@ -135,17 +167,58 @@ def available_bytes() -> int | None:
     dropped included), free pages where the platform says only that, None when unknown."""
     if os.environ.get(ENV):
         return parse_size(os.environ[ENV])
+    machine = None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    machine = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    if machine is None:
+        try:
+            machine = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            machine = None
+    group = cgroup_room()
+    return machine if group is None else group if machine is None else min(machine, group)
+
+
+def cgroup_files() -> list[tuple[str, str]]:
+    """(limit, usage) files of this process's memory cgroup: v2's memory.max and memory.current,
+    v1's memory.limit_in_bytes and memory.usage_in_bytes, at the path /proc/self/cgroup names."""
+    out = []
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+        with open("/proc/self/cgroup", encoding="utf-8") as f:
+            lines = f.read(1 << 16).splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":                                                        # v2
+            out.append((f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"))
+        elif "memory" in controllers.split(","):                                      # v1
+            base = f"/sys/fs/cgroup/memory{path}"
+            out.append((f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"))
+    return out
+
+
+def cgroup_room(files: list[tuple[str, str]] | None = None) -> int | None:
+    """What this process's memory cgroup still admits (its limit less its usage, page cache
+    included, as the kernel counts it), None without a limit."""
+    files = cgroup_files() if files is None else files
+    for limit_file, usage_file in files:
+        try:
+            with open(limit_file, encoding="ascii") as f:
+                limit = f.read().strip()
+            with open(usage_file, encoding="ascii") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None                     # no limit (v1 says so with a huge number)
+        return max(0, int(limit) - usage)
+    return None
 
 
 def describe_params(cfg: DeepseekV2Config) -> str:
@@ -219,9 +292,10 @@ def check(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, qu
 def suggestion(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, quantize: int | None,
                context: int | None, available: int) -> str:
     if stored is not None:
-        return "use a smaller --ctx or a machine with more memory" if stored.bits == 4 else \
-            "a 4-bit copy (ds2 quantize from the float checkpoint with --bits 4) takes " \
-            f"{gb(required(cfg, QuantConfig.recipe(4), context)['total'])}"
+        budget = f"--memory-budget {max(0.1, math.floor(available / 1e8) / 10):.1f}G streams the routed experts from disk"
+        return ("use a smaller --ctx or a machine with more memory" if stored.bits == 4 else
+                "a 4-bit copy (ds2 quantize from the float checkpoint with --bits 4) takes "
+                f"{gb(required(cfg, QuantConfig.recipe(4), context)['total'])}") + "; " + budget
     source = hub.snapshot_id(model_dir) or model_dir   # `ds2 quantize` takes a Hub id as SRC too
     options = []
     for bits in (8, 4):

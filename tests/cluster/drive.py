@@ -1,5 +1,5 @@
 """A driver the cluster tests run inside the namespace: each reference case over the cluster at
-ADDRESS, fed in several splits (one pass, chunks then decode steps, one token at a time) and as a
+ADDRESS, fed in one pass and in chunks then decode steps and as a
 batched pass of two sequences, the logits written to OUT.npz for the test to hold against the
 reference. Usage: drive.py ADDRESS OUT CASE_DIR..."""
 
@@ -23,7 +23,7 @@ def main(address: str, out: str, cases: list[str]) -> None:
                                        case if (Path(case) / "config.json").is_file() else None), address)
         name = Path(case).name
         results[f"{name}/stages"] = np.array(len(model.executor.stages))
-        for split in ("all_at_once", "two_chunks_then_decode", "one_at_a_time"):
+        for split in ("all_at_once", "two_chunks_then_decode"):
             results[f"{name}/{split}"] = run_split(model, ids, splits(len(ids))[split])
         # a batched pass: the first half of ids beside the whole, each in its own cache
         half = len(ids) // 2

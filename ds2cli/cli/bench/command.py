@@ -20,7 +20,7 @@ from ds2cli.cli.bench.settings import BenchError, cache_tokens, check_settings, 
 from ds2cli.cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights.source import open_model
-from ds2cli.cli.options import model_option, ray_option, thread_limits, threads_option
+from ds2cli.cli.options import budget_size, model_option, ray_option, thread_limits, threads_option
 from ds2cli.weights.qcheckpoint import QuantConfig
 
 
@@ -104,10 +104,13 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
                    "the router and the Python between them, summed to the step's time.")
 @threads_option
 @ray_option
+@click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
+              help="Stream a low-bit checkpoint's routed experts from disk within SIZE (as generate's); "
+                   "decode rows then say the bytes read a token, the read rate and the cache's hit rates.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
 def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, passes,
-          compare_hf, quantize, formats, profile, ray, as_json):
+          compare_hf, quantize, formats, profile, ray, memory_budget, as_json):
     """Measure load, prefill and decode speed, and compare them with what this machine's memory
     bandwidth and float32 GEMM can do.
 
@@ -136,7 +139,7 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
     context = cache_tokens(prompt_lengths, contexts, decode_steps)
     # refuse what cannot fit before synthesising or quantizing anything (a cluster: its placement)
     stored = None if model_dir is None else source.stored
-    for bits in [] if ray is not None else formats or [int(quantize) if quantize else gguf_default[0] if gguf_default else None]:
+    for bits in [] if ray is not None or memory_budget is not None else formats or [int(quantize) if quantize else gguf_default[0] if gguf_default else None]:
         memory.check(cfg, model_dir or synthetic_path(bench_dir, cfg.num_hidden_layers),
                      stored or (QuantConfig.recipe(bits) if bits and formats else None),
                      None if formats else bits, context, recipe=gguf_default[1] if gguf_default and not formats else None)
@@ -150,7 +153,7 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
                                      threads)
         else:
             report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
-                               int(quantize) if quantize else None, passes, profile)
+                               int(quantize) if quantize else None, passes, profile, memory_budget)
     if as_json:
         click.echo(json.dumps(report))
     else:

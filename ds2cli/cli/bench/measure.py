@@ -31,7 +31,7 @@ REAL_FILL = 2048            # ... up to this many; later positions repeat their 
 
 
 def time_load(path: Path, repeats: int, quantize: int | None = None,
-              context: int | None = None) -> tuple[Model, dict]:
+              context: int | None = None, memory_budget: int | None = None) -> tuple[Model, dict]:
     samples, model = [], None
     for r in range(repeats):
         model = None  # free the previous copy first: two might not fit side by side
@@ -40,7 +40,7 @@ def time_load(path: Path, repeats: int, quantize: int | None = None,
         progress = console.LoadProgress()
         try:
             t0 = time.perf_counter()
-            model = load(path, progress=progress, quantize=quantize, context=context)
+            model = load(path, progress=progress, quantize=quantize, context=context, memory_budget=memory_budget)
             samples.append(time.perf_counter() - t0)
         finally:
             progress.close()
@@ -109,6 +109,7 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
     for f, rate in probes["ceiling"]["g_weights_per_s"].items():
         best[f] = max(best.get(f, 0.0), rate)
     samples, routes = [], []
+    before = model.executor.stats()
     for _ in range(repeats):
         ids = rng.integers(model.config.vocab_size, size=steps)
         cache.truncate(context)
@@ -117,6 +118,7 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
             model.forward(token[None], cache, trace=routes)
         samples.append(steps / (time.perf_counter() - t0))
     cache.truncate(context)
+    stream = streamed_point(before, model.executor.stats(), steps * repeats)
     routed = sum(len(np.unique(idx)) for idx in routes) / (steps * repeats)
     weight_bytes = forward_weight_bytes(model, routed)
     cache_bytes = cache.bytes_per_token * (context + (steps + 1) / 2)  # step j reads context + j + 1
@@ -129,7 +131,24 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
             "ceiling_share": tok_per_s["median"] / ceiling,
             "weight_bytes_per_token": weight_bytes, "cache_bytes_per_token": cache_bytes,
             "bytes_per_token": weight_bytes + cache_bytes, "gb_per_s": gb_per_s,
-            "probes": probes, "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"]}
+            "probes": probes, "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"],
+            **({"stream": stream} if stream else {})}
+
+
+def streamed_point(before: dict, after: dict, tokens: int) -> dict | None:
+    """A streamed run's (--memory-budget) reads over `tokens` decode steps: bytes from disk a
+    token, the rate they were read at, the share of experts found in memory, and of the experts
+    read ahead, the share a step then used."""
+    if "bytes_read" not in after:
+        return None
+    d = {k: after[k] - before[k] for k in ("hits", "misses", "read_ahead", "read_ahead_used", "bytes_read",
+                                              "read_seconds")}
+    asked = d["hits"] + d["misses"]
+    return {"slots": after["slots"], "bytes_read_per_token": d["bytes_read"] / tokens,
+            "read_gb_per_s": d["bytes_read"] / max(d["read_seconds"], 1e-9) / 1e9,
+            "read_seconds_per_token": d["read_seconds"] / tokens,
+            "hit_rate": d["hits"] / max(1, asked), "read_ahead_used": d["read_ahead_used"] / max(1, d["read_ahead"]),
+            **d}
 
 
 def bench_passes(model: Model, ks: list[int], context: int, repeats: int, rng) -> list[dict]:
@@ -203,10 +222,11 @@ def memory_section(model: Model, cache_tokens: int) -> dict:
 
 def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[int], contexts: list[int],
               steps: int, hf: bool, quantize: int | None = None, passes: list[int] = (),
-              profile: bool = False) -> dict:
+              profile: bool = False, memory_budget: int | None = None) -> dict:
     rng = np.random.default_rng(0)
     probes = outside_peak(probe_machine)
-    model, load_s = time_load(path, repeats, quantize, context=cache_tokens(prompt_lengths, contexts, steps))
+    model, load_s = time_load(path, repeats, quantize, context=cache_tokens(prompt_lengths, contexts, steps),
+                              memory_budget=memory_budget)
     warm = min(prompt_lengths)  # one untimed forward first, as llama-bench does
     model.forward(rng.integers(model.config.vocab_size, size=warm), model.new_cache(warm))
     prefill = [bench_prefill(model, tokens, repeats, rng) for tokens in prompt_lengths]

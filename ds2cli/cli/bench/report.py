@@ -83,6 +83,12 @@ def footnotes(report: dict) -> list[str]:
         notes.append("pass k @ c: k tokens after c, in decode steps of its repeat (median, range)")
     if report.get("compare_hf"):
         notes.append("hf: transformers on the same checkpoint; vs probe: ds2's median over its")
+    for d in report.get("decode", []):
+        st = d.get("stream")
+        if st:
+            notes.append(f"tg{d['context']} streamed ({st['slots']} slots): {human_bytes(st['bytes_read_per_token'])} "
+                         f"read a token at {st['read_gb_per_s']:.2f} GB/s ({st['read_seconds_per_token']:.2f} s), "
+                         f"{100 * st['hit_rate']:.0f}% hits, {100 * st['read_ahead_used']:.0f}% of reads ahead used")
     return notes
 
 

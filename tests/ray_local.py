@@ -1,4 +1,4 @@
-"""A real Ray cluster on this machine, inside a private network namespace, for the cluster tests.
+"""A real Ray cluster on this machine, inside a private network namespace, for the cluster tests (tests/cluster).
 
 The namespace is held by one `unshare -n sleep` process; its loopback is brought up, and every
 node (`ray start`), driver (`ds2 ... --ray`) and client runs in it through `nsenter`, so nothing
@@ -35,7 +35,7 @@ fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | IFF_UP))
 
 
 def usable() -> str | None:
-    """Why the cluster tests cannot run here, or None."""
+    """Why the cluster tests (tests/cluster) cannot run here, or None."""
     if os.geteuid() != 0:
         return "a private network namespace needs root (CI runs as root)"
     if not (shutil.which("unshare") and shutil.which("nsenter")):

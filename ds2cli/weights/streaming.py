@@ -1,0 +1,310 @@
+"""Routed experts streamed from disk within a memory budget (`--memory-budget`).
+
+A mixture of experts is mostly routed experts that a given token never touches. With a budget
+smaller than the model, everything else (attention, shared experts, dense layers, embedding,
+head, norms) stays memory-mapped and resident, and the routed experts live in an ExpertCache:
+a fixed number of *slots*, each holding one expert (its gate_up and down matrices), filled from
+the checkpoint file on a miss with one read a matrix, in whole experts, into buffers the cache
+owns. What was read is dropped from the page cache (posix_fadvise DONTNEED), so the budget holds
+for the process's memory and the page cache it causes together.
+
+Each layer's expert stacks are StreamedStacks: `stack[e]` is the slot holding expert e, a weight
+of the checkpoint's own format, so the math multiplies by it unchanged. StreamingExecutor (the
+cores' executor) computes a layer's routed experts in groups that fit the slots, each group read
+first, and after layer i reads ahead what layer i+1 will probably choose (its router applied to
+layer i's output) on a reader thread while layer i+1's attention computes. The slots are shared
+memory made before the helper processes fork, so they multiply by what was read after.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import threading
+import time
+
+import numpy as np
+
+from ds2cli.errors import Ds2Error
+from ds2cli.model.attention import rms_norm
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.model.moe import route
+from ds2cli.model.linear import float32
+from ds2cli.parallel.executor import CoreExecutor
+from ds2cli.weights import checkpoint, qcheckpoint
+from ds2cli.weights.formats.base import QuantMatrix
+
+KINDS = ("experts_gate_up", "experts_down")
+
+
+class StreamingError(Ds2Error):
+    """The budget cannot hold the model's always-used part, or reading an expert failed."""
+
+
+def shared_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeroed memory shared with processes forked later (an anonymous MAP_SHARED mapping)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+
+class ExpertCache:
+    """`slots` experts in memory, read from the checkpoint's files on a miss, least recently
+    used out first. `stats`: hits, misses, reads ahead and those that were used, bytes read."""
+
+    def __init__(self, cfg: DeepseekV2Config, qc, tensors: dict, slots: int):
+        self.cfg, self.slots = cfg, slots
+        self.where: dict[tuple[int, str], tuple] = {}     # (layer, kind) -> (qweight info, scales info)
+        self.formats: dict[str, type[QuantMatrix]] = {}
+        for i in range(cfg.num_hidden_layers):
+            if not cfg.is_moe_layer(i):
+                continue
+            shapes = qcheckpoint.layer_shapes(cfg, i)
+            for kind in KINDS:
+                f = qcheckpoint.format_for(qc, "mlp", kind, shapes["mlp", kind])
+                if f is None:
+                    raise StreamingError("--memory-budget streams a low-bit checkpoint's routed experts; "
+                                         f"this one stores {kind} as floats")
+                name = qcheckpoint.stored_name(i, "mlp", kind)
+                self.where[i, kind] = (tensors[name + ".qweight"], tensors[name + ".scales"])
+                self.formats[kind] = f
+        if not self.where:
+            raise StreamingError("--memory-budget streams routed experts; this model has none")
+        E, first = cfg.n_routed_experts, min(i for i, _ in self.where)
+        self.stacks = {}
+        for kind, f in self.formats.items():
+            q, s = self.where[first, kind]
+            self.stacks[kind] = f(shared_array((slots, *q.shape[1:]), checkpoint.NUMPY_DTYPES[q.dtype]),
+                                  shared_array((slots, *s.shape[1:]), checkpoint.NUMPY_DTYPES[s.dtype]))
+        self.expert_bytes = sum((q.nbytes + s.nbytes) // E for q, s in (self.where[first, k] for k in KINDS))
+        self.slot_of: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+        self.free = list(range(slots - 1, -1, -1))
+        self.ahead: set[tuple[int, int]] = set()           # read ahead, not yet used
+        self.lock = threading.Lock()
+        self.files: dict = {}
+        self.stats = {"hits": 0, "misses": 0, "read_ahead": 0, "read_ahead_used": 0, "bytes_read": 0,
+                      "read_seconds": 0.0}
+
+    def fd(self, path) -> int:
+        if path not in self.files:
+            try:
+                self.files[path] = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise StreamingError(f"cannot open {path}: {e.strerror}") from None
+        return self.files[path]
+
+    def close(self) -> None:
+        for fd in self.files.values():
+            os.close(fd)
+        self.files = {}
+
+    def fetch(self, layer: int, experts, ahead: bool = False, protect: set = frozenset()) -> list[int]:
+        """The slots holding `experts` of `layer` (at most `slots` of them), each read on a miss;
+        `protect`: (layer, expert)s in use meanwhile, never evicted for these."""
+        with self.lock:
+            out = []
+            keep = {(layer, int(e)) for e in experts} | protect
+            for e in experts:
+                key = (layer, int(e))
+                slot = self.slot_of.get(key)
+                if slot is not None:
+                    self.slot_of.move_to_end(key)
+                    if not ahead:
+                        self.stats["hits"] += 1
+                        if key in self.ahead:
+                            self.ahead.discard(key)
+                            self.stats["read_ahead_used"] += 1
+                else:
+                    slot = self.take_slot(keep)
+                    self.read(layer, int(e), slot)
+                    self.slot_of[key] = slot
+                    if ahead:
+                        self.ahead.add(key)
+                        self.stats["read_ahead"] += 1
+                    else:
+                        self.stats["misses"] += 1
+                out.append(slot)
+            return out
+
+    def take_slot(self, keep: set) -> int:
+        if self.free:
+            return self.free.pop()
+        for key in self.slot_of:             # least recently used first, never one asked for now
+            if key not in keep:
+                self.ahead.discard(key)
+                return self.slot_of.pop(key)
+        raise StreamingError(f"the expert cache's {self.slots} slots cannot hold {len(keep)} experts at once")
+
+    def read(self, layer: int, e: int, slot: int) -> None:
+        """Expert e of `layer` into `slot`: one read a tensor, then its pages dropped from the page cache."""
+        t0 = time.perf_counter()
+        E = self.cfg.n_routed_experts
+        for kind in KINDS:
+            stack = self.stacks[kind]
+            for info, dst in zip(self.where[layer, kind], (stack.qweight[slot], stack.scales[slot])):
+                n = info.nbytes // E
+                at = info.offset + e * n
+                fd = self.fd(info.file)
+                view = memoryview(dst.reshape(-1).view(np.uint8))
+                got = 0
+                try:
+                    while got < n:
+                        k = os.preadv(fd, [view[got:]], at + got)
+                        if k == 0:
+                            raise StreamingError(f"{info.file} ends before expert {e} of layer {layer} "
+                                                 f"(truncated after ds2 opened it?)")
+                        got += k
+                    os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)
+                except OSError as err:
+                    raise StreamingError(f"cannot read expert {e} of layer {layer} from {info.file}: "
+                                         f"{err.strerror}") from None
+                self.stats["bytes_read"] += n
+        self.stats["read_seconds"] += time.perf_counter() - t0
+
+
+class StreamedStack:
+    """A layer's routed experts of one kind (E, out, in), held in the ExpertCache's slots:
+    `stack[e]` is expert e's matrix, read first if it is not in a slot."""
+
+    def __init__(self, cache: ExpertCache, layer: int, kind: str, shape: tuple[int, ...]):
+        self.cache, self.layer, self.kind, self.shape = cache, layer, kind, shape
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.expert_bytes * len(self) // 2
+
+    @property
+    def stacks(self) -> tuple:
+        """What helper processes must know before they fork: the slots' stack (once per kind)."""
+        return (self.cache.stacks[self.kind],)
+
+    def __getitem__(self, e) -> QuantMatrix:
+        slot, = self.cache.fetch(self.layer, [int(e)])
+        return self.cache.stacks[self.kind][slot]
+
+
+class StreamingExecutor(CoreExecutor):
+    """The cores, with each MoE layer's routed experts read into the cache's slots a group at a
+    time, and the next layer's likely experts read ahead on a reader thread."""
+
+    def __init__(self, cache: ExpertCache):
+        super().__init__()
+        self.cache = cache
+        self.model = None
+        self.reader: threading.Thread | None = None
+        self.failed: BaseException | None = None
+
+    def start(self, model) -> None:
+        self.model = model
+        super().start(model)
+
+    def stop(self) -> None:
+        self.wait_reader()
+        self.cache.close()
+        super().stop()
+
+    def stats(self) -> dict:
+        return dict(self.cache.stats, slots=self.cache.slots)
+
+    def wait_reader(self) -> None:
+        if self.reader is not None:
+            self.reader.join()
+            self.reader = None
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            raise failed
+
+    def experts(self, w, ids, xs, shared, ffn):
+        stack = w.experts_gate_up
+        if not isinstance(stack, StreamedStack):
+            return super().experts(w, ids, xs, shared, ffn)
+        self.wait_reader()
+        outs, layer = [], stack.layer
+        ids = [int(e) for e in ids]
+        # a pass of many tokens (a prefill chunk, a batch) may need more experts than the slots
+        # hold: groups of half the slots, the next group read while this one computes
+        group = len(ids) if len(ids) <= self.cache.slots else max(1, self.cache.slots // 2)
+        starts = list(range(0, len(ids), group))
+        gate_up, down = self.cache.stacks["experts_gate_up"], self.cache.stacks["experts_down"]
+        for n, at in enumerate(starts):
+            part = ids[at:at + group]
+            slots = self.cache.fetch(layer, part)
+            if n + 1 < len(starts):
+                self.read_ahead(layer, ids[starts[n + 1]:starts[n + 1] + group], {(layer, e) for e in part})
+            outs += ffn(self, [(x, gate_up[s], down[s]) for x, s in zip(xs[at:at + group], slots)])
+            self.wait_reader()
+        if shared is not None:
+            outs += ffn(self, [(shared, w.shared_gate_up, w.shared_down)])
+        return outs
+
+    def after_layer(self, i: int, x: np.ndarray) -> None:
+        """Layer i's output is known: read ahead the experts layer i+1's router picks for it."""
+        layers, cfg = self.model.layers, self.model.config
+        if i + 1 >= len(layers) or layers[i + 1] is None or not layers[i + 1].is_moe:
+            return
+        self.wait_reader()
+        nxt = layers[i + 1]
+        h = rms_norm(x, nxt.post_attention_layernorm, cfg.rms_norm_eps)
+        idx, _ = route(h, float32(nxt.mlp.gate), cfg, nxt.mlp.e_score_correction_bias)
+        self.read_ahead(i + 1, np.unique(idx)[:self.cache.slots])     # layer i is done: every slot may go
+
+    def read_ahead(self, layer: int, experts, protect: set = frozenset()) -> None:
+        """Read `experts` of `layer` on the reader thread; the next wait_reader joins it."""
+        def run():
+            try:
+                self.cache.fetch(layer, experts, ahead=True, protect=protect)
+            except BaseException as e:      # noqa: BLE001 - raised where the pass waits for it
+                self.failed = e
+
+        self.reader = threading.Thread(target=run, name="ds2-read-ahead", daemon=True)
+        self.reader.start()
+
+
+def streamed_weights(weights: dict, cfg: DeepseekV2Config, qc, tensors: dict, slots: int) -> ExpertCache:
+    """Replace each MoE layer's routed expert stacks in `weights` (qcheckpoint.load_weights'
+    memory-mapped ones) with StreamedStacks over one ExpertCache of `slots` experts, and read
+    every other weight into memory of this process's own: the budget then holds no page cache of
+    the files (dropped as they are read), and a file changed under the run fails a read with an
+    error instead of a fault on a mapped page."""
+    cache = ExpertCache(cfg, qc, tensors, slots)
+    for i, layer in enumerate(weights["layers"]):
+        if layer is not None:
+            for _, part in layer.parts():
+                for key, w in list(part.items()):
+                    part[key] = StreamedStack(cache, i, key, w.shape) if key in KINDS and layer.is_moe else owned(w)
+            layer.input_layernorm = owned(layer.input_layernorm)
+            layer.post_attention_layernorm = owned(layer.post_attention_layernorm)
+    tied = weights["lm_head"] is weights["embed_tokens"]
+    for key in ("embed_tokens", "norm", "lm_head"):
+        weights[key] = owned(weights[key])
+    if tied:
+        weights["lm_head"] = weights["embed_tokens"]
+    for path in {info.file for info in tensors.values()}:
+        drop_cached(path)
+    return cache
+
+
+def owned(w):
+    """A memory-mapped weight (array, or weight object over arrays) as a copy in this process."""
+    if w is None:
+        return None
+    if isinstance(w, np.ndarray):
+        return np.array(w)
+    if isinstance(w, QuantMatrix):
+        return type(w)(np.array(w.qweight), np.array(w.scales))
+    return type(w)(np.array(w.w))            # formats.Dense, linear.Heads: one array, .w
+
+
+def drop_cached(path) -> None:
+    """Ask the kernel to drop a file's pages from the page cache (they were copied)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
