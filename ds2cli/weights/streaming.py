@@ -80,6 +80,7 @@ class ExpertCache:
         self.slot_of: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
         self.free = list(range(slots - 1, -1, -1))
         self.ahead: set[tuple[int, int]] = set()           # read ahead, not yet used
+        self.in_use: dict[tuple[int, int], int] = {}        # being multiplied by: not to be evicted
         self.lock = threading.Lock()
         self.files: dict = {}
         self.stats = {"hits": 0, "misses": 0, "read_ahead": 0, "read_ahead_used": 0, "bytes_read": 0,
@@ -98,12 +99,13 @@ class ExpertCache:
             os.close(fd)
         self.files = {}
 
-    def fetch(self, layer: int, experts, ahead: bool = False, protect: set = frozenset()) -> list[int]:
-        """The slots holding `experts` of `layer` (at most `slots` of them), each read on a miss;
-        `protect`: (layer, expert)s in use meanwhile, never evicted for these."""
+    def fetch(self, layer: int, experts, ahead: bool = False, use: bool = False) -> list[int]:
+        """The slots holding `experts` of `layer`, each read on a miss. `use`: they are being
+        multiplied by until `release`, so no other fetch may take their slots meanwhile. A fetch
+        `ahead` (a guess) stops, quietly, where no slot is free to take."""
         with self.lock:
             out = []
-            keep = {(layer, int(e)) for e in experts} | protect
+            keep = {(layer, int(e)) for e in experts}
             for e in experts:
                 key = (layer, int(e))
                 slot = self.slot_of.get(key)
@@ -116,6 +118,11 @@ class ExpertCache:
                             self.stats["read_ahead_used"] += 1
                 else:
                     slot = self.take_slot(keep)
+                    if slot is None:
+                        if ahead:
+                            return out
+                        raise StreamingError(f"the expert cache's {self.slots} slots cannot hold "
+                                             f"{len(keep)} experts beside the {len(self.in_use)} in use")
                     self.read(layer, int(e), slot)
                     self.slot_of[key] = slot
                     if ahead:
@@ -123,17 +130,31 @@ class ExpertCache:
                         self.stats["read_ahead"] += 1
                     else:
                         self.stats["misses"] += 1
+                if use:
+                    self.in_use[key] = self.in_use.get(key, 0) + 1
                 out.append(slot)
             return out
 
-    def take_slot(self, keep: set) -> int:
+    def release(self, layer: int, experts) -> None:
+        with self.lock:
+            for e in experts:
+                key = (layer, int(e))
+                if self.in_use.get(key, 0) <= 1:
+                    self.in_use.pop(key, None)
+                else:
+                    self.in_use[key] -= 1
+
+    def holds(self, layer: int, e: int) -> bool:
+        return (layer, int(e)) in self.slot_of
+
+    def take_slot(self, keep: set) -> int | None:
         if self.free:
             return self.free.pop()
-        for key in self.slot_of:             # least recently used first, never one asked for now
-            if key not in keep:
+        for key in self.slot_of:             # least recently used first, never one asked for or in use
+            if key not in keep and key not in self.in_use:
                 self.ahead.discard(key)
                 return self.slot_of.pop(key)
-        raise StreamingError(f"the expert cache's {self.slots} slots cannot hold {len(keep)} experts at once")
+        return None
 
     def read(self, layer: int, e: int, slot: int) -> None:
         """Expert e of `layer` into `slot`: one read a tensor, then its pages dropped from the page cache."""
@@ -188,42 +209,91 @@ class StreamedStack:
 
 class StreamingExecutor(CoreExecutor):
     """The cores, with each MoE layer's routed experts read into the cache's slots a group at a
-    time, and the next layer's likely experts read ahead on a reader thread."""
+    time, and reads ahead on a reader thread: after layer i, the experts layers i+1 and i+2 will
+    probably choose (their routers applied to layer i's output; i+1 first), so that the disk is
+    busy while layer i+1 computes; a layer waits only for its own reads."""
+
+    AHEAD = 1                       # layers read ahead of the one computing (2 read 30% more, and was slower)
 
     def __init__(self, cache: ExpertCache):
         super().__init__()
         self.cache = cache
         self.model = None
-        self.reader: threading.Thread | None = None
+        self.queue: collections.deque = collections.deque()   # (layer, experts) to read, in order
+        self.busy: tuple | None = None                        # what the reader reads now
+        self.cond = threading.Condition()
         self.failed: BaseException | None = None
+        self.reader: threading.Thread | None = None
 
     def start(self, model) -> None:
         self.model = model
         super().start(model)
 
     def stop(self) -> None:
-        self.wait_reader()
+        with self.cond:
+            self.queue.clear()
+            self.cond.notify_all()
+        self.wait_for(None)
         self.cache.close()
         super().stop()
 
     def stats(self) -> dict:
         return dict(self.cache.stats, slots=self.cache.slots)
 
-    def wait_reader(self) -> None:
-        if self.reader is not None:
-            self.reader.join()
-            self.reader = None
-        if self.failed is not None:
-            failed, self.failed = self.failed, None
-            raise failed
+    def forward_pass(self, tokens: int):
+        self.wait_for(None)         # a new pass: guesses for the last one's layers are moot
+        return super().forward_pass(tokens)
+
+    def read_ahead(self, layer: int, experts) -> None:
+        """Queue `experts` of `layer` for the reader thread (started on first use)."""
+        with self.cond:
+            self.queue.append((layer, [int(e) for e in experts]))
+            if self.reader is None or not self.reader.is_alive():
+                self.reader = threading.Thread(target=self.read_queue, name="ds2-read-ahead", daemon=True)
+                self.reader.start()
+            self.cond.notify_all()
+
+    def read_queue(self) -> None:
+        while True:
+            with self.cond:
+                if not self.queue or self.failed is not None:
+                    self.busy = None
+                    self.cond.notify_all()
+                    return
+                self.busy = self.queue.popleft()
+            layer, experts = self.busy
+            try:
+                for e in experts:          # one at a time: a layer's own fetch waits one read at most
+                    if not self.cache.fetch(layer, [e], ahead=True):
+                        break
+            except BaseException as err:   # noqa: BLE001 - raised where the pass waits for it
+                with self.cond:
+                    self.failed = err
+            with self.cond:
+                self.busy = None
+                self.cond.notify_all()
+
+    def wait_for(self, layer: int | None) -> None:
+        """Until the reader has read every queued expert of layers up to `layer` (None: all);
+        then raise what it met, if it failed."""
+        def pending() -> bool:
+            todo = list(self.queue) + ([self.busy] if self.busy else [])
+            return any(layer is None or item[0] <= layer for item in todo)
+        with self.cond:
+            while self.failed is None and pending():
+                self.cond.wait()
+            if self.failed is not None:
+                failed, self.failed = self.failed, None
+                self.queue.clear()
+                raise failed
 
     def experts(self, w, ids, xs, shared, ffn):
         stack = w.experts_gate_up
         if not isinstance(stack, StreamedStack):
             return super().experts(w, ids, xs, shared, ffn)
-        self.wait_reader()
-        outs, layer = [], stack.layer
-        ids = [int(e) for e in ids]
+        layer = stack.layer
+        self.wait_for(layer)
+        outs, ids = [], [int(e) for e in ids]
         # a pass of many tokens (a prefill chunk, a batch) may need more experts than the slots
         # hold: groups of half the slots, the next group read while this one computes
         group = len(ids) if len(ids) <= self.cache.slots else max(1, self.cache.slots // 2)
@@ -231,36 +301,30 @@ class StreamingExecutor(CoreExecutor):
         gate_up, down = self.cache.stacks["experts_gate_up"], self.cache.stacks["experts_down"]
         for n, at in enumerate(starts):
             part = ids[at:at + group]
-            slots = self.cache.fetch(layer, part)
-            if n + 1 < len(starts):
-                self.read_ahead(layer, ids[starts[n + 1]:starts[n + 1] + group], {(layer, e) for e in part})
-            outs += ffn(self, [(x, gate_up[s], down[s]) for x, s in zip(xs[at:at + group], slots)])
-            self.wait_reader()
+            slots = self.cache.fetch(layer, part, use=True)
+            try:
+                if n + 1 < len(starts):
+                    self.read_ahead(layer, ids[starts[n + 1]:starts[n + 1] + group])
+                outs += ffn(self, [(x, gate_up[s], down[s]) for x, s in zip(xs[at:at + group], slots)])
+            finally:
+                self.cache.release(layer, part)
         if shared is not None:
             outs += ffn(self, [(shared, w.shared_gate_up, w.shared_down)])
         return outs
 
     def after_layer(self, i: int, x: np.ndarray) -> None:
-        """Layer i's output is known: read ahead the experts layer i+1's router picks for it."""
+        """Layer i's output is known: queue what the next layers' routers pick for it, the
+        nearest first, each at most what the slots hold beside the reads already queued."""
         layers, cfg = self.model.layers, self.model.config
-        if i + 1 >= len(layers) or layers[i + 1] is None or not layers[i + 1].is_moe:
-            return
-        self.wait_reader()
-        nxt = layers[i + 1]
-        h = rms_norm(x, nxt.post_attention_layernorm, cfg.rms_norm_eps)
-        idx, _ = route(h, float32(nxt.mlp.gate), cfg, nxt.mlp.e_score_correction_bias)
-        self.read_ahead(i + 1, np.unique(idx)[:self.cache.slots])     # layer i is done: every slot may go
-
-    def read_ahead(self, layer: int, experts, protect: set = frozenset()) -> None:
-        """Read `experts` of `layer` on the reader thread; the next wait_reader joins it."""
-        def run():
-            try:
-                self.cache.fetch(layer, experts, ahead=True, protect=protect)
-            except BaseException as e:      # noqa: BLE001 - raised where the pass waits for it
-                self.failed = e
-
-        self.reader = threading.Thread(target=run, name="ds2-read-ahead", daemon=True)
-        self.reader.start()
+        for j in range(i + 1, min(i + 1 + self.AHEAD, len(layers))):
+            nxt = layers[j]
+            if nxt is None or not nxt.is_moe:
+                continue
+            h = rms_norm(x, nxt.post_attention_layernorm, cfg.rms_norm_eps)
+            idx, _ = route(h, float32(nxt.mlp.gate), cfg, nxt.mlp.e_score_correction_bias)
+            wanted = [int(e) for e in np.unique(idx) if not self.cache.holds(j, e)]
+            if wanted:
+                self.read_ahead(j, wanted[:max(1, self.cache.slots // (2 * self.AHEAD))])
 
 
 def streamed_weights(weights: dict, cfg: DeepseekV2Config, qc, tensors: dict, slots: int) -> ExpertCache:
