@@ -230,10 +230,7 @@ class StreamingExecutor(CoreExecutor):
         super().start(model)
 
     def stop(self) -> None:
-        with self.cond:
-            self.queue.clear()
-            self.cond.notify_all()
-        self.wait_for(None)
+        self.settle()
         self.cache.close()
         super().stop()
 
@@ -241,8 +238,17 @@ class StreamingExecutor(CoreExecutor):
         return dict(self.cache.stats, slots=self.cache.slots)
 
     def forward_pass(self, tokens: int):
-        self.wait_for(None)         # a new pass: guesses for the last one's layers are moot
+        self.settle()               # a new pass: the last one's reads ahead are moot
         return super().forward_pass(tokens)
+
+    def settle(self) -> None:
+        """No read queued or running, and no failure kept from a pass that has ended (it was
+        raised there, or it was a guess nobody needed)."""
+        with self.cond:
+            self.queue.clear()
+            while self.busy is not None:
+                self.cond.wait(timeout=1.0)
+            self.failed = None
 
     def read_ahead(self, layer: int, experts) -> None:
         """Queue `experts` of `layer` for the reader thread (started on first use)."""
@@ -264,7 +270,10 @@ class StreamingExecutor(CoreExecutor):
             layer, experts = self.busy
             try:
                 for e in experts:          # one at a time: a layer's own fetch waits one read at most
-                    if not self.cache.fetch(layer, [e], ahead=True):
+                    got = self.cache.fetch(layer, [e], ahead=True)
+                    with self.cond:
+                        self.cond.notify_all()      # a layer waiting for this expert may go on
+                    if not got:
                         break
             except BaseException as err:   # noqa: BLE001 - raised where the pass waits for it
                 with self.cond:
@@ -288,29 +297,57 @@ class StreamingExecutor(CoreExecutor):
                 raise failed
 
     def experts(self, w, ids, xs, shared, ffn):
+        """The layer's routed experts, each computed as soon as it is in a slot: those the cache
+        holds first, then those the reader brings as it brings them, so computing overlaps
+        reading; an expert nobody is reading is read here. Returned in the order of `ids`."""
         stack = w.experts_gate_up
         if not isinstance(stack, StreamedStack):
             return super().experts(w, ids, xs, shared, ffn)
-        layer = stack.layer
-        self.wait_for(layer)
-        outs, ids = [], [int(e) for e in ids]
-        # a pass of many tokens (a prefill chunk, a batch) may need more experts than the slots
-        # hold: groups of half the slots, the next group read while this one computes
-        group = len(ids) if len(ids) <= self.cache.slots else max(1, self.cache.slots // 2)
-        starts = list(range(0, len(ids), group))
-        gate_up, down = self.cache.stacks["experts_gate_up"], self.cache.stacks["experts_down"]
-        for n, at in enumerate(starts):
-            part = ids[at:at + group]
-            slots = self.cache.fetch(layer, part, use=True)
+        layer, cache = stack.layer, self.cache
+        x_of = {int(e): x for e, x in zip(ids, xs)}
+        pending, done = [int(e) for e in ids], {}
+        gate_up, down = cache.stacks["experts_gate_up"], cache.stacks["experts_down"]
+        room = max(1, cache.slots // 2)             # in use at once, so the reader has slots too
+        while pending:
+            now = [e for e in pending if cache.holds(layer, e)][:room]
+            if not now:
+                if self.coming(layer, pending):
+                    self.wait_progress()
+                    continue
+                now = pending[:1]                   # nobody reads it: read it now
+                if len(pending) > 1:                # ... and have the reader read the rest meanwhile
+                    self.read_ahead(layer, pending[1:room])
+            slots = cache.fetch(layer, now, use=True)
             try:
-                if n + 1 < len(starts):
-                    self.read_ahead(layer, ids[starts[n + 1]:starts[n + 1] + group])
-                outs += ffn(self, [(x, gate_up[s], down[s]) for x, s in zip(xs[at:at + group], slots)])
+                for e, y in zip(now, ffn(self, [(x_of[e], gate_up[s], down[s]) for e, s in zip(now, slots)])):
+                    done[e] = y
             finally:
-                self.cache.release(layer, part)
+                cache.release(layer, now)
+            pending = [e for e in pending if e not in done]
+        self.wait_for(layer)                        # reads of this layer the pass did not need
+        outs = [done[int(e)] for e in ids]
         if shared is not None:
             outs += ffn(self, [(shared, w.shared_gate_up, w.shared_down)])
         return outs
+
+    def coming(self, layer: int, experts: list[int]) -> bool:
+        """Whether the reader has any of `experts` of `layer` still to read."""
+        with self.cond:
+            if self.failed is not None:
+                return False
+            todo = list(self.queue) + ([self.busy] if self.busy else [])
+        wanted = set(experts)
+        return any(l == layer and wanted & set(es) for l, es in todo)
+
+    def wait_progress(self) -> None:
+        """Until the reader reads one more expert (or stops); raise what it met."""
+        with self.cond:
+            if self.busy is not None or self.queue:
+                self.cond.wait(timeout=1.0)
+            if self.failed is not None:
+                failed, self.failed = self.failed, None
+                self.queue.clear()
+                raise failed
 
     def after_layer(self, i: int, x: np.ndarray) -> None:
         """Layer i's output is known: queue what the next layers' routers pick for it, the
