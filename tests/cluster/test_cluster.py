@@ -179,3 +179,16 @@ threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
 [t.join() for t in threads]
 print(json.dumps(out))
 """
+
+
+def test_a_session_saved_over_the_cluster_resumes_and_drafts_give_the_same_text(cluster, tmp_path):
+    session = tmp_path / "s.ds2"
+    first = cluster.ds2("chat", "--session", str(session), "--ray", ADDRESS, input="What is 451 - 123?\n")
+    assert first.returncode == 0 and first.stdout.strip() == "451 - 123 = 328.", first.stderr
+    again = cluster.ds2("chat", "--session", str(session), "--ray", ADDRESS, input="What is 12 + 30?\n")
+    alone = subprocess.run([sys.executable, "-m", "ds2cli", "chat", "--session", str(tmp_path / "t.ds2")],
+                           input="What is 451 - 123?\nWhat is 12 + 30?\n", capture_output=True, text=True,
+                           timeout=CALL_TIMEOUT)
+    assert again.returncode == 0 and again.stdout.splitlines()[-1] == alone.stdout.splitlines()[-1], again.stderr
+    drafted = cluster.ds2("generate", "--chat", QUESTION, "--temperature", "0", "--draft", "4", "--ray", ADDRESS)
+    assert drafted.returncode == 0 and drafted.stdout.strip() == "451 - 123 = 328.", drafted.stderr
