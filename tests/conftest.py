@@ -90,12 +90,12 @@ def no_loading(monkeypatch):
     monkeypatch.setattr(options_module, "load", load)
 
 
-# ---- a real Ray cluster (tests/cluster), made by ray_local.py ----
+# ---- a real Ray cluster (tests/cluster), made by support/ray_local.py ----
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """Two nodes (the head and a worker) on 127.0.0.1 inside a private network namespace."""
-    from ray_local import Cluster, usable
+    from support.ray_local import Cluster, usable
     why = usable()
     if why:
         pytest.skip(why)

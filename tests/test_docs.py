@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from documented_json import check_against_docs
+from support.documented_json import check_against_docs
 from rich.console import Console
 
 from ds2cli.cli.bench import probes as bench_probes

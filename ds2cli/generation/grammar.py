@@ -9,33 +9,15 @@ token mask it allows next.
     constraint.valid_prefix(draft)  -> how many drafted tokens the grammar would take
 
 The library is llguidance (an optional extra: `pip install 'ds2cli[grammar]'`), chosen by
-measurement against outlines-core (xgrammar is out: it needs torch). Measured on 2 shared cores
-with examples/grammar_masks.py (a 5-field schema: required string, integer, enum, array of
-strings, nested object; 5 seeded random walks of up to 400 tokens; the figures below are the
-bare mask, from a quiet moment; under a test suite's load they doubled):
-
-                                    llguidance 1.9.1        outlines-core 0.2.14
-    tokenizer set-up, ds2-tiny 4k      22 ms                   17 ms
-    tokenizer set-up, DeepSeek 102k    1505 ms (once)          719 ms (once)
-    schema compile, 4k vocab           0.9 ms                  11.5 ms
-    schema compile, 102k vocab         1.0 ms                  773 ms (a DFA over the vocabulary,
-                                                                       per schema, per request)
-    mask per token, 4k: median/p99     0.007 / 0.048 ms        0.011 / 0.028 ms
-    mask per token, 102k: median/p99   0.020 / 0.093 ms        0.169 / 4.4 ms
-    rollback                           native, n tokens        native (max_rollback set up front)
-    installed size                     7.6 MB, no deps         5.3 MB, no deps
-    grammars                           JSON Schema, Lark (+ %json inside), regex, special tokens
-
-Both masks are far below a decode step (ds2-tiny a few ms, V2-Lite ~400 ms), so the step time
-does not decide. What does: outlines-core compiles every schema into a DFA over the whole
-vocabulary (0.8 s for this small schema on DeepSeek's vocabulary, growing with the schema, paid by
-every request with a new schema before its first token); free-form JSON is beyond a regular
-language, so its `{"type": "object"}` regex is depth-limited (6900 characters, it rejects
-{"a":{"b":{"c":{"d":1}}}}) and took 27 s to compile even on ds2-tiny's 4k vocabulary; and tool
-calls need a grammar around a schema. llguidance compiles lazily (1 ms), parses any depth, has a
-Lark front end with `%json{schema}` for exactly that, and names special tokens (`<[id]>`), which
-DeepSeek's tool-call markers are. Through Constraint.apply (mask, unpack, np.where over the
-logits) a token costs 0.157 ms median, 8.3 ms p99 on 102400 logits (0.015 / 0.17 ms on 4096).
+measurement against outlines-core (xgrammar is out: it needs torch; the figures, with
+examples/grammar_masks.py: docs/performance.md, "Why the constants are what they are").
+Both masks cost far less than a decode step, so the step time does not decide. What does:
+outlines-core compiles every schema into a DFA over the whole vocabulary, paid by every request
+with a new schema before its first token; free-form JSON is beyond a regular language, so its
+`{"type": "object"}` regex is depth-limited (it rejects {"a":{"b":{"c":{"d":1}}}}) and slow to
+compile even on a small vocabulary; and tool calls need a grammar around a schema. llguidance
+compiles lazily, parses any depth, has a Lark front end with `%json{schema}` for exactly that,
+and names special tokens (`<[id]>`), which DeepSeek's tool-call markers are.
 """
 
 from __future__ import annotations

@@ -62,9 +62,8 @@ class Workers:
         """fn(start, stop) over each span, the first on this thread, the rest on the pool.
 
         While the spans run, BLAS is held to one thread: each span already has a core, and
-        OpenBLAS's own threads would fight over the same cores (measured: two concurrent
-        2-thread gemv calls run no faster than one after the other; the q8 decode kernel took
-        1.5 ms a 2816x2048 matrix with BLAS at one thread against 2.3 ms at two)."""
+        OpenBLAS's own threads would fight over the same cores (docs/performance.md, "Why the
+        constants are what they are")."""
         if self.pool is None or len(spans) < 2 or self.inside:
             for span in spans:
                 fn(*span)
@@ -173,9 +172,8 @@ def forward_pass(low_bit: bool, tokens: int):
     """What a forward pass of `tokens` tokens runs in. Over low-bit weights: BLAS held at one
     thread throughout, and a pass of at most FEW_TOKENS tokens marked as one whose products the
     helper processes share. OpenBLAS's idle threads keep spinning for a while after each call,
-    and a spinning BLAS thread takes a core from the low-bit kernels' own threads: holding BLAS
-    at one thread for the whole decode step measured 6.5 tok/s against 3.9 on the 4-layer
-    V2-Lite slice at 8 bits (2 cores)."""
+    and a spinning BLAS thread takes a core from the low-bit kernels' own threads (the figures:
+    docs/performance.md, "Why the constants are what they are")."""
     pool = workers()
     if not low_bit or pool.n < 2:
         yield

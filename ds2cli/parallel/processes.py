@@ -1,8 +1,8 @@
 """Helper processes: the other cores of a decode step (and of any pass of few tokens).
 
 Two threads that both call NumPy in short calls spend much of their time handing the GIL to
-each other (measured: the q8 decode kernel run on two cores scaled 1.3-1.6x as two threads and
-1.9x as two processes). So a one-token step, or a pass of a few tokens (cores.FEW_TOKENS),
+each other: the q8 decode kernel scales far better over processes than over threads
+(docs/performance.md, "Why the constants are what they are"). So a one-token step, or a pass of a few tokens (cores.FEW_TOKENS),
 hands the other cores' rows of each product to helper processes instead. A helper is forked from
 this process once the weights exist, so it sees every weight at the same address: memory-mapped
 files and copy-on-write pages are shared with it, never copied.
@@ -64,14 +64,11 @@ HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec 
 # A plan's units: guided self-scheduling, each unit 1/(UNIT_SPLIT x processes) of the plan's
 # work still to cut, so the first are large (few tokens to take) and the last small (the
 # processes finish within a small unit of each other), never below UNIT_MIN_VALUES weights (two
-# decode row blocks, 2 MB widened) and never across two products. Measured on the 4-layer slice
-# at 8 bits (2 cores, one process, the ways alternating): one token, 150 plans each, a layer's
-# seven gate/up products took 4.32 ms a plan (median) cut this way, 4.44 with UNIT_SPLIT 2, 4.59
-# in even halves; the seven down products 2.24, 2.29, 2.41; 2, 4, 8 and 32 tokens, the gate/up
-# and down plans together, 0.99x, 0.98x, 0.99x and 0.96x the time of even halves. The cut
+# decode row blocks, 2 MB widened) and never across two products: it beat even halves and a
+# finer split (docs/performance.md, "Why the constants are what they are"). The cut
 # depends on the shapes alone, so whoever takes a unit, its rows come out the same bits: a
 # one-token unit's rows are each one dot product with the token, which OpenBLAS's gemv gives as
-# the same bits wherever the cut falls (measured here for every cut of q8, q4, bf16 and q8b);
+# the same bits wherever the cut falls (tests/parallel checks every cut of q8, q4, bf16, q8b);
 # a unit of several tokens is GEMM tiles, the same for the same rows.
 UNIT_SPLIT = 1
 UNIT_MIN_VALUES = 1 << 19
@@ -339,9 +336,8 @@ def receive(fd: int, size: int, timeout: float | None = None) -> bytes | None:
     TimeoutError after `timeout` seconds without one.
 
     Polls for HELPER_SPIN seconds before sleeping in select: a process that sleeps between a
-    step's plans is woken up to a millisecond late on this VM (a 2816x2048 q4 matvec split
-    over two processes took 2.4 ms, median, against 1.2 ms for either half), and a decode step
-    sends the next plan well within the spin. Messages are shorter than PIPE_BUF, so each is
+    step's plans can be woken up a scheduler tick late, which costs more than the matvec it
+    waits for, and a decode step sends the next plan well within the spin. Messages are shorter than PIPE_BUF, so each is
     written, and read, whole."""
     start = time.perf_counter()
     sleep = None

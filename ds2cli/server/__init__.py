@@ -11,5 +11,7 @@ Bottom-up:
     scheduler            up to --parallel requests in each pass, the queue, the prompt cache
     responses            OpenAI's response objects: choices, logprobs, tool calls, usage
     tokenizer_endpoints  /tokenize, /detokenize and /tokenizer_info
-    http_server          routing, keys, bodies, CORS, server-sent events, the log, the chat page
+    http_io              bodies read within their limit and checked; JSON, errors and server-sent events written
+    endpoints            one method an endpoint: the chat page, /health, /metrics, models, tokenizer, completions
+    http_server          the state, the server and the request path: routing, keys, CORS, errors, the log
 """

@@ -1,7 +1,10 @@
-"""The HTTP layer of `ds2 serve`, on the standard library's ThreadingHTTPServer: routing, keys,
-bodies, CORS, server-sent events, one log line per request. Each request runs on its own handler
-thread, which parses it (api.py), hands its choices to the scheduler (scheduler.py) and writes their
-chunks as they come (responses.py shapes them). serve.py has the command and its graceful stop.
+"""The HTTP layer of `ds2 serve`, on the standard library's ThreadingHTTPServer: the shared
+state, the server, and the handler's request path: routing, the API key, CORS, errors, metrics
+and one log line per request. Each request runs on its own handler thread, which parses it
+(api.py), hands its choices to the scheduler (scheduler.py) and writes their chunks as they come
+(responses.py shapes them). What each endpoint does is endpoints.py; bodies read within their
+limit and the writers (JSON, server-sent events) are http_io.py. serve.py has the command and
+its graceful stop.
 
 Why http.server rather than an ASGI stack: the scheduler's one thread runs every pass, so
 the connections need only blocking threads, not an event loop; and ds2 gains no dependency.
@@ -11,10 +14,6 @@ from __future__ import annotations
 
 import hmac
 import re
-import struct
-import zlib
-import json
-import select
 import socket
 import sys
 import threading
@@ -24,20 +23,15 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ds2cli import __version__
-from ds2cli.server.api import ApiError, Defaults, parse_jobs
-from ds2cli.json_files import JSON_ERRORS, json_error
+from ds2cli.server.api import ApiError, Defaults
+from ds2cli.server.endpoints import Endpoints
+from ds2cli.server.http_io import MAX_BODY_BYTES, BodyIO
 from ds2cli.server.scheduler import ClientGone, Scheduler, Refused
 from ds2cli.errors import Ds2Error, UnavailableError
 from ds2cli.generation.grammar import GrammarError
-from ds2cli.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from ds2cli.server.metrics import Metrics
-from ds2cli.server.responses import Response
-from ds2cli.server.tokenizer_endpoints import detokenize_request, tokenize_request, tokenizer_info
 
-MAX_BODY_BYTES = 4 * 1024 * 1024    # a request body beyond this gets 413 (a 160k-token prompt fits)
 IDLE_TIMEOUT_S = 120                # a connection that sends nothing for this long is closed
-LINGER_S = 1.0                      # after a 413, how long to swallow the unread body before closing
-CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"
 CORS_MAX_AGE_S = 600                # how long a browser may reuse a preflight's answer
 # RFC 9110's token: what a header name may hold; a preflight's list is echoed only if made of them
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
@@ -103,35 +97,8 @@ class Server(ThreadingHTTPServer):
         self.state.log(f"{client_address[0]} connection error: {type(e).__name__}: {' '.join(str(e).split())}")
 
 
-def encodable(text: str) -> bool:
-    """UTF-8 can encode it: no lone surrogate (checked by the codec, at C speed: a 4 MiB body
-    checked character by character in Python would hold its handler for a fraction of a second)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
-def lone_surrogate(body) -> str | None:
-    """Where (as a param path, `messages[0].content`) the first string holding a lone surrogate
-    sits in a parsed JSON body, keys included; None when there is none. Iterative: a body is at
-    most MAX_BODY_BYTES, and its nesting is what json.loads accepted."""
-    stack = [("", body)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if not encodable(value):
-                return path or "the body"
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                here = f"{path}.{k}" if path else k
-                if not encodable(k):
-                    return (path or "the body") + " (a key)"
-                stack.append((here, v))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
-    return None
 
 
 def somaxconn() -> int:
@@ -142,21 +109,11 @@ def somaxconn() -> int:
         return socket.SOMAXCONN
 
 
-def png(size: int, rgba: tuple[int, int, int, int]) -> bytes:
-    """A square PNG of one colour with a lighter border: the favicon, made without a file."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    light = bytes(min(255, c + 80) if i < 3 else c for i, c in enumerate(rgba))
-    rows = b"".join(b"\0" + b"".join(light if x in (0, size - 1) or y in (0, size - 1) else bytes(rgba)
-                                     for x in range(size)) for y in range(size))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", size, size, 8, 6, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
 
 
-FAVICON = png(16, (40, 90, 200, 255))
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(Endpoints, BodyIO, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"ds2/{__version__}"
     timeout = IDLE_TIMEOUT_S
@@ -305,246 +262,7 @@ class Handler(BaseHTTPRequestHandler):
         self.count_request()
         self.end_headers()
 
-    # ---- endpoints ----
-    def page(self) -> None:
-        """The chat page: one static file in the package."""
-        self.send_body(200, CHAT_PAGE.read_bytes(), "text/html; charset=utf-8")
-
-    def favicon(self) -> None:
-        """The icon browsers ask for with every page: a small PNG drawn at import (no file, no 404)."""
-        self.extra_headers["Cache-Control"] = "max-age=86400"
-        self.send_body(200, FAVICON, "image/png")
-
-    def metrics(self) -> None:
-        scheduler = self.server.state.scheduler
-        text = self.server.state.metrics.render(scheduler.running(), scheduler.waiting(), len(scheduler.prompt_cache.entries))
-        self.send_body(200, text.encode(), METRICS_TYPE)
-
-    def tokenize(self) -> None:
-        state = self.server.state
-        self.send_json(200, tokenize_request(self.read_json(), state.scheduler.model.tokenizer, state.defaults))
-
-    def detokenize(self) -> None:
-        model = self.server.state.scheduler.model
-        self.send_json(200, detokenize_request(self.read_json(), model.tokenizer, model.config.vocab_size))
-
-    def tokenizer_info(self) -> None:
-        model = self.server.state.scheduler.model
-        self.send_json(200, tokenizer_info(model.tokenizer, model.path, self.server.state.defaults.ctx))
-
-    def health(self) -> None:
-        """The probe: 200 while serving, 503 while stopping. `running` stays the boolean it
-        always was; `requests_running` and `requests_waiting` are the counts."""
-        scheduler = self.server.state.scheduler
-        if scheduler is None:
-            self.extra_headers["Retry-After"] = "1"
-            self.send_json(503, {"status": "loading", "model": self.server.state.model_id, "running": False,
-                                 "waiting": 0, "requests_running": 0, "requests_waiting": 0})
-            return
-        lost = scheduler.model.executor.health()       # a cluster that lost a node: degraded
-        status = 503 if scheduler.closing or lost else 200
-        running, waiting = scheduler.running(), scheduler.waiting()
-        self.send_json(status, {"status": "shutting down" if scheduler.closing else "degraded" if lost else "ok",
-                                **({"error": lost} if lost else {}),
-                                "model": self.server.state.model_id,
-                                "running": running > 0, "waiting": waiting,
-                                "requests_running": running, "requests_waiting": waiting,
-                                "slots": scheduler.parallel, "queue": scheduler.max_queue})
-
-    def models(self) -> None:
-        self.send_json(200, {"object": "list", "data": [self.model_object()]})
-
-    def model_info(self, model_id: str) -> None:
-        if model_id != self.server.state.model_id:
-            raise ApiError(404, f"the model {model_id!r} does not exist; this server runs "
-                                f"{self.server.state.model_id!r}", param="model", code="model_not_found")
-        self.send_json(200, self.model_object())
-
-    def model_object(self) -> dict:
-        state = self.server.state
-        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "ds2"}
-
-    def chat(self) -> None:
-        self.complete(chat=True)
-
-    def completions(self) -> None:
-        self.complete(chat=False)
-
-    def complete(self, chat: bool) -> None:
-        state = self.server.state
-        scheduler, model = state.scheduler, state.scheduler.model
-        scheduler.check_open()     # while stopping, 503 before the body is read
-        jobs = parse_jobs(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
-        most = scheduler.max_queue + scheduler.parallel
-        if len(jobs) > most:     # never admissible, however long the client waits: not a 503
-            raise ApiError(400, f"n is {len(jobs)} (with best_of), more choices than this server can ever hold "
-                                f"at once ({scheduler.parallel} running + {scheduler.max_queue} waiting: "
-                                f"--parallel and --queue)", param="n")
-        prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
-        self.note = f"prompt {prompt} tok" + (f", {len(jobs)} choices" if len(jobs) > 1 else "")
-        response = Response(jobs, state.model_id, model.tokenizer)
-        with scheduler.admit(jobs, self.client_gone) as chunks:
-            lasts = (self.stream if jobs[0].stream else self.collect)(response, chunks)
-        for job in jobs:
-            state.metrics.generation(len(job.ids) if job.sample == 0 else 0, job.cached if job.sample == 0 else 0,
-                                     lasts[job.index])
-        cached = sum(j.cached for j in jobs if j.sample == 0)
-        generated = sum(last.generated_tokens for last in lasts.values())
-        rate = max(last.decode_tok_per_s for last in lasts.values())
-        reasons = sorted({last.finish_reason for last in lasts.values()})
-        self.note = (f"prompt {prompt} tok, {cached} cached | gen {generated} tok, {rate:.1f} tok/s"
-                     f"{' (best choice)' if len(lasts) > 1 else ''} | {'/'.join(reasons)}")
-
-    def collect(self, response: Response, chunks) -> dict:
-        pieces: dict = {i: [] for i in response.jobs}
-        entries: dict = {i: [] for i in response.jobs}
-        lasts: dict = {}
-        for index, chunk in chunks:
-            pieces[index].append(chunk.text)
-            entries[index] += chunk.logprobs or []
-            if chunk.finish_reason is not None:
-                lasts[index] = chunk
-            self.tokens += 1
-            self.check_alive()
-        self.send_json(200, response.whole({i: "".join(p) for i, p in pieces.items()}, lasts, entries))
-        return lasts
-
-    def stream(self, response: Response, chunks) -> dict:
-        self.start_events()
-        if response.job.chat:
-            for index in response.jobs:
-                self.send_event(response.chunk("", role=True, index=index))
-        lasts: dict = {}
-        try:
-            started: set = set()
-            for index, chunk in chunks:
-                if response.jobs[index].echo and index not in started:   # scored once its prompt ran
-                    self.send_event(response.echo_chunk(index))
-                started.add(index)
-                text = response.content(chunk.text, index)     # held back where it may be a tool call
-                if text or chunk.logprobs:
-                    self.send_event(response.chunk(text, index=index, entries=chunk.logprobs))
-                if chunk.finish_reason is not None:
-                    lasts[index] = chunk
-                    for obj in response.finish_chunks(chunk, index):
-                        self.send_event(obj)
-                self.tokens += 1
-                self.check_alive()
-        except Ds2Error as e:  # the status is sent: the error travels as an event, then the stream ends
-            error = ApiError(503, str(e), code="unavailable") if isinstance(e, UnavailableError) else ApiError(500, str(e))
-            self.send_event(error.body())
-            self.end_events()
-            raise error from None
-        for obj in response.usage_chunk(lasts):
-            self.send_event(obj)
-        self.end_events()
-        return lasts
-
-    def check_alive(self) -> None:
-        if self.client_gone():
-            raise ClientGone()
-
-    def client_gone(self) -> bool:
-        """Whether the peer has closed its end: readable with nothing to read means EOF."""
-        sock = self.connection
-        try:
-            if hasattr(select, "poll"):     # select.select fails on descriptors past 1023
-                poller = select.poll()
-                poller.register(sock, select.POLLIN)
-                ready = bool(poller.poll(0))
-            else:
-                ready = bool(select.select([sock], [], [], 0)[0])
-            return ready and sock.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    # ---- bodies ----
-    def read_json(self) -> dict:
-        if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True
-            raise ApiError(411, "send the body with a Content-Length header (chunked bodies are not read)")
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise ApiError(411, "a POST needs a Content-Length header")
-        if not (length.strip().isascii() and length.strip().isdigit()):  # int() would take "-1", "1_0"
-            self.close_connection = True
-            raise ApiError(400, f"bad Content-Length {length[:40]!r}")
-        n = int(length)
-        limit = self.server.state.max_body
-        if n > limit:
-            self.linger = True
-            raise ApiError(413, f"the request body is {n} bytes, more than the limit of {limit} bytes "
-                                f"(ds2 serve --max-prompt-bytes)", code="request_too_large")
-        raw = self.rfile.read(n)
-        self.body_read = True
-        if len(raw) < n:
-            raise ClientGone()
-        try:
-            body = json.loads(raw)
-        except JSON_ERRORS as e:
-            raise ApiError(400, f"the body is not valid JSON: {json_error(e)}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
-        where = lone_surrogate(body)
-        if where is not None:      # JSON's \ud800 escapes decode to text no tokenizer can encode
-            raise ApiError(400, f"{where} is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff "
-                                f"without its pair)", param=where.split(".")[0].split("[")[0] or None)
-        return body
-
-    def body_pending(self) -> bool:
-        headers = getattr(self, "headers", None)    # unset when the request line or headers were bad
-        if headers is None:
-            return False
-        length = headers.get("Content-Length")
-        return not self.body_read and (bool(headers.get("Transfer-Encoding")) or
-                                       (length is not None and length.strip() not in ("", "0")))
-
-    def swallow_body(self) -> None:
-        """After an early 413, read (and drop) what the client is still sending for a moment,
-        so that closing the socket does not reset the connection before it reads the answer."""
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(LINGER_S)
-            deadline = time.monotonic() + LINGER_S
-            while time.monotonic() < deadline and self.connection.recv(65536):
-                pass
-        except OSError:
-            pass
-
-    # ---- writing ----
-    def send_json(self, status: int, obj: dict) -> None:
-        self.send_body(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
-
-    def send_body(self, status: int, data: bytes, content_type: str) -> None:
-        scheduler = self.server.state.scheduler
-        if self.body_pending() or (scheduler is not None and scheduler.closing):
-            self.close_connection = True   # an unread body would be parsed as the next request
-        self.status = status
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.cors_headers()
-        for name, value in self.extra_headers.items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.count_request()
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    def fail(self, e: ApiError) -> None:
-        self.note = f"error: {e.message}"
-        if e.status == 503 and e.code in ("queue_full", "loading"):
-            self.extra_headers["Retry-After"] = "1"
-        if self.status:  # a response has started; nothing more can be said
-            self.close_connection = True
-            return
-        try:
-            self.send_json(e.status, e.body())
-        except OSError:
-            self.close_connection = True
-
+    # ---- http.server's own errors ----
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (bad request line, unsupported method, a URI or header too
         long, too many headers) in OpenAI's format, with a status line: a garbage line parses
@@ -556,32 +274,6 @@ class Handler(BaseHTTPRequestHandler):
         self.status, self.note = 0, ""
         self.fail(ApiError(code, message or "bad request", type_="invalid_request_error"))
         self.log_line(getattr(self, "command", None) or "-", getattr(self, "path", "-"))
-
-    def start_events(self) -> None:
-        self.status = 200
-        self.chunked = self.request_version == "HTTP/1.1"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.cors_headers()
-        if self.chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:   # HTTP/1.0: the end of the connection ends the stream
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        self.end_headers()
-
-    def send_event(self, obj) -> None:
-        if not isinstance(obj, bytes):
-            obj = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-        data = b"data: " + obj + b"\n\n"
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
-
-    def end_events(self) -> None:
-        self.count_request()
-        self.send_event(b"[DONE]")
-        if self.chunked:
-            self.wfile.write(b"0\r\n\r\n")
 
     # ---- logging: one line per request, ours only ----
     def log_line(self, method: str, path: str) -> None:
@@ -596,5 +288,3 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # http.server's own lines (timeouts, requests): not wanted
         pass
 
-
-# ---- the command ----

@@ -450,8 +450,8 @@ def read_scale(tensors: dict[str, TensorInfo], name: str, f) -> np.ndarray:
 @functools.cache
 def fp8_values() -> np.ndarray:
     """The float32 value of each of the 256 float8_e4m3fn codes, as ml_dtypes converts them.
-    Indexing this table is 2.5x faster than ml_dtypes' own astype(float32) (measured: 14.7M
-    values in 75 ms against 200 ms), and gives the same values, NaN codes included."""
+    Indexing this table is faster than ml_dtypes' own astype(float32) and gives the same
+    values, NaN codes included."""
     return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)  # (256,)
 
 

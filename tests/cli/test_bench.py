@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from documented_json import check_against_docs
+from support.documented_json import check_against_docs
 from safetensors import safe_open
 
 import ds2cli

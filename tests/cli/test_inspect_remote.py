@@ -1,6 +1,6 @@
 """`ds2 inspect ORG/NAME` for an id whose shards are not cached: the small files are downloaded
 into the Hugging Face cache, each shard's header is read by HTTP Range requests, and the report
-is the one the downloaded checkpoint gives. `ds2` runs as a subprocess against tests/fake_hub.py
+is the one the downloaded checkpoint gives. `ds2` runs as a subprocess against tests/support/fake_hub.py
 through HF_ENDPOINT (huggingface_hub reads it when imported), all on 127.0.0.1."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from fake_hub import COMMIT, FakeHub, header_length
+from support.fake_hub import COMMIT, FakeHub, header_length
 
 from ds2cli.cli.main import main
 from ds2cli.weights.source import bundled_model_dir

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_local import ADDRESS, CALL_TIMEOUT
+from support.ray_local import ADDRESS, CALL_TIMEOUT
 from ds2cli.cli.bench.synthetic import lite_config
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights import checkpoint

@@ -1,4 +1,4 @@
-"""docs/cluster.md's commands, run against the local cluster (ray_local.py): its `ray start`
+"""docs/cluster.md's commands, run against the local cluster (support/ray_local.py): its `ray start`
 lines use only options `ray start` has, and its `ds2` lines, with the page's head address
 replaced by the local one and its model by the bundled ds2-tiny, succeed and print what the page
 shows (the placement's lines, in the page's form)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_local import ADDRESS, BIN
+from support.ray_local import ADDRESS, BIN
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from ds2cli.server.responses import finish_reason
 from ds2cli.generation.generate import stream_generate
 from ds2cli.generation.sampling import SamplingParams, make_sampler
 from ds2cli.text.tokenizer import Tokenizer
-from schemas import LIST, NESTED, PERSON
+from support.schemas import LIST, NESTED, PERSON
 
 pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
 jsonschema = pytest.importorskip("jsonschema")

@@ -11,7 +11,7 @@ import ds2cli
 from ds2cli.generation import grammar as grammars
 from ds2cli.generation.sampling import SamplingParams
 from test_serve import openai_client
-from schemas import LIST, NESTED, PERSON
+from support.schemas import LIST, NESTED, PERSON
 
 pytest.importorskip("llguidance", reason="the grammar extra: pip install '.[grammar]'")
 jsonschema = pytest.importorskip("jsonschema")

@@ -21,7 +21,7 @@ from ds2cli.text import tiktoken_convert
 from ds2cli.cli.main import main
 from ds2cli.errors import TokenizerError
 from ds2cli.text.tokenizer import Tokenizer
-from make_moonlight_tokenizer import CROSSING_RANKS, FIXTURE, crossing_merges, ranks_from_bpe, tiktoken_model_text, tokenizer_config
+from support.make_moonlight_tokenizer import CROSSING_RANKS, FIXTURE, crossing_merges, ranks_from_bpe, tiktoken_model_text, tokenizer_config
 
 REFERENCE_V3 = Path(__file__).parents[1] / "data" / "reference_v3"
 

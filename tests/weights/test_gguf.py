@@ -1,5 +1,5 @@
 """GGUF input: llama.cpp's own files (tests/data/gguf, see its README) and the variants
-tests/gguf_writer.py makes like llama.cpp's converter, against the reference logits.
+tests/support/gguf_writer.py makes like llama.cpp's converter, against the reference logits.
 
 KL bounds are stated against measurements on these fixtures (README's GGUF section): the
 KL of ds2's load against the float model's logits, and the file's own (its blocks dequantized
@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import REFERENCE, run_split, splits
-from gguf_writer import add_tokenizer, write_gguf
+from support.gguf_writer import add_tokenizer, write_gguf
 from ds2cli.cli.main import main
 from ds2cli.errors import CheckpointError, ConfigError, Ds2Error, TokenizerError
 from ds2cli.weights.gguf.file import GGUFFile, find
@@ -172,7 +172,7 @@ def tied_all_moe(src: Path, dst: Path) -> Path:
     MoE, no lm_head.weight stored (the kind of model where requantizing Q8_0 into per-row q8
     measured worst, 1.8x the file's own KL)."""
     from safetensors.numpy import save_file
-    from gguf_writer import read_hf
+    from support.gguf_writer import read_hf
     cfg = json.loads((src / "config.json").read_text())
     k = cfg["first_k_dense_replace"]
     out = {}

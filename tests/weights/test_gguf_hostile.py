@@ -1,7 +1,7 @@
 """GGUF files whose counts, dimensions, offsets or metadata types lie: each is found before
 anything is allocated or iterated, and ends as one error naming the tensor or key (a problem line
 in `ds2 inspect`), never a hang, a traceback or garbage generated with exit 0. Every file is
-built here from a reference checkpoint by tests/gguf_writer.py, then patched byte by byte."""
+built here from a reference checkpoint by tests/support/gguf_writer.py, then patched byte by byte."""
 
 import struct
 import subprocess
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REFERENCE
-from gguf_writer import write_gguf
+from support.gguf_writer import write_gguf
 from ds2cli.errors import Ds2Error
 from ds2cli.weights.gguf.checkpoint import open_model
 from ds2cli.weights.gguf.file import GGUFError, GGUFFile, find
@@ -147,7 +147,7 @@ def test_the_cli_says_one_line_and_inspect_lists_the_problem(q8, tmp_path):
 def test_a_gguf_without_tensors_is_inspected_without_a_traceback(tmp_path):
     """Full metadata, not one tensor: inspect lists what is missing (exit 1), as JSON too."""
     import json
-    from gguf_writer import gguf_tensors
+    from support.gguf_writer import gguf_tensors
     from ds2cli.model.config import DeepseekV2Config
     names = tuple(gguf_tensors(CASE, DeepseekV2Config.from_file(CASE / "config.json"), "split"))
     path = write_gguf(CASE, tmp_path / "empty.gguf", "F32", drop=names)

@@ -47,7 +47,7 @@ def probe_gemm(m: int, k: int, n: int, runs: int) -> dict:
 # helpers are: threads share the GIL between short calls), capped by what memory can deliver of
 # that format (the matvec probe's GB/s over its bytes a value). One core alone is measured too
 # ("core"): the cores share memory, caches and, on many machines, a physical core, so n cores are
-# not n times one (on the 2-core EPYC VM: q8 1.6-1.9x, bf16 1.2-1.5x, float32 memory-bound).
+# not n times one.
 # That is what a decode step's products could reach in NumPy at best; ds2's kernels do the same
 # work plus their own bookkeeping (or, for q4, less), so decode's share of this ceiling is how
 # much of NumPy's speed ds2 keeps.

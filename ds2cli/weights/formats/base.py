@@ -31,11 +31,10 @@ DEQUANTIZE_BLOCK_BYTES = 4 << 20  # ... and scales it in blocks of this much
 SMALL_MATRIX = 1 << 18        # below this many values a matrix is dequantized whole, on one
                               # thread: splitting it would cost more in overhead than it saves
 # Up to this many tokens a widened row block meets each token in its own gemv; from more, in one
-# GEMM. OpenBLAS's sgemm of a 128x2048 block by N = 2..8 columns takes a fixed ~85 us on this
-# 2-core EPYC (Haswell kernels), where one gemv from L2 takes ~21 us and the int8 cast ~41 us:
-# k gemvs win up to k = 4, the GEMM from 5 (16 columns: 170 us, against 340 for 16 gemvs).
+# GEMM: a small sgemm has a fixed cost that a few gemvs from L2 undercut (the crossing measured:
+# docs/performance.md, "Why the constants are what they are").
 GEMV_TOKENS = 4
-GEMM_MIN_TOKENS = 8           # and 5-7 tokens are multiplied as 8 (measured: 5 took 2.9 matvecs, 8 took 2.3)
+GEMM_MIN_TOKENS = 8           # and 5-7 tokens are multiplied as 8: a GEMM of 8 columns costs no more
 
 FORMATS: dict[str, type["QuantMatrix"]] = {}   # every format by name, in the order registered
 

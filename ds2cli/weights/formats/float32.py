@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# Below this many tokens OpenBLAS runs the weight-major product W @ x.T up to 1.7x faster than
-# x @ W.T (measured: 16 tokens 101 vs 59 GFLOP/s, 48 tokens 143 vs 110); from a few hundred
-# tokens on the two are level, and x @ W.T returns a contiguous (T, out).
+# Below this many tokens OpenBLAS runs the weight-major product W @ x.T faster than x @ W.T
+# (docs/performance.md, "Why the constants are what they are"); from a few hundred tokens on the
+# two are level, and x @ W.T returns a contiguous (T, out).
 WEIGHT_MAJOR_TOKENS = 128
 
 

@@ -220,8 +220,8 @@ def field_value(field) -> Any:
 
 # gguf.quants.dequantize works through a tensor in groups of 16 rows and concatenates them:
 # its own block math, handed chunks of this many values into a preallocated output instead,
-# gives the same floats 1.5-6x faster (ns a value, min of 3-5, this 2-core EPYC: Q8_0 2.1 -> 1.0,
-# Q4_0 3.0 -> 2.0, Q4_K 15.5 -> 2.4, Q6_K 10.7 -> 2.6), which is what a load spends its time on.
+# gives the same floats several times faster (docs/performance.md, "Why the constants are what
+# they are"), and dequantizing is what a GGUF load spends its time on.
 DEQUANTIZE_CHUNK_VALUES = 1 << 18
 
 

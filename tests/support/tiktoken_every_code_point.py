@@ -3,14 +3,14 @@
 Too slow for the suite (about 160 s on one core); run it by hand after touching the pattern or the
 conversion, or on another version of `tokenizers` (its Oniguruma has its own Unicode tables):
 
-    PYTHONPATH=$PWD:$PWD/tests python tests/tiktoken_every_code_point.py
+    PYTHONPATH=$PWD:$PWD/tests python tests/support/tiktoken_every_code_point.py
 
 It prints the number of texts whose ids differ (0 with tokenizers 0.23.3 / tiktoken 0.14.0) and
 the first code points that do.
 """
 import sys, time, unicodedata
 import tiktoken
-from make_moonlight_tokenizer import ranks_from_bpe, crossing_merges, CROSSING_RANKS
+from support.make_moonlight_tokenizer import ranks_from_bpe, crossing_merges, CROSSING_RANKS
 from ds2cli.text import tiktoken_convert as tc
 ranks = crossing_merges(ranks_from_bpe(), CROSSING_RANKS)
 backend = tc.build(ranks, {})

@@ -12,7 +12,7 @@ No real Moonlight or Kimi tokenizer file is reachable offline, so this writes on
   reserved ids unnamed), bos [BOS] / eos [EOS], and its chat template
   (`<|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...`).
 
-    PYTHONPATH=$PWD python tests/make_moonlight_tokenizer.py    # rewrites tests/data/tokenizers/moonlight-like/
+    PYTHONPATH=$PWD python tests/support/make_moonlight_tokenizer.py    # rewrites tests/data/tokenizers/moonlight-like/
 
 The committed fixture keeps 3,840 ranks (+ 256 reserved = 4,096 ids, the reference_v3
 moonlight_like case's embedding rows): DeepSeek-V2's first 3,584, then 256 merges learned over
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ds2cli.text.tiktoken_convert import byte_level_alphabet
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 DEEPSEEK_V2_TOKENIZER = DATA / "tokenizers" / "deepseek-v2" / "tokenizer.json"
 FIXTURE = DATA / "tokenizers" / "moonlight-like"
 FIXTURE_RANKS = 3840            # + 256 reserved special ids = 4096 = moonlight_like's vocab_size

@@ -4,7 +4,7 @@ hold every command's output to them (tests/test_docs.py; bench's in tests/cli/te
 import re
 from pathlib import Path
 
-CLI_PAGE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+CLI_PAGE = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
 def documented_keys(command: str) -> dict[str, bool]:
