@@ -49,11 +49,9 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    cached: int = 0             # set by the scheduler: prompt tokens found in the prompt cache
     logprobs: int | None = None     # None: off; else how many top alternatives each token reports
     echo: bool = False              # completions: the answer starts with the prompt (and its logprobs)
     continue_final: bool = False    # chat: the reply continues the last assistant message (no lstrip)
-    prompt_logprobs: list | None = None  # set by the scheduler under echo: an Entry per prompt token (None first)
     draft: int | None = None    # speculative decoding's draft length (None: the server's default)
     index: int = 0              # the choice this job answers: prompt * n + sample
     sample: int = 0             # which of the n samples of its prompt (0 pays the prompt's tokens)

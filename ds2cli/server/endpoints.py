@@ -112,12 +112,13 @@ class Endpoints:
         prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
         self.note = f"prompt {prompt} tok" + (f", {len(jobs)} choices" if len(jobs) > 1 else "")
         response = Response(jobs, state.model_id, model.tokenizer)
-        with scheduler.admit(jobs, self.client_gone) as chunks:
-            lasts = (self.stream if jobs[0].stream else self.collect)(response, chunks)
+        with scheduler.admit(jobs, self.client_gone) as admitted:
+            response.outcomes = admitted.outcomes
+            lasts = (self.stream if jobs[0].stream else self.collect)(response, admitted.chunks)
+        cached = {j.index: admitted.outcomes[j.index].cached if j.sample == 0 else 0 for j in jobs}
         for job in jobs:
-            state.metrics.generation(len(job.ids) if job.sample == 0 else 0, job.cached if job.sample == 0 else 0,
-                                     lasts[job.index])
-        cached = sum(j.cached for j in jobs if j.sample == 0)
+            state.metrics.generation(len(job.ids) if job.sample == 0 else 0, cached[job.index], lasts[job.index])
+        cached = sum(cached.values())
         generated = sum(last.generated_tokens for last in lasts.values())
         rate = max(last.decode_tok_per_s for last in lasts.values())
         reasons = sorted({last.finish_reason for last in lasts.values()})

@@ -28,6 +28,9 @@ class Response:
         self.offsets = {i: TextOffsets(tokenizer) for i in self.jobs} if tokenizer is not None else {}
         # streamed tool calls, each choice's held back until it ends
         self.calls = {i: tooling.CallStream() for i in self.jobs} if self.job.tools is not None else None
+        # what the scheduler found for each choice (scheduler.Outcome: cached tokens, echo's
+        # logprobs), given once the request is admitted
+        self.outcomes: dict = {}
 
     def _wrap(self, choices: list, obj: str, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id,
@@ -60,7 +63,8 @@ class Response:
         prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
         completion = sum(last.generated_tokens for last in lasts.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(j.cached for j in jobs if j.sample == 0)}}
+                "prompt_tokens_details": {"cached_tokens": sum(self.outcomes[i].cached for i, j in self.jobs.items()
+                                                                 if j.sample == 0)}}
 
     def echoed_prompt(self, index: int = 0) -> str:
         """Under echo, the text the answer starts with: the prompt's tokens decoded, so that
@@ -74,7 +78,7 @@ class Response:
             text, ents = texts[index], (entries or {}).get(index)
             if job.echo:
                 text = self.echoed_prompt(index) + text
-                ents = None if ents is None or job.logprobs is None else [*job.prompt_logprobs, *ents]
+                ents = None if ents is None or job.logprobs is None else [*self.outcomes[index].prompt_logprobs, *ents]
             finish, calls = finish_reason(lasts[index]), None
             if job.tools is not None:
                 text, calls, complete = tooling.parse_calls(text)
@@ -99,9 +103,8 @@ class Response:
     def echo_chunk(self, index: int = 0) -> dict:
         """A choice's first chunk under echo: the prompt's text (and its logprobs)."""
         extra = {"usage": None} if self.job.include_usage else {}
-        job = self.jobs[index]
         choice = self._choice(index, self.echoed_prompt(index), None, delta=True,
-                              logprobs=self._logprobs(index, job.prompt_logprobs, echoed=True))
+                              logprobs=self._logprobs(index, self.outcomes[index].prompt_logprobs, echoed=True))
         return self._wrap([choice], self._chunk_object(), **extra)
 
     def finish_chunks(self, last: Chunk, index: int = 0) -> list[dict]:

@@ -3,8 +3,9 @@ requests in each forward pass (continuous batching).
 
 What the HTTP layer calls is the whole interface:
 
-    with scheduler.admit(jobs, gone) as chunks:   # waits for a slot; Refused, ClientGone
-        for index, chunk in chunks: ...        # each choice's last chunk has finish_reason
+    with scheduler.admit(jobs, gone) as admitted:     # waits for a slot; Refused, ClientGone
+        for index, chunk in admitted.chunks: ...       # each choice's last chunk has finish_reason
+        admitted.outcomes[index]                       # what the scheduler found: cached tokens, echo's logprobs
     scheduler.close()                             # refuse new requests, send waiting ones away
     scheduler.abort()                             # end running generations at their next token
     scheduler.wait_idle()
@@ -19,13 +20,14 @@ is full (a client reading slowly) sits out passes until it drains. The n samples
 share its prefill: the later ones wait until the first has read the prompt, then copy its latents. A request
 leaves the batch at once when it ends, fails, or its client leaves.
 
-No HTTP here (serve.py does that) and no request parsing (api.py).
+No HTTP here (http_server.py and endpoints.py do that) and no request parsing (api.py).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import queue
 import threading
 from typing import Callable, Iterator
@@ -57,11 +59,28 @@ class Refused(Exception):
         self.code = code
 
 
+@dataclasses.dataclass
+class Outcome:
+    """What the scheduler found for one choice beside its chunks: the prompt tokens it took from
+    the prompt cache (or a running request), and under echo an entry per prompt token (None first)."""
+    cached: int = 0
+    prompt_logprobs: list | None = None
+
+
+@dataclasses.dataclass
+class Admitted:
+    """An admitted HTTP request's choices: their (index, chunk) pairs as they come, and each
+    choice's Outcome by index (complete once its first chunk has come)."""
+    chunks: Iterator[tuple[int, Chunk]]
+    outcomes: dict[int, Outcome]
+
+
 class Request:
     """One job in the scheduler: waiting for a slot, then running as a Generation over its cache."""
 
     def __init__(self, job: Job, out: queue.Queue, after: Request | None = None):
         self.job, self.out, self.after = job, out, after
+        self.outcome = Outcome()
         self.gen: Generation | None = None          # set when it gets a slot
         self.logprobs: TokenLogprobs | None = None  # the generated tokens' entries, when asked for
         self.cancelled = False                      # its client left, or its handler ended
@@ -92,20 +111,25 @@ class Scheduler:
 
     # ---- the interface ----
     @contextlib.contextmanager
-    def admit(self, jobs: list[Job], gone: Callable[[], bool]) -> Iterator[Iterator[tuple[int, Chunk]]]:
+    def admit(self, jobs: list[Job], gone: Callable[[], bool]) -> Iterator[Admitted]:
         """Queue `jobs` (one HTTP request's choices) and wait until the first has a slot
-        (`gone()` says whether the client left meanwhile), then give their (index, chunk) pairs;
-        leaving the block ends every generation still running and frees the slots."""
+        (`gone()` says whether the client left meanwhile), then give their (index, chunk) pairs
+        and outcomes; leaving the block ends every generation still running and frees the slots."""
         requests = self.enter(jobs, gone)
         try:
-            yield self.chunks(requests, gone)
+            yield Admitted(self.chunks(requests, gone), {r.job.index: r.outcome for r in requests})
         finally:
             with self.cond:
-                for request in requests:
-                    request.cancelled = True
-                    if request in self.waiting_line:
-                        self.waiting_line.remove(request)
-                self.cond.notify_all()
+                self.cancel(requests)
+
+    def cancel(self, requests: list[Request]) -> None:
+        """End `requests` (their client left, or their handler ended): out of the waiting line
+        now, out of the batch at the next pass. Called holding `cond`."""
+        for request in requests:
+            request.cancelled = True
+            if request in self.waiting_line:
+                self.waiting_line.remove(request)
+        self.cond.notify_all()
 
     def check_open(self) -> None:
         if self.closing:
@@ -161,11 +185,7 @@ class Scheduler:
                     if gone():
                         raise ClientGone()
             except BaseException:
-                for request in requests:
-                    request.cancelled = True
-                    if request in self.waiting_line:
-                        self.waiting_line.remove(request)
-                self.cond.notify_all()
+                self.cancel(requests)
                 raise
         return requests
 
@@ -239,12 +259,13 @@ class Scheduler:
                 # echo: the prompt's logprobs need every position's logits, so it reuses no
                 # cached prefix (and takes none from the pool: it is kept when the job ends)
                 scored = job.echo and job.logprobs is not None
-                cache, job.cached = self.prompt_cache.take(job.ids[:1] if scored else job.ids)
+                outcome = request.outcome
+                cache, outcome.cached = self.prompt_cache.take(job.ids[:1] if scored else job.ids)
                 if scored:
-                    job.prompt_logprobs = [None]
+                    outcome.prompt_logprobs = [None]
                 else:
-                    self.share_prefix(job, cache)
-                keep = job.cached
+                    self.share_prefix(request, cache)
+                keep = outcome.cached
                 constraint = job.constraint()      # grammar hook: None, or this sequence's grammar state
                 sampler = make_sampler(job.params, constraint)
                 if job.logprobs is not None:
@@ -253,7 +274,7 @@ class Scheduler:
                 request.gen = Generation(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
                                          context=job.ids[:keep],
                                          draft=job.draft if job.draft is not None else self.draft,
-                                         prompt_rows=self.prompt_rows(job) if scored else None,
+                                         prompt_rows=self.prompt_rows(request) if scored else None,
                                          prompt_rows_chunk=PROMPT_CHUNK,
                                          finished=(lambda c=constraint: c.done) if constraint else None)
             except Exception as e:
@@ -264,22 +285,23 @@ class Scheduler:
             self.batch.append(request)
 
     @staticmethod
-    def prompt_rows(job: Job):
+    def prompt_rows(request: Request):
         """Where an echo job's prompt rows go: each reduced to its entry as its pass ends."""
         def take(rows, tokens):
-            job.prompt_logprobs += [entry(row, t, job.logprobs) for row, t in zip(rows, tokens)]
+            request.outcome.prompt_logprobs += [entry(row, t, request.job.logprobs) for row, t in zip(rows, tokens)]
         return take
 
-    def share_prefix(self, job: Job, cache) -> None:
+    def share_prefix(self, request: Request, cache) -> None:
         """A running request whose prompt is in its cache may share more of this prompt than the
         prompt cache had (n samples of one prompt, one system prompt for many users): copy it."""
         for other in self.batch:
             if other.gen.pending:
                 continue
+            job = request.job
             n = min(common_prefix(np.asarray(other.job.ids), np.asarray(job.ids)), len(job.ids) - 1)
-            if n > job.cached:
+            if n > request.outcome.cached:
                 copy_prefix(other.gen.cache, cache, n)
-                job.cached = n
+                request.outcome.cached = n
 
     def drop_cancelled(self) -> None:
         for request in [r for r in self.batch if r.cancelled]:
