@@ -344,6 +344,7 @@ def run_example(command: str, cwd: Path, env: dict, stream: str) -> subprocess.C
                           timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", cli_blocks(), ids=lambda b: b.name)
 def test_checked_examples_print_what_the_page_shows(block, tmp_path):
     how = checking(block.marker)
@@ -442,12 +443,14 @@ def ds2_json(*args) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("generate", "ROMEO:", "-n", "4"), ("generate", "ROMEO:", "-n", "4", "--draft", "2")],
                          ids=["plain", "draft"])
 def test_generate_json_is_what_the_page_says(args):
     check_against_docs("generate", ds2_json(*args))
 
 
+@pytest.mark.slow
 def test_inspect_and_quantize_json_are_what_the_page_says(tmp_path):
     check_against_docs("inspect", ds2_json("inspect"))
     out = ds2_json("quantize", bundled_model_dir(), tmp_path / "q8", "--bits", "8")
@@ -459,6 +462,7 @@ def test_inspect_and_quantize_json_are_what_the_page_says(tmp_path):
     assert report["memory"]["float32_weight_bytes"] == out["float32_weight_bytes"] == 4 * report["params"]
 
 
+@pytest.mark.slow
 def test_paths_in_json_are_absolute(tmp_path, monkeypatch):
     """A relative path given on the command line comes back absolute."""
     monkeypatch.chdir(bundled_model_dir().parent)

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 import pytest
 from test_docs import ROOT, blocks, commands, json_mismatch, loads_abridged, text_matches
 
+pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+
 PAGE = ROOT / "docs" / "server.md"
 MARK = "test_docs_server.py"
 VARIES = ["timings", "dates"]

@@ -4,6 +4,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -11,9 +11,11 @@ What the HTTP layer calls is the whole interface:
     scheduler.wait_idle()
 
 The scheduler's thread owns the model. Each pass, every running request whose prompt is done
-adds its next token (or its token and drafts) and one request still reading its prompt adds a
-chunk of it (at most `prefill_chunk` tokens while others decode, so that their streams never
-wait longer than one chunk and one step; a request alone runs its whole prompt in one pass).
+adds its next token (or its token and drafts), and one request still reading its prompt adds a
+chunk of it (at most `prefill_chunk` tokens, alone or not, so that no stream or newcomer waits
+longer than one chunk and one step): the prompt with the fewest tokens left, and every fourth
+chunk the one waiting longest. When every slot but one holds a prompt longer than a chunk, the
+last slot is kept for a prompt of one chunk.
 A request's chunks go to its own queue (shared by the choices of one HTTP request: n samples,
 a list of prompts), which its handler thread drains onto its connection; a request whose queue
 is full (a client reading slowly) sits out passes until it drains. The n samples of one prompt
@@ -43,7 +45,8 @@ from ds2cli.server.prompt_cache import PromptCache, copy_prefix
 from ds2cli.generation.sampling import make_sampler
 
 DEFAULT_PARALLEL = 4
-DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_PREFILL_CHUNK = 256
+STARVE_EVERY = 4           # every 4th prompt chunk goes to the prompt waiting longest (plan)
 BACKLOG = 256              # chunks a request may have waiting for its client before it sits out
 
 
@@ -85,6 +88,7 @@ class Request:
         self.logprobs: TokenLogprobs | None = None  # the generated tokens' entries, when asked for
         self.cancelled = False                      # its client left, or its handler ended
         self.running = False
+        self.chunk_at = -1                          # when a chunk of its prompt last ran (plan)
 
     def backlog(self) -> int:
         return self.out.qsize()
@@ -106,6 +110,7 @@ class Scheduler:
         self.closing = False
         self.aborting = threading.Event()
         self.steps = 0                              # passes run (the tests count them)
+        self.chunks_run = 0                         # prompt chunks planned (which prompt: plan)
         self.thread = threading.Thread(target=self.run, name="ds2-scheduler", daemon=True)
         self.thread.start()
 
@@ -248,6 +253,9 @@ class Scheduler:
             if request.cancelled:
                 self.waiting_line.remove(request)
                 continue
+            if self.is_long(request) and self.parallel > 1 and \
+                    sum(self.is_long(r) and r.gen.pending for r in self.batch) >= self.parallel - 1:
+                continue                        # the last slot is kept for a prompt of one chunk
             if request.after is not None and request.after.running and request.after.gen is not None \
                     and request.after.gen.pending and not request.after.cancelled:
                 continue                        # its prompt's first sample is still reading it
@@ -284,6 +292,10 @@ class Scheduler:
                 continue
             self.batch.append(request)
 
+    def is_long(self, request: Request) -> bool:
+        """A prompt of more than one chunk (what the last free slot is not given to)."""
+        return len(request.job.ids) > self.prefill_chunk
+
     @staticmethod
     def prompt_rows(request: Request):
         """Where an echo job's prompt rows go: each reduced to its entry as its pass ends."""
@@ -309,14 +321,25 @@ class Scheduler:
 
     def plan(self) -> list[Request]:
         """The requests of the next pass: every decoding one whose client keeps up, and one
-        reading its prompt (a chunk of it while others decode)."""
+        chunk of one prompt: the prompt with the fewest tokens left (a short chat's first token
+        comes after at most one chunk of any long prompt), except every STARVE_EVERY-th chunk,
+        which goes to the prompt that has waited longest (a stream of short prompts never
+        starves a long one)."""
         decoding = [r for r in self.batch if not r.gen.pending and r.backlog() < BACKLOG]
         prefilling = [r for r in self.batch if r.gen.pending]
-        return decoding + prefilling[:1]
+        if not prefilling:
+            return decoding
+        self.chunks_run += 1
+        if self.chunks_run % STARVE_EVERY == 0:
+            chosen = min(prefilling, key=lambda r: r.chunk_at)
+        else:
+            chosen = min(prefilling, key=lambda r: (len(r.gen.pending), r.chunk_at))
+        chosen.chunk_at = self.chunks_run
+        return decoding + [chosen]
 
     def run_pass(self, plan: list[Request]) -> None:
-        limit = self.prefill_chunk if len(plan) > 1 else None
-        steps = [r.gen.step(limit if r.gen.pending else None) for r in plan]
+        # every prompt runs in chunks, alone or not: whatever arrives waits at most one chunk
+        steps = [r.gen.step(self.prefill_chunk if r.gen.pending else None) for r in plan]
         try:
             with np.errstate(all="ignore"):  # non-finite logits are reported as GenerationError
                 logits = self.model.forward_batch(steps)

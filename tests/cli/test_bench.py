@@ -177,6 +177,7 @@ def test_bad_options_are_one_line_errors():
         assert "\n" not in str(result.exception)
 
 
+@pytest.mark.slow
 def test_default_counts_are_cut_to_the_positions_the_model_holds(monkeypatch):
     """ds2-tiny holds 1024 positions and the default contexts reach 4096: with no -c, bench cuts
     them to fit and says so in one line, before loading; counts the user gave are still refused."""
@@ -217,6 +218,7 @@ def test_piped_table_keeps_every_row_on_one_line(monkeypatch):
         assert any(re.search(cells, line) for line in lines), row
 
 
+@pytest.mark.slow
 def test_tables_fit_80_columns(report, monkeypatch):
     """Every table fits an 80-column terminal as it is: rendered 80 columns wide it is the same as
     rendered as wide as its cells want (nothing wrapped), no line is past 80 columns, and the
@@ -330,6 +332,7 @@ def test_not_enough_disk_is_an_error(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_default_target_is_the_synthetic_lite_slice(tmp_path, monkeypatch):
     """Without --model, bench synthesises into DS2_BENCH_DIR once, then reuses it."""
     made = []
@@ -385,6 +388,7 @@ def test_format_ratios_are_taken_within_each_round(report):
     assert "0.90x (0.90-0.90)" in text and "medians of 2 rounds" in text
 
 
+@pytest.mark.slow
 def test_side_by_side_pairs_samples_of_every_format_in_one_process(report, tmp_path, monkeypatch):
     """--formats' speed ratios: every format loaded in one process, sample k of each taken in
     turn on the same ids, the ratio within each k; skipped when they do not fit together."""
@@ -447,6 +451,7 @@ def test_decode_is_held_against_numpys_own_ceiling(report, tiny):
         assert d["ceiling_share"] == pytest.approx(d["tok_per_s"]["median"] / d["ceiling_tok_per_s"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_profile_accounts_for_the_whole_step(monkeypatch):
     """--profile: the step split into products (by format), attention, the router and the rest,
     each exclusive of what it calls, summing to the step's measured time; the engine's classes
@@ -471,6 +476,7 @@ def test_profile_accounts_for_the_whole_step(monkeypatch):
     assert products["g_weights_per_s"] > 0 and products["calls_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_numpy_at_the_steps_shapes_replays_exactly_what_the_ceiling_counts(monkeypatch):
     """The step-shapes probe replays the profiled steps' own matrices: a step's weights by
     format are exactly those the ceiling divides (a one-token step routes exactly top-k
@@ -510,6 +516,7 @@ def test_stored_rows_are_the_weights_own_bytes():
     assert fmt == "f32" and np.shares_memory(a, w)
 
 
+@pytest.mark.slow
 def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
     """At 8 bits a decode step's products go to the helper processes in plans: the products'
     rows hold this process's share of them (with the kernels' rate), the coordination its own

@@ -41,6 +41,7 @@ def test_unclosed_block_at_end_of_input_is_still_sent(tmp_path):
     assert r.exit_code == 0 and r.stdout == "2 + 3 = 5.\n"
 
 
+@pytest.mark.slow
 def test_crlf_input(tmp_path):
     """A file with Windows line ends piped in (a real process: CliRunner's stdin would translate them)."""
     saved = tmp_path / "c.json"
@@ -206,6 +207,7 @@ STARTUP = 120             # a loaded machine can take long to start Python and l
 PROMPT = r">>> $"      # the prompt, waiting (readline may write escapes before it)
 
 
+@pytest.mark.slow
 def test_line_editing_history_ctrl_c_and_ctrl_d(terminal, tmp_path):
     t = terminal()
     t.expect(PROMPT, timeout=STARTUP)
@@ -246,6 +248,7 @@ def endless(model_dir):
     return model_dir
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_reply_then_at_the_prompt_keeps_the_conversation(terminal, tmp_path, checkpoint_copy):
     saved = tmp_path / "c.json"
     t = terminal("-m", endless(checkpoint_copy("ds2-tiny")), "-n", "1000", "--temperature", "1", "--seed", "0")
@@ -269,6 +272,7 @@ def test_ctrl_c_during_a_reply_then_at_the_prompt_keeps_the_conversation(termina
     assert [m["role"] for m in read_messages(saved)] == ["user", "assistant"]
 
 
+@pytest.mark.slow
 def test_bracketed_paste_is_one_message(terminal, tmp_path):
     saved = tmp_path / "c.json"
     t = terminal()
@@ -283,6 +287,7 @@ def test_bracketed_paste_is_one_message(terminal, tmp_path):
     assert read_messages(saved)[0] == {"role": "user", "content": "What is 2 + 3?\nWhat is 4 + 4?"}
 
 
+@pytest.mark.slow
 def test_prompts_go_to_stderr_when_stdout_is_a_file(terminal, tmp_path):
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:
@@ -298,6 +303,7 @@ def test_prompts_go_to_stderr_when_stdout_is_a_file(terminal, tmp_path):
     assert out.read_text() == "2 + 3 = 5.\n"                  # replies only
 
 
+@pytest.mark.slow
 def test_a_multi_line_message_is_one_history_entry(terminal, tmp_path):
     """The lines between two \"\"\" fences go into the history as the one message they sent (no
     fence lines), survive the history file, and Up sends the whole message again."""

@@ -96,6 +96,7 @@ def test_generate_length_and_stop():
     assert r.stdout == "3, 4, 5\n"
 
 
+@pytest.mark.slow
 def test_generate_seed_reproducible_and_stdin_prompt():
     args = ["generate", "-", "--temperature", "1.0", "--top-p", "0.9", "-n", "30"]
     a = run(*args, "--seed", "7", input="ROMEO:\n")
@@ -153,6 +154,7 @@ def test_model_from_environment_variable(tmp_path):
     assert r.exit_code == 1 and "DS2_MODEL" not in r.stderr
 
 
+@pytest.mark.slow
 def test_real_subprocess_python_m_and_pipe():
     p = subprocess.run([sys.executable, "-m", "ds2cli", "generate", "--chat", "What is 40 + 2?",
                         "--temperature", "0"], capture_output=True, text=True, timeout=120)
@@ -359,6 +361,7 @@ def test_non_finite_values_and_negative_seeds_are_usage_errors(no_loading, comma
     assert r.exit_code == 2 and args[0] in r.stderr and "Traceback" not in r.output, r.output
 
 
+@pytest.mark.slow
 def test_seed_minus_one_means_a_random_seed():
     """-1 is "random", as in llama.cpp: two runs differ, where a fixed seed repeats itself."""
     outs = {run("generate", "ROMEO:", "-n", "24", "--temp", "1.5", "--seed", "-1").stdout for _ in range(4)}

@@ -754,6 +754,7 @@ def pausing_ds2_process(step: int, until: str, count_file: Path, *args):
                             stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("breaks, message", [
     (lambda d: edit_tensors(d / "model.safetensors", fill(np.inf)), "non-finite logits"),
     (lambda d: edit_tensors(d / "model.safetensors", fill(np.nan)), "non-finite logits"),
@@ -769,6 +770,7 @@ def test_error_contract_in_a_real_process(checkpoint_copy, breaks, message):
     assert out == b"" and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
+@pytest.mark.slow
 def test_closed_pipe_exits_quietly(checkpoint_copy, tmp_path):
     """`ds2 generate ... | head -c 10`: the reader leaves; ds2 stops without a traceback."""
     model_dir = without_eos(checkpoint_copy(TINY))
@@ -786,6 +788,7 @@ def test_closed_pipe_exits_quietly(checkpoint_copy, tmp_path):
     assert int(steps.read_text()) < 1000  # it stopped at the broken pipe, not after 1000 tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, stdin", [
     (["chat", "--temperature", "1", "--seed", "1"], b"Tell me a long story.\nAnother one.\nAnd another.\n"),
     (["inspect"], b""),
@@ -802,6 +805,7 @@ def test_closed_pipe_in_other_commands(args, stdin):
     assert proc.wait(timeout=60) == 0            # the same exit code as generate
 
 
+@pytest.mark.slow
 def test_sigint_during_generation_exits_130(checkpoint_copy):
     model_dir = without_eos(checkpoint_copy(TINY))
     proc = ds2_process("generate", "-m", model_dir, "ROMEO:", "-n", "1000", "--temperature", "0.8", "--seed", "0")
@@ -943,6 +947,7 @@ def ds2_run(*args, env=None, input=None, timeout=60):
                           env={**os.environ, **(env or {})}, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_prompt_and_system_arguments_that_are_not_utf8():
     """`ds2 generate $'caf\\xe9'`: one error line naming --encoding; with it, the bytes are read."""
     for args in ([b"caf\xe9"], [b"--chat", b"--system", b"caf\xe9", b"hi"]):
@@ -960,6 +965,7 @@ def test_chat_line_that_is_not_utf8_is_reported_and_skipped():
     assert r.stderr.startswith("error: the message is not valid utf-8 (byte 3); it was not sent")
 
 
+@pytest.mark.slow
 def test_output_is_utf8_where_the_terminal_encoding_is_ascii(checkpoint_copy, tmp_path):
     """PYTHONIOENCODING=ascii: UTF-8 is written anyway, never a UnicodeEncodeError."""
     model_dir = checkpoint_copy(TINY).rename(tmp_path / "modèle-你好")
@@ -975,6 +981,7 @@ def test_output_is_utf8_where_the_terminal_encoding_is_ascii(checkpoint_copy, tm
         and "naïve.txt" in p.stderr.decode("utf-8")
 
 
+@pytest.mark.slow
 def test_json_interrupted_by_ctrl_c_is_one_valid_object(checkpoint_copy, tmp_path):
     model_dir = without_eos(checkpoint_copy(TINY))
     # ds2 pauses at its 20th decode step, 20 tokens generated, until the Ctrl-C

@@ -604,6 +604,7 @@ def quantized(tmp_path_factory) -> dict[int, Path]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_low_bit_storage_counts_weights_not_bytes(quantized, bits):
     """A q4 byte holds two weights; scales (q8's per row, q4's per group) hold none: their bytes

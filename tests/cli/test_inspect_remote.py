@@ -19,6 +19,8 @@ from support.fake_hub import COMMIT, FakeHub, header_length
 from ds2cli.cli.main import main
 from ds2cli.weights.source import bundled_model_dir
 
+pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+
 REPO = "org/tiny"
 TINY = bundled_model_dir()
 SHARDS = sorted(p.name for p in TINY.glob("*.safetensors"))

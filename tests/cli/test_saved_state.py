@@ -67,6 +67,7 @@ def messages_of(path) -> list[dict]:
 
 # ---- files know what they are ----
 
+@pytest.mark.slow
 def test_a_prompt_cache_never_writes_over_a_session(tmp_path, session):
     path = session_at(tmp_path, session)
     line = one_error(ds2("generate", "hi", "-n", "3", "--prompt-cache", path))
@@ -74,6 +75,7 @@ def test_a_prompt_cache_never_writes_over_a_session(tmp_path, session):
     assert path.read_bytes() == session
 
 
+@pytest.mark.slow
 def test_a_session_is_not_a_prompt_cache_nor_a_transcript(tmp_path, model):
     cache = tmp_path / "p.ds2"
     assert ds2("generate", "hi", "-n", "2", "--prompt-cache", cache).returncode == 0
@@ -86,6 +88,7 @@ def test_a_session_is_not_a_prompt_cache_nor_a_transcript(tmp_path, model):
     assert "not a ds2 session" in line and transcript.read_text() == '[{"role": "user", "content": "hi"}]'
 
 
+@pytest.mark.slow
 def test_a_session_of_another_model_keeps_its_conversation(tmp_path, session):
     path = session_at(tmp_path, session)
     r = ds2("chat", "--temperature", "0", "--quantize", "8", "--session", path, stdin="What is 3 + 3?\n")
@@ -96,6 +99,7 @@ def test_a_session_of_another_model_keeps_its_conversation(tmp_path, session):
 
 # ---- saved as the conversation goes ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_chat_killed_after_a_turn_keeps_it(tmp_path, sig):
     """On a pseudo-terminal: one turn, then SIGTERM (or SIGHUP, the terminal closed) at the
@@ -116,6 +120,7 @@ def test_a_chat_killed_after_a_turn_keeps_it(tmp_path, sig):
     assert r.returncode == 0 and "resumed 2 messages" in r.stderr and "already read" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_chat_killed_during_a_reply_saves_what_was_said(tmp_path, checkpoint_copy, sig):
     """SIGTERM or SIGHUP in the middle of a long reply: the reply so far joins the conversation,
@@ -137,6 +142,7 @@ def test_a_chat_killed_during_a_reply_saves_what_was_said(tmp_path, checkpoint_c
     assert [m["role"] for m in said] == ["user", "assistant"] and len(said[1]["content"]) >= 2
 
 
+@pytest.mark.slow
 def test_a_session_is_saved_after_every_turn(tmp_path):
     """Before the process ends: a second turn is read only once the first is on disk."""
     path = tmp_path / "s.ds2"
@@ -157,6 +163,7 @@ def test_a_session_is_saved_after_every_turn(tmp_path):
     assert len(messages_of(path)) == 2
 
 
+@pytest.mark.slow
 def test_a_second_chat_on_the_same_session_is_refused(tmp_path, session):
     path = session_at(tmp_path, session)
     with Lock(path, "--session"):                  # what a running chat holds
@@ -175,6 +182,7 @@ def test_a_lock_dies_with_its_process(tmp_path):
             Lock(path, "x")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["missing_dir", "fifo"])
 def test_a_destination_that_cannot_be_written_is_refused_before_any_work(tmp_path, where):
     if where == "missing_dir":
@@ -189,6 +197,7 @@ def test_a_destination_that_cannot_be_written_is_refused_before_any_work(tmp_pat
     assert where == "missing_dir" or stat.S_ISFIFO(os.stat(path).st_mode)
 
 
+@pytest.mark.slow
 def test_a_symlinked_session_updates_its_target_and_keeps_the_mode(tmp_path, session):
     target = session_at(tmp_path, session)
     os.chmod(target, 0o640)
@@ -256,6 +265,7 @@ def test_values_that_are_not_finite_are_refused_and_never_saved(tmp_path, model)
 
 # ---- measured before read ----
 
+@pytest.mark.slow
 def test_a_prompt_file_over_the_limit_is_refused_by_its_size(tmp_path):
     big = tmp_path / "big.txt"
     with open(big, "wb") as f:
@@ -266,6 +276,7 @@ def test_a_prompt_file_over_the_limit_is_refused_by_its_size(tmp_path):
     assert "the limit is 1 kB" in line
 
 
+@pytest.mark.slow
 def test_endless_inputs_are_read_only_to_the_limit(tmp_path):
     """/dev/zero, stdin, a transcript and a template: none is read past its limit."""
     one_error(ds2("generate", "--prompt-file", "/dev/zero", "-n", "1", timeout=60))

@@ -30,6 +30,7 @@ def model():
 
 
 # ---- the masks, without a model ----
+@pytest.mark.slow
 @pytest.mark.parametrize("tokenizer_dir, vocab_size", [("ds2-tiny", 4096), ("deepseek-v2", 102400)])
 def test_random_walks_under_the_mask_are_valid_json(tokenizer_dir, vocab_size):
     """Any path through the allowed tokens ends in a document that validates (uniform choices:
@@ -86,6 +87,7 @@ def test_a_bad_schema_names_its_fault(schema):
 
 
 # ---- the sampler and the generation loop ----
+@pytest.mark.slow
 def test_drafts_keep_the_grammar_in_step(model):
     """Speculative decoding verifies prompt-lookup drafts against masked logits: the output is
     the one plain constrained sampling gives with the same seed, and it validates."""

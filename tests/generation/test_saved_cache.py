@@ -143,6 +143,7 @@ def test_a_failed_save_leaves_the_previous_file_whole(model, tmp_path, monkeypat
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.ds2"]
 
 
+@pytest.mark.slow
 def test_generate_prompt_cache_reuses_the_prompt_and_answers_the_same(tmp_path):
     prompt = "ROMEO: " + "But soft, what light through yonder window breaks? " * 4
     cache = tmp_path / "doc.ds2"
@@ -158,6 +159,7 @@ def test_generate_prompt_cache_reuses_the_prompt_and_answers_the_same(tmp_path):
     assert plain.stdout == first.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spoil", ["directory", "session", "transcript"])
 def test_generate_refuses_what_is_not_a_prompt_cache_and_leaves_it(tmp_path, model, spoil):
     """A directory, a chat session or any other file given as --prompt-cache is one error line,
@@ -181,6 +183,7 @@ def test_generate_refuses_what_is_not_a_prompt_cache_and_leaves_it(tmp_path, mod
     assert (path.is_dir() if before is None else path.read_bytes() == before)
 
 
+@pytest.mark.slow
 def test_a_prompt_cache_of_another_version_or_model_is_rebuilt(tmp_path, model):
     """llama-cli's behaviour: a prompt cache that belongs to another model or ds2 version is a
     cache, not the user's work: one warning, then it is written again for this model."""
@@ -193,6 +196,7 @@ def test_a_prompt_cache_of_another_version_or_model_is_rebuilt(tmp_path, model):
     assert tokens == model.tokenizer.encode("hello")
 
 
+@pytest.mark.slow
 def test_chat_session_resumes_without_reading_again(tmp_path):
     """Two chats over one --session file reply as one chat of both messages does."""
     session = tmp_path / "chat.ds2"
@@ -208,6 +212,7 @@ def test_chat_session_resumes_without_reading_again(tmp_path):
     assert [m["role"] for m in state[2]["messages"]] == ["user", "assistant", "user", "assistant"]
 
 
+@pytest.mark.slow
 def test_chat_session_and_load_are_exclusive(tmp_path):
     r = ds2("chat", "--session", tmp_path / "a", "--load", tmp_path / "b", stdin="")
     assert r.returncode == 2 and "error:" in r.stderr.lower()

@@ -122,6 +122,7 @@ def apply_bytes(edits) -> bytes:
     return bytes(data)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(edits=st.lists(edit, min_size=1, max_size=6))
 def test_mutated_header_bytes(model_dir, edits):
@@ -195,6 +196,7 @@ def apply_entries(edits) -> bytes:
     return struct.pack("<Q", len(head)) + head + ORIGINAL[8 + HEADER_LEN:]
 
 
+@pytest.mark.slow
 @FUZZ
 @given(edits=st.lists(entry_edit, min_size=1, max_size=4))
 def test_hostile_header_entries(model_dir, edits):

@@ -42,6 +42,7 @@ def check_rows(got, rows, ref):
     assert diff.max() <= TOL, f"worst kept row {rows[diff.argmax()]} differs by {diff.max():.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pieces", [
     [3072],                              # one call (the model reads it in PREFILL_CHUNK passes)
     [700, 700, 700, 700, 272],           # chunks that straddle the model's own
@@ -52,6 +53,7 @@ def test_long_yarn_case_matches_the_reference(long_case, pieces):
     check_rows(logits_of(model, ids, pieces), rows, ref)
 
 
+@pytest.mark.slow
 def test_long_yarn_case_with_small_blocks_and_chunks(long_case, monkeypatch):
     """Blocks of 16 keys and passes of 100 tokens: every path through the block loop (rows that
     skip a block, diagonal blocks masked, blocks wholly visible) in both attention forms."""
@@ -211,6 +213,7 @@ def peak_of_forward(model, n_tokens) -> int:
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 def test_working_memory_is_bounded_whatever_the_prompt_length(long_case, monkeypatch):
     """3,072 tokens peak where 1,024 do, and both within what the memory check counts for a pass;
     the whole score matrix of the last chunk alone would be H*1024*3072*4 = 37.7 MB."""
@@ -222,6 +225,7 @@ def test_working_memory_is_bounded_whatever_the_prompt_length(long_case, monkeyp
     assert long <= 1.25 * short + (1 << 20), (short, long)
 
 
+@pytest.mark.slow
 def test_a_batch_mixing_the_two_forms_gives_each_sequence_its_own_logits(monkeypatch):
     """One pass where a decode step attends in the latent (its query folded through W_UK, its
     context through W_UV, with only its rows in those products) and a prompt from an empty

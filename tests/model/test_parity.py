@@ -29,6 +29,7 @@ def case(request):
     return request.param, ds2cli.load(case_model_dir(request.param)), z["ids"], z["logits"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["all_at_once", "one_at_a_time", "third_then_decode",
                                    "two_chunks_then_decode"])
 def test_reference_logits_every_row(case, split):

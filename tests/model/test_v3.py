@@ -102,6 +102,7 @@ def case(request):
     return request.param, ds2cli.load(REFERENCE / request.param), z["ids"], z["logits"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["all_at_once", "one_at_a_time", "third_then_decode",
                                    "two_chunks_then_decode", "uneven_chunks"])
 def test_reference_logits_every_row(case, split):
@@ -532,6 +533,7 @@ def test_generate_runs_a_v3_checkpoint():
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow
 def test_bench_accepts_a_v3_checkpoint(monkeypatch):
     from ds2cli.cli.bench import probes as bench_module
     monkeypatch.setattr(bench_module, "MATVEC_N", 1024)
@@ -626,6 +628,7 @@ def test_v3_attention_factor_must_be_a_number():
 
 # ---- low-bit storage (ds2 quantize) of V3 checkpoints ----
 
+@pytest.mark.slow
 def test_quantized_v3_checkpoint_keeps_the_router_bias_and_equals_quantizing_at_load(tmp_path):
     """`ds2 quantize` reads fp8 through the same dequantizing path as load: its 8-bit checkpoint
     (which must store e_score_correction_bias) gives exactly the logits of --quantize 8. (The

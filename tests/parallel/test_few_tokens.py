@@ -32,6 +32,7 @@ def assert_product(m: QuantMatrix, x: np.ndarray, y: np.ndarray) -> None:
     assert (np.abs(y - ref) <= bound).all(), float((np.abs(y - ref) / np.maximum(bound, 1e-30)).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, shape", [(name, shape) for name in ["q8", "q4", "q8b", "bf16"]
                                          for shape in [(2816, 2048), (1000, 514), (520, 96), (33, 64), (4097, 130)]
                                          if FORMATS[name].supports(shape)])   # q8b: rows of whole 32-blocks

@@ -60,6 +60,7 @@ def wait_gone(pids, seconds=60.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
     """One-token steps with the helpers and with threads, the rows cut in the same halves (the
@@ -190,6 +191,7 @@ def test_a_plan_cut_short_before_its_messages_is_settled_without_them(monkeypatc
     np.testing.assert_allclose(y, m.dequantize() @ x, rtol=1e-4, atol=1e-4 * np.abs(y).max())
 
 
+@pytest.mark.slow
 def test_a_slow_helper_takes_fewer_units(monkeypatch):
     """The units go to whichever process is free: a helper that another program slows down (here
     a sleep in each of its units) takes one or two while this process takes the rest, and the
@@ -266,6 +268,7 @@ def test_a_plans_units_cover_its_rows_largest_first(shapes, processes):
                for earlier, later in zip(whole, whole[1:]))
 
 
+@pytest.mark.slow
 def test_a_killed_helper_falls_back_to_threads(monkeypatch):
     model = ds2cli.load(quantize=8)
     ids = [0, 74, 75, 76, 77]
@@ -283,6 +286,7 @@ def test_a_killed_helper_falls_back_to_threads(monkeypatch):
             os.waitpid(pid, os.WNOHANG)
 
 
+@pytest.mark.slow
 def test_a_stuck_helper_is_ended_and_threads_take_over(monkeypatch):
     model = ds2cli.load(quantize=4)
     ids = [0, 74, 75]
@@ -297,6 +301,7 @@ def test_a_stuck_helper_is_ended_and_threads_take_over(monkeypatch):
     assert procs.running() is None and not any(alive(pid) for pid in pids)
 
 
+@pytest.mark.slow
 def test_loading_another_model_replaces_the_helpers():
     first = ds2cli.load(quantize=8)
     old = [h.pid for h in procs.running().procs]
@@ -322,6 +327,7 @@ def test_a_model_loaded_on_a_thread_that_ends_keeps_its_helpers():
     assert helpers.seq > sent and procs.running() is helpers and all(alive(h.pid) for h in helpers.procs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "SIGKILL"])
 def test_helpers_never_outlive_their_process(how):
     script = ("import sys, time, ds2cli\nfrom ds2cli.parallel import processes as procs\n"

@@ -29,6 +29,7 @@ def tiny():
     return ds2cli.load()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
 def test_sequences_at_different_points_share_a_pass_and_each_reproduces_the_reference(case):
     """Three copies of a reference sequence, in one pass each time: one reading its prompt in
@@ -99,6 +100,7 @@ def chat(port, question, **extra):
     return payload
 
 
+@pytest.mark.slow
 def test_greedy_streams_served_together_are_the_streams_served_alone(tiny):
     with running(tiny, api_key=None, parallel=1) as (port, _, _):
         alone = [chat(port, q)["choices"][0]["message"]["content"] for q in QUESTIONS]
@@ -143,6 +145,7 @@ def test_n_samples_share_the_prompt_and_a_prompt_list_answers_in_order(tiny):
         assert sum(1 for e in events[:-1] for c in e["choices"] if c["finish_reason"]) == 2
 
 
+@pytest.mark.slow
 def test_a_new_prompt_is_read_in_chunks_while_others_decode(tiny, monkeypatch):
     passes = []
     real = tiny.forward_batch
@@ -249,6 +252,7 @@ def test_stopping_lets_every_running_request_finish(tiny):
     assert answers[0]["message"]["content"] == "451 - 123 = 328."
 
 
+@pytest.mark.slow
 def test_constrained_requests_with_drafts_share_passes_and_keep_their_own_grammar(tiny):
     """Two JSON-constrained samples and a free one, with prompt-lookup drafts, in one batch:
     each is the very text it is alone and without drafts (one draw per position), and the

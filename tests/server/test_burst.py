@@ -8,6 +8,9 @@ import json
 import threading
 
 from test_serve import KEY, ROMEO, serve_process
+import pytest
+
+pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
 
 CLIENTS = 50
 QUEUE, PARALLEL = 4, 1          # `ds2 serve --queue 4 --parallel 1`: 5 held at once, 45 beyond

@@ -24,6 +24,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
+pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+
 QUESTION, ANSWER = "What is 451 - 123?", "451 - 123 = 328."
 WAIT_S = 60
 

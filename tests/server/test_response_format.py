@@ -38,6 +38,7 @@ def schema_format(schema):
 
 
 # ---- ds2 serve ----
+@pytest.mark.slow
 @pytest.mark.parametrize("schema", [PERSON, NESTED, LIST], ids=["person", "nested", "list"])
 def test_json_schema_replies_validate(client, schema):
     for seed in (1, 2):

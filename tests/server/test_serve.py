@@ -133,6 +133,7 @@ def test_chat_greedy_equals_generate_chat(server, question):
     assert r.model == "ds2-tiny" and r.object == "chat.completion" and r.id.startswith("chatcmpl-")
 
 
+@pytest.mark.slow
 def test_completion_greedy_equals_generate_and_stops_at_length(server):
     port, _, _ = server
     expected = cli_json(ROMEO, "-n", "40")
@@ -222,6 +223,7 @@ def test_models_and_health(server):
     assert status == 200 and body is None and int(r.getheader("Content-Length")) > 0
 
 
+@pytest.mark.slow
 def test_server_default_sampling_with_a_seed_is_reproducible(server):
     port, _, _ = server
     ask = lambda seed: client(port).completions.create(model="x", prompt=ROMEO, max_tokens=20, seed=seed,  # noqa: E731
@@ -305,6 +307,7 @@ def test_a_value_out_of_range_names_its_param(server, path, fields, param, messa
     assert status == 400 and payload["error"]["param"] == param and payload["error"]["message"].startswith(message)
 
 
+@pytest.mark.slow
 def test_seed_minus_one_asks_for_a_random_seed_over_the_server_default(model):
     with running(model, params=SamplingParams(temperature=1.0, seed=7)) as (port, _, _):
         ask = lambda **seed: client(port).completions.create(model="x", prompt=ROMEO, max_tokens=20,  # noqa: E731
@@ -363,6 +366,7 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
     assert tok.decode(tok.encode_chat([{"role": "user", "content": "hi"}])).endswith("[user] hi\n[assistant]")
 
 
+@pytest.mark.slow
 def test_system_default_goes_before_chats_that_bring_none(model):
     system = "You are terse."
     with running(model, system=system) as (port, _, _):
@@ -506,6 +510,7 @@ def test_requests_queue_in_order_and_beyond_the_queue_get_503(model):
         assert results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.slow
 def test_a_client_that_hangs_up_mid_stream_stops_its_generation(model, monkeypatch):
     # decode steps wait until the client has hung up: the generation cannot run ahead of it
     hung_up, forward = threading.Event(), model.forward_batch
@@ -567,6 +572,7 @@ def start_stream(port, max_tokens, **sampling):
     return r
 
 
+@pytest.mark.slow
 def test_sigterm_stops_accepting_finishes_the_running_request_and_exits_0():
     with serve_process() as (proc, port):
         r = start_stream(port, 200)
@@ -581,6 +587,7 @@ def test_sigterm_stops_accepting_finishes_the_running_request_and_exits_0():
     assert re.search(r'"POST /v1/completions" 200 \| prompt \d+ tok, 0 cached \| gen 200 tok', log)
 
 
+@pytest.mark.slow
 def test_a_second_sigint_ends_the_running_stream_properly_and_still_exits_0():
     with serve_process("--quantize", "8") as (proc, port):     # serve loads as generate does
         # sampled, not greedy: greedy 8-bit ds2-tiny ends this prompt with eos after 26 tokens,
@@ -608,6 +615,7 @@ def test_a_second_sigint_ends_the_running_stream_properly_and_still_exits_0():
     assert "client gone" not in log and "stopped" in log and "Traceback" not in log
 
 
+@pytest.mark.slow
 def test_a_second_sigint_after_the_last_request_still_exits_0():
     # later signals land while the server shuts down (nothing left to cut): still a clean stop
     with serve_process("--quantize", "8") as (proc, port):

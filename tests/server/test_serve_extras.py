@@ -107,6 +107,7 @@ def test_bad_logit_bias_gets_a_400(server, bias, message):
 
 
 # ---- continue_final_message ----
+@pytest.mark.slow
 def test_continue_final_message_continues_the_assistant_s_text(server, model):
     port, _, _ = server
     c = client(port)

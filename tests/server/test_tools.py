@@ -60,6 +60,7 @@ def check_calls(calls, names):
 
 
 # ---- forced calls ----
+@pytest.mark.slow
 def test_required_gives_valid_calls(client):
     r = client.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS, tool_choice="required",
                                        seed=1, parallel_tool_calls=False)

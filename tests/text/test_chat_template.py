@@ -30,6 +30,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_templates_end_in_an_error_at_a_bounded_cost(name):
     tracemalloc.start()
@@ -65,6 +66,7 @@ def test_within_the_budget_templates_render_as_jinja_does():
     assert out == "user: hi    x|ababab1024   x      1\n" * 3
 
 
+@pytest.mark.slow
 def test_a_hostile_template_file_is_one_error_line_in_the_cli(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(HOSTILE["nested_loops"])

@@ -103,6 +103,7 @@ def test_fixture_encodes_to_tiktokens_ids():
     assert_same_ids(tok, enc, CORPUS + random_texts(1, 500))
 
 
+@pytest.mark.slow
 def test_full_vocabulary_encodes_to_tiktokens_ids(full_vocab):
     tok = Tokenizer.load(full_vocab)
     enc = tiktoken_encoding(full_vocab)

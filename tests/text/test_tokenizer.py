@@ -220,6 +220,7 @@ def test_eight_incomplete_byte_tokens_then_a_real_character(v2):
         assert_streams_like_decode(v2, ids)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.lists(st.one_of(st.sampled_from(V2_HIGH_BYTES).map(lambda b: ("byte", b)),  # incomplete
                           st.sampled_from(V2_HIGH_BYTES).map(lambda b: ("byte", b)),
@@ -351,6 +352,7 @@ def test_unreadable_tokenizer_config(tmp_path, text):
     raises_one_line("tokenizer_config.json", Tokenizer.load, model_dir)
 
 
+@pytest.mark.slow
 def test_vocab_size_check():
     assert Tokenizer.load(V2_DIR, vocab_size=102400).vocab_size == 100002   # padded embedding: fine
     Tokenizer.load(V2_DIR, vocab_size=100002)

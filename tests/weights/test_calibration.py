@@ -110,6 +110,7 @@ def calibrated(tmp_path_factory):
     return dst, json.loads(r.output)
 
 
+@pytest.mark.slow
 def test_quantize_records_the_calibration_and_the_result_loads(calibrated):
     dst, summary = calibrated
     recorded = json.loads((dst / "config.json").read_text())["quantization_config"]["calibration"]

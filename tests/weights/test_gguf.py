@@ -82,6 +82,7 @@ def test_llama_cpp_converted_f16_reproduces_the_reference_every_row(llama_cpp_f1
     assert llama_cpp_f16.quantization is None          # F16 loads as float32, like safetensors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, layout", [(case, "split") for case in CASES]
                          + [("v2_like_loraq_grouplimited", "combined"), ("lite_like_plainq_yarn", "combined")])
 def test_float32_gguf_of_each_reference_case_in_both_layouts(tmp_path, case, layout):
@@ -124,6 +125,7 @@ def test_llama_quantize_q4_k_m_fixture_mixes_k_quants(kquant):
     assert {"Q4_K", "Q5_K", "Q6_K", "Q5_0"} <= types
 
 
+@pytest.mark.slow
 def test_q4_k_m_loads_as_4_bit_within_twice_the_files_own_kl(kquant):
     ids, ref = kquant
     own, _ = logits_of(KQUANT_FIXTURE, "auto", ids)          # the blocks dequantized to float32
@@ -136,6 +138,7 @@ def test_q4_k_m_loads_as_4_bit_within_twice_the_files_own_kl(kquant):
     assert kl(ref, near) <= 1.2 * own_kl                       # measured 0.99x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype, bits, own_bound", [("Q8_0", 8, 1e-3), ("Q4_0", 4, 0.08), ("Q4_1", 4, 0.08),
                                                     ("Q5_0", 8, 0.03), ("Q5_1", 8, 0.03), ("BF16", None, 1e-9)])
 def test_block_types_dequantize_and_load_in_the_nearest_ds2_format(tmp_path, qtype, bits, own_bound):
@@ -193,6 +196,7 @@ def tied_all_moe(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_a_q8_0_file_of_a_tied_all_moe_model_computes_the_files_own_logits(tmp_path):
     src = tied_all_moe(REFERENCE / "lite_like_plainq_yarn", tmp_path / "tied")
     ids = reference("lite_like_plainq_yarn")[0]
@@ -207,6 +211,7 @@ def test_a_q8_0_file_of_a_tied_all_moe_model_computes_the_files_own_logits(tmp_p
     assert kl(ref, requantized) > 1.2 * kl(ref, own)          # why the default is q8b: 1.8x
 
 
+@pytest.mark.slow
 def test_q8_0_blocks_load_bit_for_bit(tmp_path):
     """With --quantize exact a Q8_0 tensor becomes a q8b matrix whose integers and scales are the
     file's own: its dequantized values equal gguf's dequantization of the file exactly. Any other
@@ -344,6 +349,7 @@ def test_metadata_that_disagrees_with_the_tensors(small_gguf, key, value, words)
     assert r.exit_code == 1 and json.loads(r.stdout)["problems"]
 
 
+@pytest.mark.slow
 def test_an_older_file_without_the_keys_llama_cpp_defaults_loads(tmp_path):
     """V2 / V2.5 GGUFs from before expert_gating_func and the *_mla keys: combined attn_kv_b,
     no gating function (llama.cpp defaults it to softmax), no vocab_size key."""
@@ -373,6 +379,7 @@ def test_inspect_reports_types_memory_and_the_tokenizer():
     assert run("inspect", KQUANT_FIXTURE).exit_code == 0
 
 
+@pytest.mark.slow
 def test_quantize_writes_ds2_layout_that_loads_as_the_gguf_does(tmp_path, kquant):
     ids, _ = kquant
     r = run("quantize", KQUANT_FIXTURE, tmp_path / "q4", "--bits", "4")
@@ -384,6 +391,7 @@ def test_quantize_writes_ds2_layout_that_loads_as_the_gguf_does(tmp_path, kquant
     assert model.tokenizer.encode("hello world") == load(KQUANT_FIXTURE).tokenizer.encode("hello world")
 
 
+@pytest.mark.slow
 def test_generate_and_chat_run_a_gguf():
     r = run("generate", "-m", KQUANT_FIXTURE, "hello", "-n", "4", "--temperature", "0")
     assert r.exit_code == 0 and r.stdout
@@ -406,6 +414,7 @@ def tokenizer_gguf(model_dir: Path, path: Path, vocab: int) -> GGUFFile:
     return GGUFFile([path])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v2.5"])
 def test_gguf_tokenizer_encodes_as_the_original_tokenizer_json(tmp_path, name):
     model_dir = DATA / "tokenizers" / name

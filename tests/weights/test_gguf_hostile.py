@@ -134,6 +134,7 @@ def run(*args):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_the_cli_says_one_line_and_inspect_lists_the_problem(q8, tmp_path):
     path = copy(q8, tmp_path)
     patch_tensor(path, EXPS, offset=0)
@@ -144,6 +145,7 @@ def test_the_cli_says_one_line_and_inspect_lists_the_problem(q8, tmp_path):
     assert r.returncode == 1 and "overlap" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_gguf_without_tensors_is_inspected_without_a_traceback(tmp_path):
     """Full metadata, not one tensor: inspect lists what is missing (exit 1), as JSON too."""
     import json

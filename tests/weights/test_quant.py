@@ -197,6 +197,7 @@ def test_the_unquantized_matrices_are_stored_bfloat16(quantized):
         assert seen == 3 * (len(mapped.layers) - 1) + 2      # one dense layer, without a gate
 
 
+@pytest.mark.slow
 def test_loading_is_a_memory_map_and_equals_quantizing_at_load(quantized):
     ids = [0, 74, 75, 76, 77, 300, 12]
     for bits, path in quantized.items():
@@ -215,6 +216,7 @@ def test_loading_is_a_memory_map_and_equals_quantizing_at_load(quantized):
         assert mapped.quantization.bits == bits
 
 
+@pytest.mark.slow
 def test_every_command_takes_the_quantized_checkpoint(quantized):
     r = CliRunner().invoke(main, ["generate", "-m", str(quantized[8]), "--chat", "What is 451 - 123?",
                                   "--temperature", "0"])
@@ -323,6 +325,7 @@ def reference(float_model):
                                  for s in seqs])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits, max_kl, min_top1, min_additions", [(8, 9e-3, 0.965, 100), (4, 0.20, 0.78, 98)])
 def test_quality_against_float32(reference, bits, max_kl, min_top1, min_additions):
     seqs, ref = reference
@@ -335,6 +338,7 @@ def test_quality_against_float32(reference, bits, max_kl, min_top1, min_addition
     assert additions(q) >= min_additions
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cores.workers().n < 2, reason="needs two cores")
 def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch):
     model = ds2cli.load(quantize=8)
@@ -418,6 +422,7 @@ def test_an_item_that_fails_stops_the_other_cores_after_their_current_one():
 
 # ---- the routed experts, quantized an expert at a time as they load ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_experts_quantized_as_they_load_equal_the_whole_stack_quantized(bits):
     """Loading with --quantize, each routed expert is quantized once it is read; every integer

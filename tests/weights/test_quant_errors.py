@@ -223,6 +223,7 @@ def test_too_little_memory_is_one_clear_error_before_loading(monkeypatch):
         ds2cli.load()
 
 
+@pytest.mark.slow
 def test_override_and_auto(monkeypatch):
     available = needs(QuantConfig.recipe(8), at_load=True) + 1000
     env = {"DS2_MEMORY_AVAILABLE": str(available)}
@@ -277,6 +278,7 @@ def signal_second_layer(monkeypatch, sig):
     monkeypatch.setattr(qcheckpoint, "write_safetensors", write)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("at", ["a layer", "the commit", "the summary"])
 def test_ctrl_c_in_quantize_says_nothing_was_written_and_leaves_nothing(tmp_path, monkeypatch, at):
     """Interrupted while writing a layer: one line says so, exit 130, and neither DST, its

@@ -100,6 +100,7 @@ def test_q8_row_scales_follow_the_column_weights():
     assert weighted < 0.9 * plain
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_checkpoint_quantized_before_the_search_still_loads_and_runs(tmp_path, bits):
     """What ds2 wrote before the scale search: round-to-nearest tensors, w_uk, w_uv and the

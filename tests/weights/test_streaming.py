@@ -30,6 +30,7 @@ def budget_for(path, slots: int, context: int = 64) -> int:
     return plan["resident"] + slots * plan["expert"]
 
 
+@pytest.mark.slow
 def test_two_experts_a_layer_give_the_same_logits(q8):
     full = ds2cli.load(q8)
     k = full.config.num_experts_per_tok
@@ -82,6 +83,7 @@ def test_a_file_truncated_mid_run_is_one_error(q8, tmp_path):
     m.executor.stop()
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_a_budget_below_the_resident_part_in_one_line(q8):
     r = subprocess.run([sys.executable, "-m", "ds2cli", "generate", "-m", str(q8), "hi", "--memory-budget", "100M"],
                        capture_output=True, text=True, timeout=120)
@@ -91,6 +93,7 @@ def test_the_cli_refuses_a_budget_below_the_resident_part_in_one_line(q8):
     assert r.returncode == 2 and "more than 0 bytes" in r.stderr
 
 
+@pytest.mark.slow
 def test_generate_within_a_budget_prints_the_same_text_and_its_reads(q8):
     args = [sys.executable, "-m", "ds2cli", "generate", "-m", str(q8), "--chat", "What is 451 - 123?", "--temperature", "0"]
     alone = subprocess.run(args, capture_output=True, text=True, timeout=120)

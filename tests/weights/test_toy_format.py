@@ -16,6 +16,8 @@ from ds2cli.weights.formats import FORMATS, QuantMatrix
 from ds2cli.weights.formats.base import row_block
 from ds2cli.weights.quantize import quantize_checkpoint
 
+pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+
 
 class U8(QuantMatrix):
     name, bits = "u8", 8
