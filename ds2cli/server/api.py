@@ -24,6 +24,7 @@ ABORTED = "aborted"     # the scheduler's finish_reason for a generation the ser
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 16
 MAX_CHOICES = 64        # prompts x n in one request: each choice is a sequence of the batch
+MAX_LOGIT_BIAS = 1024   # logit_bias entries in one request
 
 
 class ApiError(Exception):
@@ -212,16 +213,20 @@ def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(bias, dict):
         raise ApiError(400, "logit_bias must be an object mapping token ids to numbers", param="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:      # counted before any entry is read
+        raise ApiError(400, f"logit_bias has {len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS}",
+                       param="logit_bias")
     out = []
     for key, value in bias.items():
-        text = key.strip()
-        if not (text.isascii() and text.isdigit()) or int(text) >= vocab_size:
-            raise ApiError(400, f"logit_bias: {_show(key)} is not a token id in [0, {vocab_size})", param="logit_bias")
+        # one spelling an id ("12", never " 12", "012" or "+12"), so no id is biased twice
+        if not (key.isascii() and key.isdigit() and key == str(int(key))) or int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias: {_show(key)} is not a token id in [0, {vocab_size}) written as "
+                                f"a plain integer", param="logit_bias")
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                 or not -100 <= value <= 100):
             raise ApiError(400, f"logit_bias[{key!r}] must be a number in [-100, 100], not {_show(value)}",
                            param="logit_bias")
-        out.append((int(text), float(value)))
+        out.append((int(key), float(value)))
     return tuple(out)
 
 
@@ -435,6 +440,11 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     else:
         if body.get("tools") not in (None, []):
             raise ApiError(400, "tools are for /v1/chat/completions", param="tools")
+        n, prompt = _n(body), body.get("prompt")
+        many = len(prompt) if isinstance(prompt, list) and prompt and not _is_ids(prompt) else 1
+        if many * n > MAX_CHOICES:          # before a single prompt is tokenized
+            raise ApiError(400, f"{many} prompts x n = {n} is more than {MAX_CHOICES} choices in one request",
+                           param="n")
         prompts = prompt_ids(body, tokenizer, vocab_size)
     n = _n(body)
     if len(prompts) * n > MAX_CHOICES:

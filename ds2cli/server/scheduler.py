@@ -254,7 +254,7 @@ class Scheduler:
                 self.waiting_line.remove(request)
                 continue
             if self.is_long(request) and self.parallel > 1 and \
-                    sum(self.is_long(r) and r.gen.pending for r in self.batch) >= self.parallel - 1:
+                    sum(self.is_long(r) and bool(r.gen.pending) for r in self.batch) >= self.parallel - 1:
                 continue                        # the last slot is kept for a prompt of one chunk
             if request.after is not None and request.after.running and request.after.gen is not None \
                     and request.after.gen.pending and not request.after.cancelled:

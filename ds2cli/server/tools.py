@@ -83,6 +83,9 @@ class ToolSet:
 
 
 # ---- the request ----
+MAX_TOOLS = 128             # functions one request may declare (OpenAI's own limit)
+
+
 def parse_tools(body: dict) -> ToolSet | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools in (None, []):
@@ -91,10 +94,15 @@ def parse_tools(body: dict) -> ToolSet | None:
         return None
     if not isinstance(tools, list):
         raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    if len(tools) > MAX_TOOLS:      # counted before any schema is compiled
+        raise ToolError(f"tools: {len(tools)} functions, more than the limit of {MAX_TOOLS}", "tools")
+    seen: set = set()
+    for i, t in enumerate(tools):   # a name used twice is found by a set, before compiling
+        name = (t.get("function") or {}).get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict) else None
+        if isinstance(name, str) and name in seen:
+            raise ToolError(f"tools: two functions share a name ({name})", "tools")
+        seen.add(name)
     parsed = tuple(_tool(t, i) for i, t in enumerate(tools))
-    names = [t.name for t in parsed]
-    if len(set(names)) != len(names):
-        raise ToolError(f"tools: two functions share a name ({_duplicate(names)})", "tools")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
@@ -137,10 +145,6 @@ def _choice(choice: Any, tools: tuple[Tool, ...]) -> ToolSet:
         return ToolSet(tools, "function", name)
     raise ToolError("tool_choice must be \"auto\", \"none\", \"required\" or "
                     "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-
-
-def _duplicate(names: list[str]) -> str:
-    return next(n for n in names if names.count(n) > 1)
 
 
 # ---- messages ----

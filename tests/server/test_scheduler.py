@@ -2,14 +2,16 @@
 outcome it found (tokens from the prompt cache, echo's logprobs) given back rather than written
 into the job, the queue's limit, and closing."""
 
+import queue
 import threading
+import time
 
 import pytest
 
 import ds2cli
 from ds2cli.generation.sampling import SamplingParams
 from ds2cli.server.api import Job
-from ds2cli.server.scheduler import Refused, Scheduler
+from ds2cli.server.scheduler import Refused, Request, Scheduler
 from ds2cli.weights.source import bundled_model_dir
 
 PROMPT = "User: What is 451 - 123?\n\nAssistant:"
@@ -74,3 +76,62 @@ def test_more_choices_than_the_queue_holds_are_refused_and_closing_refuses_all(m
     with pytest.raises(Refused) as refused:
         scheduler.admit([job(model)], lambda: False).__enter__()
     assert refused.value.code == "shutting_down"
+
+
+def test_every_prompt_runs_in_chunks_and_the_shortest_goes_first(model, monkeypatch):
+    """Counted passes: a long prompt alone runs chunk by chunk; a short one arriving behind it
+    gets the next chunk (the fewest tokens left), and its first token comes before the long one's."""
+    passes, real, queued = [], model.forward_batch, threading.Event()
+
+    def spy(steps, *args, **kwargs):
+        passes.append([len(s.ids) for s in steps])
+        if len(passes) == 1:
+            queued.wait(30)                             # the short one arrives during the first chunk
+        return real(steps, *args, **kwargs)
+    monkeypatch.setattr(model, "forward_batch", spy)
+    scheduler = Scheduler(model, 1024, 64 << 20, max_queue=4, parallel=2, prefill_chunk=32)
+    long_ids = model.tokenizer.encode("The history of the city begins " * 30)[:200]
+    long_job = Job(False, long_ids, SamplingParams(temperature=0), 4, (), False, False)
+    order, lock = [], threading.Lock()
+
+    def run(j, name):
+        with scheduler.admit([j], lambda: False) as admitted:
+            for _, chunk in admitted.chunks:
+                if chunk.text or chunk.finish_reason:
+                    with lock:
+                        order.append(name)
+    long_thread = threading.Thread(target=run, args=(long_job, "long"))
+    long_thread.start()
+    while not passes:                                   # the long prompt's first chunk has run
+        time.sleep(0.001)
+    short = threading.Thread(target=run, args=(job(model, max_tokens=2, index=0), "short"))
+    short.start()
+    while not scheduler.waiting_line:
+        time.sleep(0.001)
+    queued.set()
+    short.join(60), long_thread.join(60)
+    assert passes[0] == [32]                            # alone, still a chunk
+    assert max(max(p) for p in passes) <= 32
+    assert order[0] == "short" and order[-1] == "long", (order, passes)
+    scheduler.close()
+
+
+def test_the_last_slot_is_kept_for_a_short_prompt(model):
+    scheduler = Scheduler(model, 1024, 64 << 20, max_queue=4, parallel=2, prefill_chunk=24)
+    long_ids = model.tokenizer.encode("The history of the city begins " * 30)[:120]
+    a = Request(Job(False, long_ids, SamplingParams(temperature=0), 4, (), False, False), queue.Queue())
+    b = Request(Job(False, long_ids, SamplingParams(temperature=0), 4, (), False, False, index=1), queue.Queue())
+    short = Request(job(model), queue.Queue())
+    assert scheduler.is_long(a) and not scheduler.is_long(short)
+    with scheduler.cond:
+        scheduler.closing = True                        # the thread stops; the test drives admission
+    scheduler.thread.join(5)
+    scheduler.closing = False
+    scheduler.waiting_line.extend([a, b])
+    with scheduler.cond:
+        scheduler.admit_waiting()
+    assert a in scheduler.batch and b not in scheduler.batch and list(scheduler.waiting_line) == [b]
+    scheduler.waiting_line.append(short)
+    with scheduler.cond:
+        scheduler.admit_waiting()
+    assert short in scheduler.batch and b in scheduler.waiting_line

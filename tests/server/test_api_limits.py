@@ -1,0 +1,73 @@
+"""api.py's limits, each a 400 before any work its size would cost (the tokenizer's calls counted):
+a list of prompts beyond 64 choices, logit_bias keys spelled any way but as a plain id and more
+entries than the limit, tools beyond their count and a name used twice (found before any schema
+compiles)."""
+
+import pytest
+
+import ds2cli
+from ds2cli.generation.sampling import SamplingParams
+from ds2cli.server import tools
+from ds2cli.server.api import MAX_LOGIT_BIAS, ApiError, Defaults, parse_jobs
+
+
+class Counting:
+    """The model's tokenizer, its encode calls counted."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer.encode(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ds2cli.load()
+
+
+def parse(model, body, chat=False):
+    tok = Counting(model.tokenizer)
+    defaults = Defaults(SamplingParams(), 16, 1024, None, tuple(model.eos_token_ids))
+    try:
+        return parse_jobs(body, chat, tok, model.config.vocab_size, defaults), tok.calls
+    except ApiError as e:
+        return e, tok.calls
+
+
+def test_too_many_prompts_are_refused_before_one_is_tokenized(model):
+    error, calls = parse(model, {"prompt": ["a"] * 65})
+    assert error.status == 400 and "65 prompts" in error.message and calls == 0
+    error, calls = parse(model, {"prompt": ["a"] * 33, "n": 2})
+    assert error.status == 400 and calls == 0
+
+
+@pytest.mark.parametrize("key", [" 12", "012", "+12", "12 ", "1e1", "0x1"])
+def test_logit_bias_keys_are_plain_ids(model, key):
+    error, _ = parse(model, {"prompt": "a", "logit_bias": {key: 1}})
+    assert error.status == 400 and error.param == "logit_bias" and "plain integer" in error.message
+
+
+def test_logit_bias_entries_are_counted_first(model):
+    error, calls = parse(model, {"prompt": "a", "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}})
+    assert error.status == 400 and "more than the limit" in error.message
+    jobs, _ = parse(model, {"prompt": "a", "logit_bias": {"12": 5}})
+    assert jobs[0].params.logit_bias == ((12, 5.0),)
+
+
+def function(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def test_tools_beyond_their_count_and_a_name_used_twice_are_refused_before_compiling(model, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(tools, "_tool", lambda t, i: compiled.append(i))
+    messages = [{"role": "user", "content": "hi"}]
+    error, _ = parse(model, {"messages": messages, "tools": [function(f"f{i}") for i in range(tools.MAX_TOOLS + 1)]}, True)
+    assert error.status == 400 and "more than the limit" in error.message and compiled == []
+    error, _ = parse(model, {"messages": messages, "tools": [function("a"), function("b"), function("a")]}, True)
+    assert error.status == 400 and "share a name (a)" in error.message and compiled == []
