@@ -59,6 +59,7 @@ class Job:
     grammar: grammars.Grammar | None = None     # response_format / a forced tool call
     vocab: Any = None           # the grammar's view of the tokenizer (grammar.vocabulary)
     tools: Any = None           # tools.ToolSet when the request declared tools (chat)
+    ignore_eos: bool = False    # eos does not end the reply (llama-server's ignore_eos)
 
     def constraint(self) -> grammars.Constraint | None:
         """A fresh grammar state for this job's sequence (None when the output is free)."""
@@ -248,7 +249,7 @@ def _params(body: dict, defaults: Defaults, vocab_size: int) -> SamplingParams:
 
 def _max_tokens(body: dict, defaults: Defaults, echo: bool = False) -> int:
     """0 only with echo: the prompt's own logprobs and no reply (lm-eval's loglikelihood requests)."""
-    for name in ("max_completion_tokens", "max_tokens"):
+    for name in ("max_completion_tokens", "max_tokens", "n_predict"):    # n_predict: llama-server's
         value = _number(body, name, integer=True)
         if value is not None:
             if value < (0 if echo else 1):
@@ -425,9 +426,40 @@ def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None) -> gramm
     return fmt
 
 
+class Read(dict):
+    """A request's body that records which fields the parsing read: what is left over was
+    ignored, and the handler names it (a warning log line and the X-Ds2-Ignored-Fields header)."""
+
+    def __init__(self, body: dict):
+        super().__init__(body)
+        self.read: set = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def ignored(self) -> list[str]:
+        return sorted(k for k in self if k not in self.read)
+
+
+# llama-server's fields, read for what they mean here (docs/server.md)
+LLAMA_FIELDS = ("ignore_eos", "n_predict", "cache_prompt")
+
+
 def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> list[Job]:
-    """The request's choices as jobs, in OpenAI's order: index = prompt * n + sample."""
+    """The request's choices as jobs, in OpenAI's order: index = prompt * n + sample. A `Read`
+    body afterwards knows which of its fields nothing read."""
     _unsupported(body)
+    for name in ("cache_prompt", "model", "user", "metadata", "store", "service_tier"):
+        body.get(name)          # accepted: ds2 always reuses cached prompts; one model; no store
     cont = False
     echo = boolean(body, "echo")
     if chat and echo:
@@ -461,6 +493,7 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     stream, include_usage = _stream(body)
     params, max_tokens = _params(body, defaults, vocab_size), _max_tokens(body, defaults, echo)
     stop, draft, logprobs = _stop(body), _draft(body), _logprobs(body, chat)
+    ignore_eos = boolean(body, "ignore_eos")     # llama-server's: only max_tokens, stop or ctx end it
     grammar = _grammar(body, tokenizer, toolset)
     vocab = None
     if grammar is not None:
@@ -477,7 +510,8 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
             seeded = params if k == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + k)
             jobs.append(Job(chat, list(ids), seeded, max_tokens, stop, stream, include_usage,
                             logprobs=logprobs, echo=echo, continue_final=cont, draft=draft,
-                            index=p * n + k, sample=k, grammar=grammar, vocab=vocab, tools=offered))
+                            index=p * n + k, sample=k, grammar=grammar, vocab=vocab, tools=offered,
+                            ignore_eos=ignore_eos))
     return jobs
 
 

@@ -10,7 +10,7 @@ import zlib
 from pathlib import Path
 
 from ds2cli.errors import Ds2Error, UnavailableError
-from ds2cli.server.api import ApiError, parse_jobs
+from ds2cli.server.api import ApiError, Read, parse_jobs
 from ds2cli.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from ds2cli.server.responses import Response
 from ds2cli.server.tokenizer_endpoints import detokenize_request, tokenize_request, tokenizer_info
@@ -103,7 +103,12 @@ class Endpoints:
         state = self.server.state
         scheduler, model = state.scheduler, state.scheduler.model
         scheduler.check_open()     # while stopping, 503 before the body is read
-        jobs = parse_jobs(self.read_json(), chat, model.tokenizer, model.config.vocab_size, state.defaults)
+        body = Read(self.read_json())
+        jobs = parse_jobs(body, chat, model.tokenizer, model.config.vocab_size, state.defaults)
+        ignored = body.ignored()
+        if ignored:     # accepted, as OpenAI's and llama-server's servers do, but said: never silently
+            self.extra_headers["X-Ds2-Ignored-Fields"] = ",".join(ignored)[:200]
+            state.log(f"{self.client_address[0]} ignored request fields: {', '.join(ignored)[:200]}")
         most = scheduler.max_queue + scheduler.parallel
         if len(jobs) > most:     # never admissible, however long the client waits: not a 503
             raise ApiError(400, f"n is {len(jobs)} (with best_of), more choices than this server can ever hold "

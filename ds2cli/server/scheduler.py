@@ -280,7 +280,7 @@ class Scheduler:
                     request.logprobs = TokenLogprobs(job.logprobs, keep_eos=job.echo)
                     sampler = ObservedSampler(sampler, request.logprobs)
                 request.gen = Generation(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
-                                         context=job.ids[:keep],
+                                         eos_ids=() if job.ignore_eos else None, context=job.ids[:keep],
                                          draft=job.draft if job.draft is not None else self.draft,
                                          prompt_rows=self.prompt_rows(request) if scored else None,
                                          prompt_rows_chunk=PROMPT_CHUNK,

@@ -71,3 +71,11 @@ def test_tools_beyond_their_count_and_a_name_used_twice_are_refused_before_compi
     assert error.status == 400 and "more than the limit" in error.message and compiled == []
     error, _ = parse(model, {"messages": messages, "tools": [function("a"), function("b"), function("a")]}, True)
     assert error.status == 400 and "share a name (a)" in error.message and compiled == []
+
+
+def test_llama_servers_fields_are_read_and_an_unknown_one_is_named(model):
+    from ds2cli.server.api import Read
+    body = Read({"prompt": "a", "n_predict": 7, "ignore_eos": True, "cache_prompt": True, "temprature": 0.5})
+    jobs, _ = parse(model, body)
+    assert jobs[0].max_tokens == 7 and jobs[0].ignore_eos
+    assert body.ignored() == ["temprature"]

@@ -135,3 +135,13 @@ def test_the_last_slot_is_kept_for_a_short_prompt(model):
     with scheduler.cond:
         scheduler.admit_waiting()
     assert short in scheduler.batch and b in scheduler.waiting_line
+
+
+def test_ignore_eos_runs_to_max_tokens(model):
+    scheduler = Scheduler(model, 256, 64 << 20, max_queue=4)
+    with scheduler.admit([job(model, max_tokens=40, ignore_eos=True)], lambda: False) as admitted:
+        last = [c for _, c in admitted.chunks][-1]
+    assert last.finish_reason == "length" and last.generated_tokens == 40
+    with scheduler.admit([job(model, max_tokens=40)], lambda: False) as admitted:
+        assert [c for _, c in admitted.chunks][-1].finish_reason == "eos"     # it answers in fewer
+    scheduler.close()
