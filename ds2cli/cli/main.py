@@ -29,11 +29,10 @@ from ds2cli.generation.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.cli.inspect_gguf import describe_gguf
 from ds2cli.weights.source import bundled_model_dir, check_model_dir
 from ds2cli.model.transformer import Model
-from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, generation_options,
-                            prompt_bytes_limit,
-                            load_model, max_new_tokens_for, memory_options, model_from_env, open_source, tokenizer_of,
-                            model_option, naming_ds2_model, sampler_for, stats_option, strip_bom, thread_limits,
-                            ray_option, threads_option, unescape)
+from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, cluster_plan, draft_option,
+                            generation_options, load_model, max_new_tokens_for, memory_options, model_from_env,
+                            model_option, naming_ds2_model, open_source, prompt_bytes_limit, ray_option, sampler_for,
+                            stats_option, strip_bom, thread_limits, threads_option, tokenizer_of, unescape)
 from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.cli.chat_loop import CHAT_HELP, Repl
 from ds2cli.generation.sampling import CountingSampler
@@ -438,19 +437,14 @@ def inspect(directory, model_dir, as_json, check, ray, ctx):
                      "generate and chat download them)")
     if check and report.get("format") == "gguf":
         report["warnings"].append("--check scans a safetensors checkpoint's values; this GGUF file's were not read")
-    placement = None
-    if ray is not None:           # the plan over the cluster, nothing loaded (headers and probes only)
-        from ds2cli.cluster import driver
-        source = open_source(path)
-        check_ctx(source.config, ctx)
-        placement = driver.plan(source, ray, None, ctx)[1]
-        report["placement"] = placement.to_json()
+    placement = None if ray is None else cluster_plan(path, ray, ctx)      # (JSON, lines), nothing loaded
+    if placement is not None:
+        report["placement"] = placement[0]
     if as_json:
         write_out(json.dumps(report, ensure_ascii=False) + "\n")
     else:
         render(report, console.stdout_console())
-        if placement is not None:
-            write_out("\n".join(driver.describe(source, placement)) + "\n")
+        write_out("".join(line + "\n" for line in placement[1]) if placement else "")
     for warning in report.get("warnings", []):
         console.warn(warning)
     if report["problems"]:

@@ -247,6 +247,16 @@ def memory_options(f):
     return f
 
 
+def cluster_plan(path: Path, ray: str, ctx: int | None) -> tuple[list, list[str]]:
+    """`inspect --ray`: the placement over the cluster as JSON and as lines, loading nothing
+    (the checkpoint's headers here, and each node's probe)."""
+    from ds2cli.cluster import driver
+    source = open_source(path)
+    check_ctx(source.config, ctx)
+    placement = driver.plan(source, ray, None, ctx)[1]
+    return placement.to_json(), driver.describe(source, placement)
+
+
 def budget_size(ctx, param, value):
     if value is None:
         return None

@@ -426,37 +426,9 @@ def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None) -> gramm
     return fmt
 
 
-class Read(dict):
-    """A request's body that records which fields the parsing read: what is left over was
-    ignored, and the handler names it (a warning log line and the X-Ds2-Ignored-Fields header)."""
-
-    def __init__(self, body: dict):
-        super().__init__(body)
-        self.read: set = set()
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key):
-        self.read.add(key)
-        return super().__contains__(key)
-
-    def ignored(self) -> list[str]:
-        return sorted(k for k in self if k not in self.read)
-
-
-# llama-server's fields, read for what they mean here (docs/server.md)
-LLAMA_FIELDS = ("ignore_eos", "n_predict", "cache_prompt")
-
-
 def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> list[Job]:
-    """The request's choices as jobs, in OpenAI's order: index = prompt * n + sample. A `Read`
-    body afterwards knows which of its fields nothing read."""
+    """The request's choices as jobs, in OpenAI's order: index = prompt * n + sample. A body
+    that records what is read (http_io.Read) afterwards knows which of its fields nothing read."""
     _unsupported(body)
     for name in ("cache_prompt", "model", "user", "metadata", "store", "service_tier"):
         body.get(name)          # accepted: ds2 always reuses cached prompts; one model; no store

@@ -10,7 +10,8 @@ import zlib
 from pathlib import Path
 
 from ds2cli.errors import Ds2Error, UnavailableError
-from ds2cli.server.api import ApiError, Read, parse_jobs
+from ds2cli.server.api import ApiError, parse_jobs
+from ds2cli.server.http_io import Read
 from ds2cli.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from ds2cli.server.responses import Response
 from ds2cli.server.tokenizer_endpoints import detokenize_request, tokenize_request, tokenizer_info

@@ -49,6 +49,30 @@ def lone_surrogate(body) -> str | None:
     return None
 
 
+class Read(dict):
+    """A request's body that records which fields the parsing read: what is left over was
+    ignored, and the handler names it (a warning log line and the X-Ds2-Ignored-Fields header)."""
+
+    def __init__(self, body: dict):
+        super().__init__(body)
+        self.read: set = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def ignored(self) -> list[str]:
+        return sorted(k for k in self if k not in self.read)
+
+
 class BodyIO:
     """Reading a request's body and writing its answer (a mixin of the handler)."""
 

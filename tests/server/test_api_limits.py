@@ -74,7 +74,7 @@ def test_tools_beyond_their_count_and_a_name_used_twice_are_refused_before_compi
 
 
 def test_llama_servers_fields_are_read_and_an_unknown_one_is_named(model):
-    from ds2cli.server.api import Read
+    from ds2cli.server.http_io import Read
     body = Read({"prompt": "a", "n_predict": 7, "ignore_eos": True, "cache_prompt": True, "temprature": 0.5})
     jobs, _ = parse(model, body)
     assert jobs[0].max_tokens == 7 and jobs[0].ignore_eos
