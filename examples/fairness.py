@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--long-words", type=int, default=7000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--serve-args", default="", help="more options for ds2 serve, e.g. '--prefill-chunk 128'")
+    ap.add_argument("--no-runner", action="store_true",
+                    help="no stream decoding meanwhile: the long prompts alone, then the short chat")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ds2-fairness-"))
     model = a.model or str(stretched_tiny(tmp))
@@ -110,17 +112,20 @@ def main() -> None:
                 raise SystemExit("the server did not start")
             time.sleep(0.5)
         long_text = " ".join(WORDS[i % len(WORDS)] for i in range(a.long_words))
+        from ds2cli.weights.source import open_model
+        no_eos = {str(e): -100 for e in open_model(model).config.eos_token_ids}   # the runner never stops early
         short = {"messages": [{"role": "user", "content": "What is 451 - 123?"}], "temperature": 0, "max_tokens": 8}
         results = {k: {"ttft": [], "gap": []} for k in (0, 1, 2)}
         for r in range(a.rounds):
             for k in (0, 1, 2):
                 runner, ran = start(post, port, "/v1/completions",
-                                    {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
-                                     })
+                                    {"prompt": "Once upon a time", "max_tokens": 1 if a.no_runner else 400,
+                                     "temperature": 0, "logit_bias": no_eos})
                 time.sleep(1.0)                                   # it decodes before the others come
-                longs = [start(post, port, "/v1/completions", {"prompt": long_text, "max_tokens": 4,
-                                                                "temperature": 0})
-                         for _ in range(k)]
+                # each long prompt new to the server (a prompt it has cached would cost nothing)
+                longs = [start(post, port, "/v1/completions", {"prompt": f"Document {r}.{k}.{j}: {long_text}",
+                                                                "max_tokens": 4, "temperature": 0})
+                         for j in range(k)]
                 time.sleep(0.3)
                 t, s = start(post, port, "/v1/chat/completions", short)
                 t.join()
