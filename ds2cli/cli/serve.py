@@ -125,9 +125,9 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
               help=f"A request body larger than this gets 413, unread (default: {MAX_BODY_BYTES // 2**20} MiB, "
                    f"which holds a prompt as long as V2's whole context).")
 @click.option("--prefill-chunk", default=DEFAULT_PREFILL_CHUNK, type=click.IntRange(min=1), metavar="N",
-              help="Every prompt runs this many tokens a pass, between the other requests' steps: a "
-                   "stream or a new request waits at most one such pass (default: "
-                   f"{DEFAULT_PREFILL_CHUNK}).")
+              help="While other requests decode, a prompt runs this many tokens a pass between their "
+                   "steps (512 with none decoding): a stream or a new request waits at most one such pass "
+                   f"(default: {DEFAULT_PREFILL_CHUNK}).")
 @click.option("--prompt-cache-mb", default=DEFAULT_PROMPT_CACHE_MB, type=click.IntRange(min=0), metavar="MB",
               help="Memory for the latent caches of recent conversations, the running ones included, in MB "
                    f"(10^6 bytes); 0 = no reuse (default: {DEFAULT_PROMPT_CACHE_MB}).")

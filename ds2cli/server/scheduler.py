@@ -12,8 +12,8 @@ What the HTTP layer calls is the whole interface:
 
 The scheduler's thread owns the model. Each pass, every running request whose prompt is done
 adds its next token (or its token and drafts), and one request still reading its prompt adds a
-chunk of it (at most `prefill_chunk` tokens, alone or not, so that no stream or newcomer waits
-longer than one chunk and one step): the prompt with the fewest tokens left, and every fourth
+chunk of it (at most `prefill_chunk` tokens beside decoding streams, ALONE_CHUNK with none, so
+that no stream or newcomer waits longer than one chunk and one step): the prompt with the fewest tokens left, and every fourth
 chunk the one waiting longest. When every slot but one holds a prompt longer than a chunk, the
 last slot is kept for a prompt of one chunk.
 A request's chunks go to its own queue (shared by the choices of one HTTP request: n samples,
@@ -45,7 +45,8 @@ from ds2cli.server.prompt_cache import PromptCache, copy_prefix
 from ds2cli.generation.sampling import make_sampler
 
 DEFAULT_PARALLEL = 4
-DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK = 128
+ALONE_CHUNK = 512          # a prompt's chunk when no stream decodes beside it (run_pass)
 STARVE_EVERY = 4           # every 4th prompt chunk goes to the prompt waiting longest (plan)
 BACKLOG = 256              # chunks a request may have waiting for its client before it sits out
 
@@ -338,8 +339,11 @@ class Scheduler:
         return decoding + [chosen]
 
     def run_pass(self, plan: list[Request]) -> None:
-        # every prompt runs in chunks, alone or not: whatever arrives waits at most one chunk
-        steps = [r.gen.step(self.prefill_chunk if r.gen.pending else None) for r in plan]
+        # every prompt runs in chunks, alone or not: whatever arrives waits at most one chunk.
+        # With no stream waiting on it, a chunk may be ALONE_CHUNK: a prompt read alone keeps
+        # its single-pass speed (docs/performance.md), and a newcomer still waits one chunk only
+        chunk = self.prefill_chunk if len(plan) > 1 else max(self.prefill_chunk, ALONE_CHUNK)
+        steps = [r.gen.step(chunk if r.gen.pending else None) for r in plan]
         try:
             with np.errstate(all="ignore"):  # non-finite logits are reported as GenerationError
                 logits = self.model.forward_batch(steps)
