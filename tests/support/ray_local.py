@@ -72,9 +72,13 @@ class Cluster:
         return self.run([sys.executable, "-m", "ds2cli", *args], env=env, timeout=timeout, **kw)
 
     def start_head(self) -> None:
+        # a node that stops answering is declared dead after 1 s x 3 here (Ray's default is
+        # 3 s x 5): the tests that kill a node wait for that before the next test places layers
+        head_env = {**self.env, "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+                    "RAY_health_check_timeout_ms": "1000"}
         self.own.append(self.popen([str(BIN / "ray"), "start", "--head", "--port", str(PORT), "--num-cpus", "1",
                                     "--include-dashboard=false", "--disable-usage-stats", "--block",
-                                    "--temp-dir", str(self.tmp / "ray")],
+                                    "--temp-dir", str(self.tmp / "ray")], env=head_env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 60
         while self.run([sys.executable, "-c", COUNT, ADDRESS]).returncode != 0:
