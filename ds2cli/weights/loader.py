@@ -271,8 +271,11 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     if stored is not None:
         weights = qcheckpoint.load_weights(cfg, stored, tensors, progress, layers)
         if plan is not None:
-            cache = streaming.streamed_weights(weights, cfg, stored, tensors, plan["slots"])
-            executor = executor or streaming.StreamingExecutor(cache)
+            if executor is not None:
+                raise ConfigError("memory_budget streams experts through weights.streaming.StreamingExecutor: "
+                                  "give no executor with it")
+            executor = streaming.StreamingExecutor(streaming.streamed_weights(weights, cfg, stored, tensors,
+                                                                              plan["slots"]))
     else:
         qc = recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None)
         weights = load_weights(model_dir, cfg, progress, qc, tensors, layers)
