@@ -32,7 +32,7 @@ import weakref
 import numpy as np
 
 import ds2cli
-from ds2cli.cluster.placement import Node, Placement, PlacementError
+from ds2cli.cluster.placement import Node, Placement
 from ds2cli.errors import Ds2Error, UnavailableError
 from ds2cli.model.cache import LatentCache
 from ds2cli.model.executor import Executor

@@ -9,9 +9,7 @@ import json
 import struct
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np

@@ -5,7 +5,6 @@ shows (the placement's lines, in the page's form)."""
 
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
