@@ -81,10 +81,12 @@ def violations() -> list[str]:
     return sorted(set(bad))
 
 
+@pytest.mark.slow
 def test_imports_run_downward():
     assert violations() == []
 
 
+@pytest.mark.slow
 def test_the_math_knows_no_formats_or_processes():
     """model/ imports nothing above the base modules: no execution (parallel), no formats, files
     or text; and asks for no module by name at run time (importlib, __import__), so no alias

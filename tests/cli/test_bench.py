@@ -63,6 +63,7 @@ def numbers(x):
     return [x] if isinstance(x, (int, float)) and not isinstance(x, bool) else []
 
 
+@pytest.mark.slow
 def test_every_figure_is_there_positive_and_finite(report):
     assert report["settings"] == {"repeats": 1, "prompt_lengths": [4, 16], "contexts": [16, 64],
                                   "decode_steps": 2, "passes": [2, 4]}
@@ -195,6 +196,7 @@ def test_default_counts_are_cut_to_the_positions_the_model_holds(monkeypatch):
     assert isinstance(result.exception, BenchError) and "--contexts 4096" in str(result.exception)
 
 
+@pytest.mark.slow
 def test_piped_table_keeps_every_row_on_one_line(monkeypatch):
     """Piped, rich would wrap at 80 columns and split cells over lines: every row's cells stand
     on one line of the output, in order."""

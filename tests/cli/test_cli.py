@@ -24,6 +24,7 @@ def run(*args, input=None):
     return CliRunner().invoke(main, list(args), input=input)
 
 
+@pytest.mark.slow
 def test_chat_scripted_greedy_answers_and_prefills_only_new_tokens():
     script = "What is 17 + 25?\nCount from 4 to 8.\nWho are you?\n/exit\n"
     r = run("chat", "--temperature", "0", "--stats", input=script)
@@ -50,6 +51,7 @@ def test_chat_scripted_greedy_answers_and_prefills_only_new_tokens():
         assert cached[i] == cached[i - 1] + prefilled[i] + int(stats[i].group(2)) - 1
 
 
+@pytest.mark.slow
 def test_chat_commands_save_clear_and_load(tmp_path):
     saved = tmp_path / "conv.json"
     r = run("chat", "--temperature", "0", "--system", "Be brief.",
@@ -65,6 +67,7 @@ def test_chat_commands_save_clear_and_load(tmp_path):
     assert r.exit_code == 0 and r.stdout.splitlines() == ["30 + 12 = 42."]
 
 
+@pytest.mark.slow
 def test_chat_drops_oldest_turns_when_the_context_is_full():
     questions = [f"What is {a} + {b}?" for a, b in [(11, 22), (33, 44), (15, 16), (21, 30)]]
     r = run("chat", "--temperature", "0", "--ctx", "64", "-n", "16", "--system", "Hi.",
@@ -85,6 +88,7 @@ def test_generate_json_fields():
     assert all(v > 0 for v in out["timings"].values())
 
 
+@pytest.mark.slow
 def test_generate_length_and_stop():
     r = run("generate", "ROMEO:\n", "--temperature", "0", "-n", "5", "--json")
     out = json.loads(r.stdout)
@@ -193,6 +197,7 @@ def test_prompt_option_and_temp_alias():
     assert r.exit_code == 2 and "not both" in r.stderr
 
 
+@pytest.mark.slow
 def test_ignore_eos_generates_to_the_limit():
     r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--json")
     assert json.loads(r.stdout)["finish_reason"] == "eos"
@@ -253,6 +258,7 @@ def test_threads_limits_blas_while_generating(monkeypatch):
     assert [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"] == before
 
 
+@pytest.mark.slow
 def test_stop_understands_escapes():
     from ds2cli.cli.options import unescape
     assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb\\n") == "a\tb\\n"

@@ -25,6 +25,7 @@ def test_generate_takes_llama_cli_and_mlx_lm_spellings(alias, name, value):
     assert run(*args, alias, value) == run(*args, name, value)
 
 
+@pytest.mark.slow
 def test_a_prompt_file_by_its_llama_cli_names(tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("What is 2 + 2?")

@@ -198,6 +198,7 @@ def test_tokenizer_section(reports):
     assert t["generation_eos_token_ids"] == [1] and t["config_eos_token_ids"] == [1]
 
 
+@pytest.mark.slow
 def test_published_deepseek_sizes():
     """The counting convention reproduces DeepSeek's own figures: V2 236B total / 21B active,
     V2-Lite 15.7B / 2.4B (from the public configs, on headers synthesised from expected shapes)."""
@@ -534,6 +535,7 @@ BROKEN = {  # how a copy of ds2-tiny is broken, and the one problem inspect list
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BROKEN)
 def test_inspect_reports_a_broken_checkpoint(tmp_path, name):
     """The report is printed whole, with the defect as its one problem (not one per tensor of an
@@ -635,6 +637,7 @@ def test_low_bit_storage_counts_weights_not_bytes(quantized, bits):
     assert r["params_by_category"] == describe(TINY)["params_by_category"] and r["problems"] == []
 
 
+@pytest.mark.slow
 def test_low_bit_storage_table(quantized):
     out = io.StringIO()
     render(describe(quantized[4]), Console(file=out, width=80))

@@ -107,6 +107,7 @@ def test_hostile_files_are_one_error_and_stay_as_they_were(model, tmp_path, spoi
     assert path.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_file_of_another_model_is_refused(model, tmp_path):
     other = ds2cli.load(LONG)
     ids = list(range(3, 20))

@@ -32,6 +32,7 @@ def run(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
     return "".join(out) + matcher.flush(), False
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet="abc\n", max_size=60), stops=st.lists(st.text(alphabet="abc\n", max_size=5), max_size=4),
        cuts=st.lists(st.integers(0, 60), max_size=10))

@@ -350,6 +350,7 @@ def test_inspect_counts_mtp_apart_and_reports_fp8():
     assert r["moe"]["router"].startswith("sigmoid, noaux_tc")
 
 
+@pytest.mark.slow
 def test_inspect_renders_v3_sections():
     result = cli("inspect", REFERENCE / FP8_CASE)
     assert result.exit_code == 0, result.output
@@ -407,6 +408,7 @@ def test_v2_config_ignores_v3_only_fields():
     assert DeepseekV2Config.from_dict(raw) == before
 
 
+@pytest.mark.slow
 def test_rope_interleave_false_reads_rows_in_rotate_half_order(v3_copy):
     """The same model stored with its rope rows already de-interleaved, and rope_interleave
     false, gives the reference logits."""

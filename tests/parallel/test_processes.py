@@ -86,6 +86,7 @@ def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
     np.testing.assert_array_equal(with_helpers, with_threads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_few_token_pass_with_helpers_is_the_same_pass(monkeypatch, bits):
     """A pass of a few tokens splits each product's rows with the helpers; without them the
@@ -148,6 +149,7 @@ def test_an_interrupted_step_leaves_no_stale_rows():
     np.testing.assert_array_equal(y, expected)
 
 
+@pytest.mark.slow
 def test_q_and_its_w_uk_go_to_the_helpers_as_one_product():
     """absorbed.AbsorbedQuery in a plan: a helper rebuilds it from the two matrices' keys, takes
     units of whole heads, and its rows are the bits this process's own spans give."""
@@ -315,6 +317,7 @@ def test_loading_another_model_replaces_the_helpers():
     decode(second, [0, 74], steps=2)
 
 
+@pytest.mark.slow
 def test_a_model_loaded_on_a_thread_that_ends_keeps_its_helpers():
     import threading
     loaded = {}

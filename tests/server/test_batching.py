@@ -69,6 +69,7 @@ def test_a_batched_pass_returns_what_each_step_asks_for(tiny):
         tiny.forward_batch([Step(ids, a), Step(ids, a)])
 
 
+@pytest.mark.slow
 def test_low_bit_rows_in_a_batch_match_each_sequence_alone(tiny):
     """The few-token kernel over stacked rows of different sequences: each sequence's logits as
     when it runs alone (q4: the format whose kernel differs most between one row and several),
@@ -116,6 +117,7 @@ def test_greedy_streams_served_together_are_the_streams_served_alone(tiny):
     assert passes < tokens          # passes were shared: fewer of them than tokens generated
 
 
+@pytest.mark.slow
 def test_n_samples_share_the_prompt_and_a_prompt_list_answers_in_order(tiny):
     with running(tiny, api_key=None, parallel=4) as (port, _, _):
         body = {"prompt": ["ROMEO:\n", "JULIET:\n"], "n": 2, "max_tokens": 12, "temperature": 0}
@@ -172,6 +174,7 @@ def test_a_new_prompt_is_read_in_chunks_while_others_decode(tiny, monkeypatch):
     assert sum(p[1] for p in shared if p[1] > 1) + sum(1 for p in shared if p[1] == 1) >= n - 16
 
 
+@pytest.mark.slow
 def test_a_client_that_hangs_up_or_reads_nothing_does_not_hold_up_the_others(tiny):
     with running(tiny, api_key=None, parallel=2) as (port, state, lines):
         with holding(state.scheduler):             # a client that reads nothing: it sits out passes
@@ -220,6 +223,7 @@ def test_a_request_whose_logits_go_bad_fails_alone(tiny, monkeypatch):
     assert answer == "451 - 123 = 328."
 
 
+@pytest.mark.slow
 def test_twenty_clients_at_once_get_answers_or_503s(tiny):
     with running(tiny, api_key=None, parallel=3, max_queue=4) as (port, state, _):
         with ThreadPoolExecutor(20) as pool:
@@ -233,6 +237,7 @@ def test_twenty_clients_at_once_get_answers_or_503s(tiny):
         assert state.scheduler.running() == 0 and state.scheduler.waiting() == 0
 
 
+@pytest.mark.slow
 def test_stopping_lets_every_running_request_finish(tiny):
     from ds2cli.cli import serve as serve_module
     from test_serve import make_server

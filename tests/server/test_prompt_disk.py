@@ -65,6 +65,7 @@ def test_the_directory_stays_within_its_budget_oldest_first(model, tmp_path):
     assert [int(ids[0]) for ids in disk.index.values()] == [102, 103]      # the newest kept
 
 
+@pytest.mark.slow
 def test_files_of_another_model_are_left_alone(model, tmp_path):
     other = ds2cli.load(quantize=8)              # same checkpoint, another form: another fingerprint
     ids = list(range(5, 25))

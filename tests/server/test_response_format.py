@@ -48,6 +48,7 @@ def test_json_schema_replies_validate(client, schema):
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
+@pytest.mark.slow
 def test_json_object_streamed_and_completions(client):
     stream = client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "JSON?"}],
                                             seed=5, stream=True, response_format={"type": "json_object"})

@@ -118,6 +118,7 @@ def test_every_prompt_runs_in_chunks_and_the_shortest_goes_first(model, monkeypa
     scheduler.close()
 
 
+@pytest.mark.slow
 def test_the_last_slot_is_kept_for_a_short_prompt(model):
     scheduler = Scheduler(model, 1024, 64 << 20, max_queue=4, parallel=2, prefill_chunk=24)
     long_ids = model.tokenizer.encode("The history of the city begins " * 30)[:120]
@@ -139,6 +140,7 @@ def test_the_last_slot_is_kept_for_a_short_prompt(model):
     assert short in scheduler.batch and b in scheduler.waiting_line
 
 
+@pytest.mark.slow
 def test_ignore_eos_runs_to_max_tokens(model):
     scheduler = Scheduler(model, 256, 64 << 20, max_queue=4)
     with scheduler.admit([job(model, max_tokens=40, ignore_eos=True)], lambda: False) as admitted:

@@ -118,6 +118,7 @@ def request(port, method, path, body=None, headers=None, raw=None):
 
 
 # ---- the API, through the openai client ----
+@pytest.mark.slow
 @pytest.mark.parametrize("question", ["What is 451 - 123?", "Count from 3 to 9."])
 def test_chat_greedy_equals_generate_chat(server, question):
     port, _, _ = server
@@ -164,6 +165,7 @@ def test_chat_stream_equals_whole_answer_with_usage(server):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
 
 
+@pytest.mark.slow
 def test_completion_stream_and_stop_strings(server):
     port, _, _ = server
     expected = cli_json(ROMEO, "-n", "60", "--stop", "ULYSSES")
@@ -174,6 +176,7 @@ def test_completion_stream_and_stop_strings(server):
     assert all(c.usage is None for c in chunks)     # no include_usage: no usage chunk
 
 
+@pytest.mark.slow
 def test_follow_up_turn_reuses_the_cached_prefix_and_matches_a_fresh_prefill(server, model):
     port, _, _ = server
     c = client(port)
@@ -335,6 +338,7 @@ def test_serve_options_are_usage_errors_before_any_weight_loads(no_loading, args
     assert r.stdout == ""
 
 
+@pytest.mark.slow
 def test_serve_options_reach_the_server(monkeypatch, tmp_path):
     """--alias, --system, --chat-template and --threads, through the command (serving stubbed)."""
     template = tmp_path / "template.jinja"
@@ -493,6 +497,7 @@ def sse(port, body, path="/v1/completions"):
 
 
 # ---- queueing, disconnects ----
+@pytest.mark.slow
 def test_requests_queue_in_order_and_beyond_the_queue_get_503(model):
     with running(model, max_queue=1) as (port, state, lines):
         results = []
@@ -629,6 +634,7 @@ def test_a_second_sigint_after_the_last_request_still_exits_0():
     assert "stopped" in log and "Traceback" not in log
 
 
+@pytest.mark.slow
 def test_stopping_answers_503_until_the_running_request_ends_then_closes(model):
     server, state, lines = make_server(model, api_key=None)
     port, stop = server.server_address[1], threading.Event()

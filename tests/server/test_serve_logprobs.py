@@ -71,6 +71,7 @@ def test_score_prompt_in_chunks_equals_one_forward_pass(model):
             assert e.token == ids[i + 1] and abs(e.logprob - ref[i, ids[i + 1]]) < TOL
 
 
+@pytest.mark.slow
 def test_each_generated_token_gets_its_entry_once_in_order_through_stop_strings(model):
     """Stop strings hold text back, eos is not part of the reply: the entries still follow the
     generated tokens one for one, and each one's logprob is its row's."""
@@ -123,6 +124,7 @@ def _partial(piece: bytes) -> bool:
 
 
 # ---- chat ----
+@pytest.mark.slow
 def test_chat_logprobs_are_the_model_s_own_whole_and_streamed(server, model):
     port, _, _ = server
     c = client(port)

@@ -70,6 +70,7 @@ def test_required_gives_valid_calls(client):
     assert len(choice.message.tool_calls) == 1
 
 
+@pytest.mark.slow
 def test_named_call_streamed(client):
     stream = client.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS, seed=4, stream=True,
                                             tool_choice={"type": "function", "function": {"name": "get_time"}})

@@ -114,6 +114,7 @@ def test_full_vocabulary_encodes_to_tiktokens_ids(full_vocab):
     assert tok.encode(text, add_special_tokens=False) != enc.encode_ordinary(text)
 
 
+@pytest.mark.slow
 def test_the_corpus_tells_moonshots_pattern_from_others(full_vocab):
     """The id check has power: the same ranks split with cl100k's pattern, or with the Han
     exclusion (`&&[^\\p{Han}]`) dropped as an engine without class intersection would, differ."""
@@ -304,6 +305,7 @@ def test_a_tokenizer_json_beside_tiktoken_model_is_what_loads(moonlight_checkpoi
     assert tok.vocab_size == 4096 and tok.encode("<|im_end|>", add_special_tokens=False) != [3842]
 
 
+@pytest.mark.slow
 def test_streaming_the_converted_tokenizer_never_splits_a_character(full_vocab):
     tok = Tokenizer.load(full_vocab)
     text = "月之暗面 🚀👨‍👩‍👧 café<|im_end|>ok"

@@ -314,6 +314,7 @@ def test_template_syntax_error_names_the_line(tmp_path):
     raises_one_line("^chat template line 3: ", Tokenizer.load, model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template, messages, match", [
     ("{{ bos_token }}\n{% if messages[0]['role'] != 'user' %}\n{{ raise_exception('Must start with\\nuser') }}"
      "\n{% endif %}", [{"role": "system", "content": "x"}], "^chat template line 3: Must start with user$"),
@@ -326,6 +327,7 @@ def test_template_runtime_error_names_the_line(tmp_path, template, messages, mat
     raises_one_line(match, tok.render_chat, messages)
 
 
+@pytest.mark.slow
 def test_tojson_keeps_unicode_and_html(tmp_path):
     template = "{{ messages[0] | tojson }}"
     tok = Tokenizer.load(make_model_dir(tmp_path, V2_DIR, v2_config(chat_template=template)))

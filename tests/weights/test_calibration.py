@@ -143,6 +143,7 @@ def test_bad_calibration_text_is_one_error_line_and_nothing_is_written(tmp_path,
     assert "Traceback" not in r.output and not dst.exists()
 
 
+@pytest.mark.slow
 def test_a_missing_text_or_an_already_quantized_source_is_an_error(tmp_path, calibrated):
     r = CliRunner().invoke(main, ["quantize", str(TINY), str(tmp_path / "a"), "--bits", "8",
                                   "--calibration", str(tmp_path / "nope.txt")])

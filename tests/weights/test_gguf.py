@@ -301,6 +301,7 @@ def test_wrong_magic_is_not_taken_for_a_gguf(small_gguf):
     assert_one_error_line(run("generate", "-m", small_gguf, "hi"), "not a GGUF file", "magic")
 
 
+@pytest.mark.slow
 def test_unknown_tensor_type_names_the_tensor(small_gguf):
     reader = gguf.GGUFReader(small_gguf, "r+")
     t = next(t for t in reader.tensors if t.name == "blk.0.attn_output.weight")
@@ -310,6 +311,7 @@ def test_unknown_tensor_type_names_the_tensor(small_gguf):
     assert_one_error_line(run("generate", "-m", small_gguf, "hi"), "blk.0.attn_output.weight", "type 99")
 
 
+@pytest.mark.slow
 def test_a_type_ds2_does_not_read_is_named(tmp_path):
     src = REFERENCE / "plain_rope_tied_fp16"
     w = gguf.GGUFWriter(tmp_path / "m.gguf", "deepseek2")
@@ -336,6 +338,7 @@ def test_missing_tensor_is_named_and_inspect_lists_it(tmp_path):
     assert r.exit_code == 1 and "missing tensor blk.1.attn_output.weight" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key, value, words", [
     ("deepseek2.expert_feed_forward_length", 32, ("blk.2.ffn_up_exps.weight", "per expert")),
     ("deepseek2.vocab_size", 4000, ("4000 tokens", "4096 rows")),
@@ -361,6 +364,7 @@ def test_an_older_file_without_the_keys_llama_cpp_defaults_loads(tmp_path):
     assert model.config.scoring_func == "softmax" and np.abs(got - ref).max() <= TOL
 
 
+@pytest.mark.slow
 def test_a_required_key_missing_is_named(small_gguf):
     rename_field(small_gguf, "deepseek2.attention.kv_lora_rank", "deepseek2.attention.kv_lora_ranX")
     assert_one_error_line(run("generate", "-m", small_gguf, "hi"), "deepseek2.attention.kv_lora_rank is missing")

@@ -106,6 +106,7 @@ def meta(**kv):
     return add
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metadata, message", [
     (meta(**{"deepseek2.expert_count": ("uint32", 10 ** 9)}), "expert_count is 1000000000"),
     (meta(**{"deepseek2.attention.head_count": ("uint32", 0)}), "head_count is 0"),

@@ -163,6 +163,7 @@ def test_a_snapshot_huggingface_hub_hands_back_without_shards_is_one_error_line(
                         f"a local directory\n")
 
 
+@pytest.mark.slow
 def test_the_memory_check_names_a_hub_model_by_its_id(hf_env, tmp_path):
     """The memory check's error names the id, not the snapshot's commit, and suggests a quantize
     command with the id as SRC, which runs; a revision other than main is named by its commit."""

@@ -19,6 +19,7 @@ def q4(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_form_of_a_float_and_of_a_low_bit_checkpoint(q4):
     tiny = open_model(bundled_model_dir())
     assert load_form(tiny, None) == (None, None) and formats_of(tiny, None, None) is None

@@ -153,6 +153,7 @@ def quantized(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_quantized_checkpoint_is_self_describing(quantized):
     for bits, path in quantized.items():
         config = json.loads((path / "config.json").read_text())

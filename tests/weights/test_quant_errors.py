@@ -65,6 +65,7 @@ def edit_config(model_dir, change):
 SCALES = "model.layers.2.mlp.experts_down.scales"
 
 
+@pytest.mark.slow
 def test_missing_scale_tensor(q4_copy):
     rewrite_shard(q4_copy, SCALES, lambda a: a.pop(SCALES))
     line = one_error_line(run("generate", "-m", q4_copy, "hi", "-n", "2"))
@@ -111,6 +112,7 @@ def test_quantization_config_that_disagrees_with_the_tensors(q4_copy):
 
 # ---- ds2 quantize ----
 
+@pytest.mark.slow
 def test_quantize_refuses_a_non_empty_destination_without_force(tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()

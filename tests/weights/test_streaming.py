@@ -56,6 +56,7 @@ def test_two_experts_a_layer_give_the_same_logits(q8):
     m.executor.stop()
 
 
+@pytest.mark.slow
 def test_the_budget_holds_the_resident_part_and_the_slots(q8):
     model = ds2cli.load(q8)
     budget = budget_for(q8, 5)
