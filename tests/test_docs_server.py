@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 from test_docs import ROOT, blocks, commands, json_mismatch, loads_abridged, text_matches
 
-pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
 PAGE = ROOT / "docs" / "server.md"
 MARK = "test_docs_server.py"

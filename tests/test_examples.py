@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 import pytest
 
-pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 

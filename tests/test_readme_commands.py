@@ -51,7 +51,7 @@ from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights import checkpoint, loader, qcheckpoint, quantize
 from ds2cli.weights.memory import gb
 
-pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

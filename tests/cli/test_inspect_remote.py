@@ -19,7 +19,7 @@ from support.fake_hub import COMMIT, FakeHub, header_length
 from ds2cli.cli.main import main
 from ds2cli.weights.source import bundled_model_dir
 
-pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
 REPO = "org/tiny"
 TINY = bundled_model_dir()

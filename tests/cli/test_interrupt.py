@@ -13,7 +13,7 @@ import ds2cli
 from ds2cli.weights.source import bundled_model_dir
 from ds2cli.wording import human_bytes
 
-pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
 # Runs `ds2 ARGS...` as the console script does, with SIGINT sent when module WHEN is first
 # imported (a meta-path finder sees the import before the module exists), or when the dotted

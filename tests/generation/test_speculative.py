@@ -14,7 +14,7 @@ from ds2cli.generation.draft import DraftLength, PromptLookup
 from ds2cli.generation.generate import stream_generate
 from ds2cli.generation.sampling import SamplingParams, TokenSampler, make_sampler
 
-pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
 REFERENCE = Path(__file__).parents[1] / "data" / "reference"
 TOL = 1e-3      # the engine's agreement with the reference logits (tests/model/test_parity.py)

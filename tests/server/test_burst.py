@@ -10,7 +10,7 @@ import threading
 from test_serve import KEY, ROMEO, serve_process
 import pytest
 
-pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
 CLIENTS = 50
 QUEUE, PARALLEL = 4, 1          # `ds2 serve --queue 4 --parallel 1`: 5 held at once, 45 beyond

@@ -16,7 +16,7 @@ from ds2cli.weights.formats import FORMATS, QuantMatrix
 from ds2cli.weights.formats.base import row_block
 from ds2cli.weights.quantize import quantize_checkpoint
 
-pytestmark = pytest.mark.slow      # over a few seconds: left out of `pytest -m "not slow"`
+pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
 
 class U8(QuantMatrix):
