@@ -102,7 +102,7 @@ def plan(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nod
         return n.available if n.available is not None else 1 << 62   # unknown: not limited by ds2
 
     # the bytes a layer costs where it lives (its weights and its part of the cache), for shares
-    each = [need(range(i, i + 1))["weights"] + need(range(i, i + 1))["cache"] for i in range(L)]
+    each = [n["weights"] + n["cache"] for n in (need(range(i, i + 1)) for i in range(L))]
     total_offered = sum(min(offered(n), 1 << 50) for n in nodes)
     stages, idle, at = [], [], 0
     for j, n in enumerate(nodes):

@@ -176,9 +176,10 @@ class Model:
         if layers.start == 0:
             x = self.embed_tokens.rows(p.tokens)                             # (N, D)
         cos, sin = rope.cos_sin(p.positions, self.inv_freq, self.rope_scale)  # (N, R/2) each
+        rows = p.rows                                                        # each sequence's rows
         for i in layers:
             layer = self.layers[i]
-            spans = [Span(r, *c.layer(i), start) for r, c, start in zip(p.rows, p.caches, p.starts)]
+            spans = [Span(r, *c.layer(i), start) for r, c, start in zip(rows, p.caches, p.starts)]
             x = x + mla(ex, rms_norm(x, layer.input_layernorm, eps), layer.self_attn, spans, cos, sin, eps,
                         self.softmax_scale)
             h = rms_norm(x, layer.post_attention_layernorm, eps)
@@ -187,10 +188,11 @@ class Model:
             ex.after_layer(i, x)
         if layers.stop < cfg.num_hidden_layers:
             return x
-        if len(p.picked) == 0:
+        picked = p.picked
+        if len(picked) == 0:
             return None
         # the head runs only on the rows whose logits are wanted
-        logits, = ex.matmul_all([(self.lm_head, rms_norm(x[p.picked], self.norm, eps))])   # (M, V)
+        logits, = ex.matmul_all([(self.lm_head, rms_norm(x[picked], self.norm, eps))])   # (M, V)
         return logits
 
 

@@ -121,10 +121,10 @@ class Endpoints:
         with scheduler.admit(jobs, self.client_gone) as admitted:
             response.outcomes = admitted.outcomes
             lasts = (self.stream if jobs[0].stream else self.collect)(response, admitted.chunks)
-        cached = {j.index: admitted.outcomes[j.index].cached if j.sample == 0 else 0 for j in jobs}
+        found = {j.index: admitted.outcomes[j.index].cached if j.sample == 0 else 0 for j in jobs}
         for job in jobs:
-            state.metrics.generation(len(job.ids) if job.sample == 0 else 0, cached[job.index], lasts[job.index])
-        cached = sum(cached.values())
+            state.metrics.generation(len(job.ids) if job.sample == 0 else 0, found[job.index], lasts[job.index])
+        cached = sum(found.values())
         generated = sum(last.generated_tokens for last in lasts.values())
         rate = max(last.decode_tok_per_s for last in lasts.values())
         reasons = sorted({last.finish_reason for last in lasts.values()})

@@ -286,8 +286,7 @@ class StreamingExecutor(CoreExecutor):
         """Until the reader has read every queued expert of layers up to `layer` (None: all);
         then raise what it met, if it failed."""
         def pending() -> bool:
-            todo = list(self.queue) + ([self.busy] if self.busy else [])
-            return any(layer is None or item[0] <= layer for item in todo)
+            return any(layer is None or item[0] <= layer for item in self.todo())
         with self.cond:
             while self.failed is None and pending():
                 self.cond.wait()
@@ -330,12 +329,16 @@ class StreamingExecutor(CoreExecutor):
             outs += ffn(self, [(shared, w.shared_gate_up, w.shared_down)])
         return outs
 
+    def todo(self) -> list[tuple]:
+        """The reader's (layer, experts) still to read, the one it reads now first. Under `cond`."""
+        return ([self.busy] if self.busy else []) + list(self.queue)
+
     def coming(self, layer: int, experts: list[int]) -> bool:
         """Whether the reader has any of `experts` of `layer` still to read."""
         with self.cond:
             if self.failed is not None:
                 return False
-            todo = list(self.queue) + ([self.busy] if self.busy else [])
+            todo = self.todo()
         wanted = set(experts)
         return any(l == layer and wanted & set(es) for l, es in todo)
 
