@@ -21,6 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from ds2cli.model.linear import FEW_TOKENS, Rows
+from ds2cli.parallel.load import Load
 
 # A pass of at most FEW_TOKENS tokens (a decode step, a verification pass, a short prompt) splits
 # each low-bit product's rows across the cores, helper processes included; a longer pass shares
@@ -39,6 +40,9 @@ class Workers:
     def __init__(self, n: int | None = None):
         self.n = n or max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                  else (os.cpu_count() or 1), 8))
+        self.using = self.n              # the cores this pass uses: n, or fewer while other programs
+                                         # keep some busy (load.py, read as each forward pass starts)
+        self.load = Load()
         self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
         self.local = threading.local()   # .inside: this thread already runs one of several parts
         self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (forward_pass)
@@ -55,11 +59,11 @@ class Workers:
     @property
     def parts(self) -> int:
         """How many parts to split work into here: one inside a part (which runs on its core
-        alone, so more parts would only add calls), else one a core."""
-        return 1 if self.inside else self.n
+        alone, so more parts would only add calls), else one a core this pass uses."""
+        return 1 if self.inside else min(self.n, self.using)
 
     def run(self, fn, spans: list[tuple[int, int]]) -> None:
-        """fn(start, stop) over each span, the first on this thread, the rest on the pool.
+        """fn(start, stop) over each span, shared between this thread and the pool (`share`).
 
         While the spans run, BLAS is held to one thread: each span already has a core, and
         OpenBLAS's own threads would fight over the same cores (docs/performance.md, "Why the
@@ -69,10 +73,44 @@ class Workers:
                 fn(*span)
             return
         with contextlib.nullcontext() if self.held else blas_threads(1):   # held: already one
-            futures = [self.pool.submit(self.part, fn, *span) for span in spans[1:]]
-            self.part(fn, *spans[0])
-            for future in futures:
-                future.result()
+            self.share(lambda k: fn(*spans[k]), len(spans), len(spans))
+
+    def share(self, fn, count: int, lanes: int) -> None:
+        """fn(k) for k in range(count), each k run once by whichever of this thread and up to
+        lanes - 1 pool threads is free first. This thread waits only for the k's another thread
+        has started: a pool thread that the kernel schedules late (another program has its
+        core) finds every k taken and returns, so its work is never waited for. The first
+        exception stops the taking (Ctrl-C) and is raised here once the started k's are done."""
+        lock = threading.Condition()
+        state = {"next": 0, "running": 0, "error": None}
+
+        def lane() -> None:
+            while True:
+                with lock:
+                    if state["next"] >= count or state["error"] is not None:
+                        return
+                    k = state["next"]
+                    state["next"] += 1
+                    state["running"] += 1
+                error = None
+                try:
+                    fn(k)
+                except BaseException as e:   # noqa: BLE001 - handed to the calling thread
+                    error = e
+                with lock:
+                    state["running"] -= 1
+                    if error is not None and state["error"] is None:
+                        state["error"] = error
+                    lock.notify_all()
+
+        for _ in range(min(lanes, count) - 1):
+            self.pool.submit(self.part, lane)
+        self.part(lane)
+        with lock:
+            while state["running"]:
+                lock.wait()
+        if state["error"] is not None:
+            raise state["error"]
 
     def split(self, product: Rows) -> None:
         """Compute a product's rows, a share a core: with the helper processes in a pass of few
@@ -116,37 +154,28 @@ class Workers:
 
     @property
     def lanes(self) -> int:
-        """How many items `map` runs at once here: one a core in a low-bit forward pass, else 1
-        (in a pass of few tokens with helper processes, each product is split across them instead)."""
+        """How many items `map` runs at once here: one a core this pass uses in a low-bit forward
+        pass, else 1 (in a pass of few tokens with helper processes, each product is split
+        across them instead)."""
         if self.pool is None or not self.held or self.inside or (self.few and self.helpers_running()):
             return 1
-        return self.n
+        return min(self.n, self.using)
 
     def map(self, fn, items) -> list:
         """[fn(item) for item in items], the items shared across the cores while a low-bit
         forward pass holds BLAS at one thread: each core takes the next item when it is free
-        and runs it with kernels on that core alone. In order, on this thread, otherwise, and in
-        a pass of few tokens that has helper processes, whose products are each split across the
-        processes instead (a decode step's six experts are too small to share out whole)."""
+        and runs it with kernels on that core alone (`share`). In order, on this thread,
+        otherwise, and in a pass of few tokens that has helper processes, whose products are
+        each split across the processes instead (a decode step's six experts are too small to
+        share out whole)."""
         items = list(items)
         if self.lanes < 2 or len(items) < 2:
             return [fn(item) for item in items]
         out = [None] * len(items)
-        turns = iter(range(len(items)))     # next() on a range iterator is atomic under the GIL
 
-        def lane() -> None:
-            try:
-                for k in turns:
-                    out[k] = fn(items[k])
-            except BaseException:
-                for _ in turns:     # the other cores stop after their current item (Ctrl-C)
-                    pass
-                raise
-
-        futures = [self.pool.submit(self.part, lane) for _ in range(min(self.lanes, len(items)) - 1)]
-        self.part(lane)
-        for future in futures:
-            future.result()
+        def one(k: int) -> None:
+            out[k] = fn(items[k])
+        self.share(one, len(items), self.lanes)
         return out
 
 
@@ -180,6 +209,7 @@ def forward_pass(low_bit: bool, tokens: int):
         return
     few = tokens <= FEW_TOKENS
     pool.helpers_on = pool.helpers is not None and pool.helpers.wanted()
+    pool.using = pool.load.free(pool.n, pool.helpers.pids() if pool.helpers is not None else ())
     with blas_threads(1):
         pool.held += 1
         pool.few += few
@@ -260,7 +290,7 @@ def split_keys(S: int, tokens: int) -> list[slice]:
     """[0, S) cached positions as consecutive slices for `spread`: one a core when a pass of few
     tokens attends to a long cache (its products are split across the cores already, and its
     attention, a stream over the whole latent, would otherwise run on one), else the whole."""
-    parts = workers().n if tokens <= FEW_TOKENS and S >= SHARED_KEYS and not workers().inside else 1
+    parts = workers().parts if tokens <= FEW_TOKENS and S >= SHARED_KEYS and not workers().inside else 1
     return [slice(a, b) for a, b in split_rows(S, parts, 1)]
 
 

@@ -9,17 +9,23 @@ files and copy-on-write pages are shared with it, never copied.
 
 The protocol: this process sends the helpers a *plan*, one or more products at once (the
 products that `cores.together` gathered: a layer's experts, or q and kv beside each other). It
-writes each product's x (k, in) into every helper's shared memory, with the plan's tables beside
-them: one row a product (matrix key, expert, a stack of heads after it, in, out, k, where x is,
-where y goes) and one row a *unit* of work (a product's rows a..b). Then it puts one token a
-unit into a pipe that every process reads (the claims pipe) and sends each helper one small
-PLAN message. From then on every
-process, this one included, takes the next token, runs that unit's rows and takes another, until
-the pipe is empty: a pipe hands each token to exactly one reader, so the units are shared out as
-each process is free, and a core that another program slows down simply takes fewer of them. A
-helper writes its units' rows into its y's in the shared memory, lists them, and answers DONE;
-this process then copies those rows into place. One message and one wait a plan, not one a
-product; and the wait is for the last unit, not for a share fixed beforehand.
+writes each product's x (k, in) into the shared memory of every helper that is idle, with the
+plan's tables beside them: one row a product (matrix key, expert, a stack of heads after it, in,
+out, k, where x is, where y goes) and one row a *unit* of work (a product's rows a..b). Then it
+puts one token a unit into a pipe that every process reads (the claims pipe) and sends each of
+those helpers one small PLAN message. From then on every process, this one included, takes the
+next token, runs that unit's rows and takes another, until the pipe is empty: a pipe hands each
+token to exactly one reader, so the units are shared out as each process is free. A helper
+writes a unit's rows into its y's in the shared memory and marks the unit finished there; this
+process copies the finished units' rows into place.
+
+This process never waits for a helper that has not started: a helper that the kernel has not
+scheduled (another program has its core) takes no token, and this process takes them all. It
+waits for a unit a helper took only as long as that unit should take (GRACE times this
+process's own pace), then runs the unit itself: a helper descheduled in the middle of a unit
+loses it, and its late rows are never read. A helper still inside an earlier plan is left out
+of the next one (its memory is not written while it may read it); a token of a later plan that
+it reads, it puts back. Whoever runs a unit, its rows are the same bits (`cut`).
 A matrix is known to a helper by its key (`register`), given before the fork by the executor
 (executor.py) to every weight of the model it runs.
 """
@@ -52,25 +58,28 @@ ENTRY = 8                             # a product's row: key, expert (-1: none),
                                       # in, out, k, x's offset and y's offset in the values (float32 units)
 UNIT = 3                              # a unit's row: its product's row, rows a, b
 TOKEN = struct.Struct("<ii")          # in the claims pipe: the plan's seq (mod 2**31), a unit
-DONE = struct.Struct("<qqq")          # seq, 1 if the units' rows are in shared memory (0 if not,
-                                      # this process runs them), how many units the helper ran
 PLAN_PRODUCTS = 64                    # a plan holds at most this many products ...
 PLAN_UNITS = 512                      # ... and units: a plan's tokens are one pipe write of at
                                       # most PIPE_BUF (4096) bytes, which Linux writes whole
 HELPER_VALUES = 1 << 23               # float32 values of shared memory a helper: the x's, then the
                                       # y's (32 MB reserved, touched only as far as a plan reaches)
 HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
-HELPER_TIMEOUT = 60.0                 # a helper silent this long on one matvec is taken as stuck
-# A plan's units: guided self-scheduling, each unit 1/(UNIT_SPLIT x processes) of the plan's
-# work still to cut, so the first are large (few tokens to take) and the last small (the
+HELPER_TIMEOUT = 60.0                 # a helper inside one plan this long is taken as stuck
+STATUS = 4                            # a helper's status row: the last plan it started, the last it
+                                      # ended, the last in which a unit failed (its rows: this process's)
+GRACE = 2.0                           # a unit a helper took is waited for this many times as long as
+                                      # this process takes for as many weights, then run here
+# A plan's units: guided self-scheduling, each unit 1/(UNIT_SPLIT x CUT_PROCESSES) of the
+# plan's work still to cut, so the first are large (few tokens to take) and the last small (the
 # processes finish within a small unit of each other), never below UNIT_MIN_VALUES weights (two
-# decode row blocks, 2 MB widened) and never across two products: it beat even halves and a
-# finer split (docs/performance.md, "Why the constants are what they are"). The cut
-# depends on the shapes alone, so whoever takes a unit, its rows come out the same bits: a
-# one-token unit's rows are each one dot product with the token, which OpenBLAS's gemv gives as
-# the same bits wherever the cut falls (tests/parallel checks every cut of q8, q4, bf16, q8b);
-# a unit of several tokens is GEMM tiles, the same for the same rows.
+# decode row blocks, 2 MB widened) and never across two products (docs/performance.md, "Why the
+# constants are what they are"). The cut depends on the shapes alone, never on how many
+# processes take part nor on the timing, so whoever takes a unit, its rows come out the same
+# bits: a one-token unit's rows are each one dot product with the token, which OpenBLAS's gemv
+# gives as the same bits wherever the cut falls (tests/parallel checks every cut of q8, q4,
+# bf16, q8b); a unit of several tokens is GEMM tiles, the same for the same rows.
 UNIT_SPLIT = 1
+CUT_PROCESSES = 8
 UNIT_MIN_VALUES = 1 << 19
 
 
@@ -83,26 +92,35 @@ def helpers_wanted() -> bool:
             and os.environ.get("DS2_HELPERS", "1") != "0")
 
 
-TABLE_BYTES = 8 * (ENTRY * PLAN_PRODUCTS + UNIT * PLAN_UNITS + PLAN_UNITS)
+TABLE_BYTES = 8 * (ENTRY * PLAN_PRODUCTS + UNIT * PLAN_UNITS + PLAN_UNITS + STATUS)
 
 
-def shared_views(shared: mmap.mmap) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def shared_views(shared: mmap.mmap) -> tuple[np.ndarray, ...]:
     """A helper's shared memory as its plan's tables, int64: products (PLAN_PRODUCTS, ENTRY),
-    units (PLAN_UNITS, UNIT), the units it ran (PLAN_UNITS,); then its float32 values."""
+    units (PLAN_UNITS, UNIT), the plan in which it last finished each unit (PLAN_UNITS,), its
+    status (STATUS,); then its float32 values."""
     tables = np.frombuffer(shared, np.int64, TABLE_BYTES // 8)
     products, units = ENTRY * PLAN_PRODUCTS, UNIT * PLAN_UNITS
-    return (tables[:products].reshape(PLAN_PRODUCTS, ENTRY), tables[products:products + units].reshape(PLAN_UNITS, UNIT),
-            tables[products + units:], np.frombuffer(shared, np.float32, HELPER_VALUES, offset=TABLE_BYTES))
+    finished = products + units
+    return (tables[:products].reshape(PLAN_PRODUCTS, ENTRY), tables[products:finished].reshape(PLAN_UNITS, UNIT),
+            tables[finished:finished + PLAN_UNITS], tables[finished + PLAN_UNITS:],
+            np.frombuffer(shared, np.float32, HELPER_VALUES, offset=TABLE_BYTES))
 
 
 class Helper:
-    """One forked helper, from this process's side: its pid, its two pipes and its memory."""
+    """One forked helper, from this process's side: its pid, its pipe and its memory."""
 
-    def __init__(self, pid: int, jobs: int, done: int, shared: mmap.mmap):
-        self.pid, self.jobs, self.done, self.shared = pid, jobs, done, shared
-        self.table, self.units, self.ran, self.values = shared_views(shared)
+    def __init__(self, pid: int, jobs: int, shared: mmap.mmap):
+        self.pid, self.jobs, self.shared = pid, jobs, shared
+        self.table, self.units, self.finished, self.status, self.values = shared_views(shared)
         self.closed = False
-        self.sent = 0                # the last plan whose PLAN message it was sent
+        self.sent = 0                # the last plan whose PLAN message it was sent ...
+        self.sent_at = 0.0           # ... and when
+
+    @property
+    def idle(self) -> bool:
+        """It has ended every plan it was sent: its memory may be written."""
+        return int(self.status[1]) == self.sent
 
 
 class Helpers:
@@ -111,13 +129,15 @@ class Helpers:
     def __init__(self, n: int):
         self.horizon = len(_matrices)
         self.seq = 0                 # plans sent
-        self.settled = 0             # the last plan whose answers were all read
+        self.settled = 0             # the last plan whose every unit was run
         self.products = 0            # products the plans held
         self.units = 0               # units the plans held
-        self.helper_units = 0        # units the helpers took (the rest: this process)
+        self.helper_units = 0        # units the helpers ran (the rest: this process)
+        self.taken_back = 0          # units a helper took but this process ran, the helper late
+        self.pace = 1e-9             # seconds a weight x token takes this process (its own units)
         self.lock = threading.Lock()
         self.procs: list[Helper] = []
-        self.claims, self.claims_w = os.pipe()    # every process reads it; this one writes it
+        self.claims, self.claims_w = os.pipe()    # every process reads it (and may put a token back)
         os.set_blocking(self.claims, False)
         self.fds = [self.claims, self.claims_w]
         try:
@@ -131,10 +151,12 @@ class Helpers:
     def wanted(self) -> bool:
         return helpers_wanted()
 
+    def pids(self) -> list[int]:
+        return [h.pid for h in self.procs]
+
     def fork(self) -> Helper:
         shared = mmap.mmap(-1, TABLE_BYTES + 4 * HELPER_VALUES)   # anonymous, shared across the fork
         jobs_r, jobs_w = os.pipe()
-        done_r, done_w = os.pipe()
         parent = os.getpid()
         # Linux documents PR_SET_PDEATHSIG as sent when the forking *thread* ends, and only the
         # main thread's end is the process's end
@@ -144,36 +166,36 @@ class Helpers:
             pid = os.fork()
         if pid == 0:
             try:
-                for fd in (jobs_w, done_r, self.claims_w, *(fd for h in self.procs for fd in (h.jobs, h.done))):
+                for fd in (jobs_w, *(h.jobs for h in self.procs)):
                     os.close(fd)
-                helper_main(parent, with_parent, jobs_r, done_w, self.claims, shared)
+                helper_main(parent, with_parent, jobs_r, self.claims, self.claims_w, shared)
             finally:
                 os._exit(0)
         os.close(jobs_r)
-        os.close(done_w)
-        os.set_blocking(done_r, False)
-        return Helper(pid, jobs_w, done_r, shared)
+        return Helper(pid, jobs_w, shared)
 
     def stop(self) -> None:
         stop_helpers(self.procs, self.fds)
         self.procs = []
 
     def run(self, products: list) -> list:
-        """Each product's rows cut into units (`cut`) that this process and the helpers take as
-        each is free, in as few plans as the shared memory allows (one for a decode step's);
-        returns the products left to the caller: those the helpers do not know, or all of them
-        if the helpers are busy with another thread's pass or one of them is gone (the caller
-        runs them on threads, writing again whatever this process already wrote into their y).
-        A product (cores.Rows) has m (with .key and .span), x (in,) or (k, in), y (out,) or
-        (k, out) and its alignment; its spans are set to the units its rows were computed in."""
+        """Each product's rows cut into units (`cut`) that this process and the idle helpers
+        take as each is free, in as few plans as the shared memory allows (one for a decode
+        step's); returns the products left to the caller: those the helpers do not know, or all
+        of them if the helpers are busy with another thread's pass or one of them is gone (the
+        caller runs them on threads, writing again whatever this process already wrote into
+        their y). A product (cores.Rows) has m (with .key and .span), x (in,) or (k, in), y
+        (out,) or (k, out) and its alignment; its spans are set to the units its rows were
+        computed in. Units run with BLAS at one thread here as in a helper: the same bits."""
         global _helpers_failed
         known = [p for p in products if getattr(p.m, "key", None) is not None and p.kernel is None
                  and p.m.key[0] < self.horizon and then(p) < self.horizon and ends(p, 0) <= HELPER_VALUES]
         if not known or not self.lock.acquire(blocking=False):
             return products
         try:
-            for plan in plans(known):
-                self.run_plan(plan)
+            with contextlib.nullcontext() if cores.workers().held else cores.blas_threads(1):
+                for plan in plans(known):
+                    self.run_plan(plan)
             if len(known) == len(products):
                 return []
             ran = {id(p) for p in known}
@@ -188,24 +210,29 @@ class Helpers:
 
     def run_plan(self, plan: list) -> None:
         """One plan: its units are put up for the taking, this process takes its part, then it
-        reads the helpers' rows."""
-        units = cut(plan, len(self.procs) + 1)
+        runs whatever the helpers are late with and copies their rows."""
+        units = cut(plan)
         for p in plan:
             p.spans = []
         for j, a, b in units:
             plan[j].spans.append((a, b))
-        self.send(plan, units)
-        self.take(plan, units)
-        self.collect(plan, units)
+        sizes = np.array([(b - a) * plan[j].row_values for j, a, b in units])
+        mine = np.zeros(len(units), bool)
+        ready = self.send(plan, units, cores.workers().using - 1)
+        self.take(plan, units, sizes, mine)
+        self.finish(plan, units, sizes, mine, ready)
 
-    def send(self, plan: list, units: list) -> None:
-        """The plan's x's and tables into each helper's shared memory, a token a unit into the
-        claims pipe, then the PLAN message to each helper."""
-        self.settle()
+    def send(self, plan: list, units: list, most: int) -> list[Helper]:
+        """The plan's x's and tables into the shared memory of at most `most` idle helpers, a
+        token a unit into the claims pipe, then the PLAN message to each of them; returns them."""
+        self.check()
         self.seq += 1
         self.products += len(plan)
         self.units += len(units)
-        for h in self.procs:
+        ready = [h for h in self.procs if h.idle][:max(0, most)]
+        if not ready:
+            return ready
+        for h in ready:
             at = 0
             for row, p in enumerate(plan):
                 inp, out = p.x.shape[-1], p.y.shape[-1]
@@ -216,25 +243,28 @@ class Helpers:
             h.units[:len(units)] = units
         tag = self.seq % 2 ** 31
         os.write(self.claims_w, b"".join(TOKEN.pack(tag, u) for u in range(len(units))))
-        for h in self.procs:
+        now = time.perf_counter()
+        for h in ready:
             os.write(h.jobs, PLAN.pack(self.seq, len(plan), len(units)))
-            h.sent = self.seq
+            h.sent, h.sent_at = self.seq, now
+        return ready
 
-    def settle(self) -> None:
-        """Before a new plan: if the last one was interrupted (Ctrl-C in this process's part),
-        take its tokens still in the pipe and read every helper's answer to it, so that no
-        helper still works on it and no stale token is left."""
-        if self.settled == self.seq:
-            return
-        while self.claim() is not None:
-            pass
+    def check(self) -> None:
+        """OSError if a helper still inside a plan has exited, or has been inside it longer than
+        HELPER_TIMEOUT (stopped, or stuck)."""
+        now = time.perf_counter()
         for h in self.procs:
-            if h.sent == self.seq:       # (a Ctrl-C between two PLAN messages: not all were sent)
-                self.wait(h)
-        self.settled = self.seq
+            if h.idle:
+                continue
+            with contextlib.suppress(ChildProcessError):
+                if os.waitid(os.P_PID, h.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    raise OSError("a helper process exited")
+            if now - h.sent_at > HELPER_TIMEOUT:
+                raise OSError(f"a helper process was inside one plan for {HELPER_TIMEOUT:.0f} s")
 
     def claim(self) -> int | None:
-        """The next unit of this plan from the claims pipe, or None once it is empty."""
+        """The next unit of this plan from the claims pipe (an earlier plan's tokens, left by a
+        Ctrl-C or put back late, are dropped), or None once it is empty."""
         tag = self.seq % 2 ** 31
         while True:
             try:
@@ -245,50 +275,70 @@ class Helpers:
             if seq == tag:
                 return unit
 
-    def take(self, plan: list, units: list) -> None:
-        """This process's part of the plan: units from the pipe until none is left."""
+    def take(self, plan: list, units: list, sizes: np.ndarray, mine: np.ndarray) -> None:
+        """This process's part of the plan: units from the pipe until none is left, timed."""
+        start, ran = time.perf_counter(), 0
         while (u := self.claim()) is not None:
-            j, a, b = units[u]
-            plan[j].span(a, b)
+            self.run_unit(plan, units, u, mine)
+            ran += sizes[u]
+        if ran:
+            self.pace = (time.perf_counter() - start) / ran
 
-    def collect(self, plan: list, units: list) -> None:
-        """Wait for each helper's answer and copy the rows of the units it ran into the plan's
-        y's (or, if it could not run them, run them here)."""
-        for h in self.procs:
-            ok, count = self.wait(h)
-            self.helper_units += count if ok else 0
-            for u in h.ran[:count].tolist():
+    def run_unit(self, plan: list, units: list, u: int, mine: np.ndarray) -> None:
+        j, a, b = units[u]
+        plan[j].span(a, b)
+        mine[u] = True
+
+    def finish(self, plan: list, units: list, sizes: np.ndarray, mine: np.ndarray, ready: list[Helper]) -> None:
+        """Wait for the units the helpers took, each at most GRACE times as long as this
+        process would take for it, then run the rest here; copy the helpers' rows into place."""
+        n, seq = len(units), self.seq
+        done = mine.copy()
+        deadline = None
+        while ready:
+            for h in ready:
+                done |= h.finished[:n] == seq
+            if done.all():
+                break
+            if (u := self.claim()) is not None:        # a token put back by a helper
+                self.run_unit(plan, units, u, mine)
+                done[u] = True
+                continue
+            now = time.perf_counter()
+            if deadline is None:
+                deadline = now + GRACE * self.pace * sizes[~done].max()
+            if now > deadline or any(h.status[2] == seq for h in ready):
+                for u in np.flatnonzero(~done).tolist():
+                    self.run_unit(plan, units, u, mine)
+                    self.taken_back += 1
+                break
+            os.sched_yield()
+        if not ready:
+            for u in np.flatnonzero(~mine).tolist():    # (tokens a Ctrl-C left, or no helper)
+                self.run_unit(plan, units, u, mine)
+        for h in ready:
+            for u in np.flatnonzero((h.finished[:n] == seq) & ~mine).tolist():
                 j, a, b = units[u]
                 p = plan[j]
-                if ok:
-                    out, k, y_at = p.y.shape[-1], p.x.size // p.x.shape[-1], int(h.table[j, 7])
-                    p.y.reshape(k, out)[:, a:b] = h.values[y_at:y_at + k * out].reshape(k, out)[:, a:b]
-                else:
-                    p.span(a, b)
-        self.settled = self.seq
-
-    def wait(self, h: Helper) -> tuple[bool, int]:
-        """Read h's replies up to this plan's (an interrupted pass leaves its reply unread):
-        whether it ran its units, and how many it took."""
-        while True:
-            reply = receive(h.done, DONE.size, HELPER_TIMEOUT)
-            if reply is None:
-                raise OSError("a helper process exited")
-            seq, ok, count = DONE.unpack(reply)
-            if seq == self.seq:
-                return bool(ok), count
+                out, k, y_at = p.y.shape[-1], p.x.size // p.x.shape[-1], int(h.table[j, 7])
+                p.y.reshape(k, out)[:, a:b] = h.values[y_at:y_at + k * out].reshape(k, out)[:, a:b]
+                mine[u] = True                           # (counted once)
+                self.helper_units += 1
+        self.settled = seq
 
 
-def cut(plan: list, processes: int) -> tuple[tuple[int, int, int], ...]:
+def cut(plan: list, processes: int = 0) -> tuple[tuple[int, int, int], ...]:
     """A plan's units, (product's row in the plan, a, b), in order; each product's rows a..b
     start at multiples of its alignment. Guided (see UNIT_SPLIT): the plan's weights x tokens
-    still to cut divided by UNIT_SPLIT x processes, and at least UNIT_MIN_VALUES weights (so a
-    unit of several tokens is as many rows as a one-token one's: a GEMM of few rows is slow) and
-    2/PLAN_UNITS of the plan (so a plan never has more than PLAN_UNITS units: the floors give at
-    most PLAN_UNITS / 2, each product's last partial unit one more, PLAN_PRODUCTS in all). The
-    cut depends on the shapes alone, never on the timing; a decode step's plans repeat their
+    still to cut divided by UNIT_SPLIT x CUT_PROCESSES, and at least UNIT_MIN_VALUES weights (so
+    a unit of several tokens is as many rows as a one-token one's: a GEMM of few rows is slow)
+    and 2/PLAN_UNITS of the plan (so a plan never has more than PLAN_UNITS units: the floors
+    give at most PLAN_UNITS / 2, each product's last partial unit one more, PLAN_PRODUCTS in
+    all). The cut depends on the shapes alone, never on the timing nor on the processes taking
+    part (`processes`, for tests, other than CUT_PROCESSES); a decode step's plans repeat their
     shapes every step, so each shape's cut is worked out once (20-30 us a plan of experts)."""
-    return cut_shapes(tuple((p.rows, p.row_values, p.align, p.x.size // p.x.shape[-1]) for p in plan), processes)
+    return cut_shapes(tuple((p.rows, p.row_values, p.align, p.x.size // p.x.shape[-1]) for p in plan),
+                      processes or CUT_PROCESSES)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -366,9 +416,8 @@ def stop_helpers(procs: list[Helper], fds: list[int]) -> None:
     fds.clear()
     for h in procs:
         h.closed = True
-        for fd in (h.jobs, h.done):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(h.jobs)
         with contextlib.suppress(OSError):
             os.kill(h.pid, signal.SIGKILL)
     for h in procs:
@@ -376,7 +425,7 @@ def stop_helpers(procs: list[Helper], fds: list[int]) -> None:
             os.waitpid(h.pid, 0)
 
 
-def helper_main(parent: int, with_parent: bool, jobs: int, done: int, claims: int, shared: mmap.mmap) -> None:
+def helper_main(parent: int, with_parent: bool, jobs: int, claims: int, claims_w: int, shared: mmap.mmap) -> None:
     """A helper's life: take units of each plan it is sent until the job pipe closes (this
     process's parent exited or stopped it). Ctrl-C is the parent's to handle; the helper dies
     with the parent."""
@@ -396,12 +445,12 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, claims: in
     os.set_blocking(jobs, False)
     for c in cores.blas_controllers():
         c.set_num_threads(1)
-    table, units, ran, values = shared_views(shared)
+    table, units, finished, status, values = shared_views(shared)
     while (message := receive(jobs, PLAN.size)) is not None:
         seq, n, n_units = PLAN.unpack(message)
+        status[0] = seq
         products, cuts, tag = table[:n].tolist(), units[:n_units].tolist(), seq % 2 ** 31
         matrices: dict[int, object] = {}
-        count, ok = 0, 1
         try:
             while True:
                 try:
@@ -410,9 +459,10 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, claims: in
                     break                                                   # every unit is taken
                 token_seq, u = TOKEN.unpack(token)
                 if token_seq != tag:
-                    continue
-                ran[count] = u                      # listed before it runs: if it fails, this
-                count += 1                          # process's parent runs it again
+                    if 0 < (token_seq - tag) % 2 ** 31 < 2 ** 30:   # a later plan's (this one was
+                        os.write(claims_w, token)                    # over before this helper
+                        break                                        # started): not its to run
+                    continue                                         # an earlier one's (Ctrl-C)
                 j, a, b = cuts[u]
                 key, expert, heads, inp, out, k, x_at, y_at = products[j]
                 if j not in matrices:
@@ -421,9 +471,10 @@ def helper_main(parent: int, with_parent: bool, jobs: int, done: int, claims: in
                     matrices[j] = AbsorbedQuery(m, _matrices[heads]()) if heads >= 0 else m
                 matrices[j].span(values[x_at:x_at + inp * k].reshape(k, inp),
                                  values[y_at:y_at + out * k].reshape(k, out), a, b)
+                finished[u] = seq                   # after its rows: the parent reads them then
         except Exception:    # noqa: BLE001 - any failure (a matrix gone too): the parent runs the rows
-            ok = 0
-        os.write(done, DONE.pack(seq, ok, count))
+            status[2] = seq
+        status[1] = seq
 
 
 def start_helpers(weights=()) -> None:

@@ -66,8 +66,8 @@ def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
     """One-token steps with the helpers and with threads, the rows cut in the same halves (the
     units cut as the threads cut the rows: a one-token plan's guided units are other call
     shapes, held to float32 rounding below), bit for bit."""
-    monkeypatch.setattr(procs, "cut", lambda plan, n: [(j, a, b) for j, p in enumerate(plan)
-                                                         for a, b in cores.split_rows(p.rows, n, p.align)])
+    monkeypatch.setattr(procs, "cut", lambda plan, n=0: [(j, a, b) for j, p in enumerate(plan)
+                                                           for a, b in cores.split_rows(p.rows, cores.workers().n, p.align)])
     model = ds2cli.load(quantize=bits)
     helpers = procs.running()
     assert helpers is not None and len(helpers.procs) == cores.workers().n - 1
@@ -196,9 +196,10 @@ def test_a_plan_cut_short_before_its_messages_is_settled_without_them(monkeypatc
 @pytest.mark.slow
 def test_a_slow_helper_takes_fewer_units(monkeypatch):
     """The units go to whichever process is free: a helper that another program slows down (here
-    a sleep in each of its units) takes one or two while this process takes the rest, and the
-    rows still come out right. A plan of several tokens too, and its cut is the same whatever
-    the timing, so its GEMM tiles never depend on who took which unit."""
+    a sleep in each of its units) takes one or two, or loses them to this process, which takes
+    the rest, and the rows still come out right. A plan of several tokens too, and its cut is
+    the same whatever the timing and the processes, so its GEMM tiles never depend on who took
+    which unit: the same kernel calls, BLAS at one thread in every process, the same bits."""
     m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((16384, 512), dtype=np.float32),
                                quant.FORMATS["q8"])
     parent, span = os.getpid(), quant.QuantMatrix.span
@@ -222,10 +223,12 @@ def test_a_slow_helper_takes_fewer_units(monkeypatch):
     y2 = np.empty((8, 16384), np.float32)
     product2 = cores.Rows(m, x2, y2, 8)
     assert helpers.run([product2]) == [] and len(product2.spans) >= 3
-    assert product2.spans == [(a, b) for _, a, b in procs.cut([product2], len(helpers.procs) + 1)]
+    assert product2.spans == [(a, b) for _, a, b in procs.cut([product2])]
+    assert procs.cut([product2]) == procs.cut([product2], procs.CUT_PROCESSES)
     expected2 = np.empty((8, 16384), np.float32)
-    for a, b in product2.spans:               # the same kernel calls on the same rows: the same bits
-        m.span(x2, expected2, a, b)
+    with cores.blas_threads(1):
+        for a, b in product2.spans:           # the same kernel calls on the same rows: the same bits
+            m.span(x2, expected2, a, b)
     np.testing.assert_array_equal(y2, expected2)
 
 
@@ -299,6 +302,8 @@ def test_a_stuck_helper_is_ended_and_threads_take_over(monkeypatch):
     pids = [h.pid for h in procs.running().procs]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)         # alive, but never answers
+    np.testing.assert_array_equal(decode(model, ids, steps=2), expected)    # this process ran their units
+    time.sleep(procs.HELPER_TIMEOUT)         # then, inside one plan that long, they are taken as stuck
     np.testing.assert_array_equal(decode(model, ids, steps=2), expected)
     assert procs.running() is None and not any(alive(pid) for pid in pids)
 

@@ -1,0 +1,89 @@
+"""How many of this process's cores other programs leave it, measured as it runs.
+
+A helper process or pool thread on a core that another program also wants gets a share of
+that core's time slices, and work handed to it waits for the kernel to schedule it: on a
+machine doing other things, one core used well beats two used in turns. So the cores a pass
+uses follow the cores that are free, read from the kernel's own accounting: the busy time of
+the CPUs this process may run on (/proc/stat) minus this process's and its helpers' own CPU
+time (/proc/PID/stat), over the last INTERVAL seconds at least. `--threads N` stays the upper
+bound (cores.kernel_threads); where /proc is not there, every allowed core counts as free.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+INTERVAL = 0.1       # seconds between two readings: the kernel counts CPU time in ticks (10 ms
+                     # on most Linux systems), so a shorter window reads mostly rounding
+SMOOTHING = 0.5      # weight of the newest reading in the running estimate
+ROUND_UP = 0.3       # a core counts as free once other programs leave it 70% of its time
+
+
+class Load:
+    """The CPU time other programs take on this process's CPUs, as a number of cores."""
+
+    def __init__(self, cpus: set[int] | None = None):
+        self.cpus = cpus if cpus is not None else allowed_cpus()
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.others: float | None = None      # cores other programs keep busy (smoothed)
+        self.last: tuple[float, int, int] | None = None     # (time, CPUs' busy ticks, ours)
+
+    def free(self, most: int, own_pids=()) -> int:
+        """How many cores to use now: at least 1, at most `most`, one for each allowed core that
+        other programs leave free; re-read at most every INTERVAL seconds."""
+        now = time.perf_counter()
+        if self.last is None or now - self.last[0] >= INTERVAL:
+            self.read(now, own_pids)
+        if self.others is None:
+            return most
+        return max(1, min(most, int(len(self.cpus) - self.others + ROUND_UP)))
+
+    def read(self, now: float, own_pids) -> None:
+        busy, ours = cpus_busy(self.cpus), process_ticks([0, *own_pids])
+        if busy is None or ours is None:
+            return
+        if self.last is not None:
+            seconds = now - self.last[0]
+            others = max(0.0, (busy - self.last[1]) - (ours - self.last[2])) / self.tick / seconds
+            self.others = others if self.others is None else SMOOTHING * others + (1 - SMOOTHING) * self.others
+        self.last = (now, busy, ours)
+
+
+def allowed_cpus() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def cpus_busy(cpus: set[int]) -> int | None:
+    """Ticks the given CPUs have spent on anything but idling (iowait counts as idle), since boot."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        if line.startswith("cpu") and line[3:4].isdigit():
+            name, *ticks = line.split()
+            if int(name[3:]) in cpus:
+                values = [int(t) for t in ticks[:8]]          # user nice system idle iowait irq softirq steal
+                total += sum(values) - values[3] - values[4]
+    return total
+
+
+def process_ticks(pids) -> int | None:
+    """User and system ticks of each process (0: this one, all its threads), summed; a process
+    that has ended counts nothing."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid or 'self'}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            if pid == 0:
+                return None
+            continue
+        total += int(fields[11]) + int(fields[12])            # utime, stime (fields 14 and 15)
+    return total
