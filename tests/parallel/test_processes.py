@@ -16,6 +16,7 @@ from ds2cli.parallel import cores
 from ds2cli.weights import formats as quant
 from ds2cli.weights import scales
 from ds2cli.parallel import processes as procs
+from support.decoding import decode
 
 pytestmark = pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes are used on Linux "
                                 "with two cores or more (and not with DS2_HELPERS=0)")
@@ -29,18 +30,6 @@ def fresh(monkeypatch):
     monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)
     yield
     procs.stop_helpers_now()
-
-
-def decode(model, ids, steps=6):
-    """Logits of the prompt fed a token at a time, then of each of `steps` greedy one-token steps:
-    one-token steps split each matvec into the same spans with helpers as with threads."""
-    cache = model.new_cache(64)
-    for token in ids[:-1]:
-        model.forward([token], cache)
-    out = [model.forward(ids[-1:], cache)]
-    for _ in range(steps):
-        out.append(model.forward([int(out[-1].argmax())], cache))
-    return np.stack(out)
 
 
 def alive(pid: int) -> bool:
