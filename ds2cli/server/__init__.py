@@ -13,6 +13,7 @@ Bottom-up:
     infill               llama-server's /infill: its fields into a fill's job, its answer's shape
     tokenizer_endpoints  /tokenize, /detokenize and /tokenizer_info
     http_io              bodies read within their limit and checked; JSON, errors and server-sent events written
-    endpoints            one method an endpoint: the chat page, /health, /metrics, models, tokenizer, completions, /infill
+    endpoints            one method an endpoint: the chat page, /health, /metrics, models, tokenizer,
+                         completions, /infill
     http_server          the state, the server and the request path: routing, keys, CORS, errors, the log
 """

@@ -396,7 +396,8 @@ def suffix_prompts(body: dict, tokenizer: Tokenizer, defaults: Defaults,
         raise ApiError(400, "echo cannot be combined with suffix", param="echo")
     tokens = fim_tokens(tokenizer, model_id, "suffix")
     unicode_text(suffix, "suffix")
-    return [fim_prompt(tokenizer, tokens, unicode_text(p, "prompt"), suffix, defaults.ctx) for p in prompts], tokens.ends
+    ids = [fim_prompt(tokenizer, tokens, unicode_text(p, "prompt"), suffix, defaults.ctx) for p in prompts]
+    return ids, tokens.ends
 
 
 CONTINUE_MARK = "\x00ds2-continue\x00"    # where the last message's content ends, in a rendered prompt

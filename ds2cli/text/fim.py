@@ -9,13 +9,16 @@ as its README's "Code Insertion" example writes it:
 Repository-level context (llama-server's `input_extra`: files other than the one being edited)
 goes where DeepSeek-Coder's "Repository Level Code Completion" example puts it: the files one
 after the other before the current file's text, each opened by a `# path` comment line and
-closed by two blank lines. DeepSeek-Coder learned FIM on such concatenated repository samples,
-so the files sit inside the frame, at the head of the prefix:
+closed by two blank lines. DeepSeek-Coder's training samples are such concatenations of a
+repository's files, cut for FIM as one document, so the files sit inside the frame, at the head
+of the prefix:
 
-    bos <｜fim▁begin｜> # a.py\\n{a's text}\\n\\n\\n# b.py\\n{b's text}\\n\\n\\n PREFIX <｜fim▁hole｜> SUFFIX <｜fim▁end｜>
+    bos <｜fim▁begin｜> # a.py\\n{a's text}\\n\\n\\n# b.py\\n{b's text}\\n\\n\\n PREFIX <｜fim▁hole｜> SUFFIX
+        <｜fim▁end｜>
 
-(a file's text gets a final newline if it lacks one). Files, prefix and the text after it are
-encoded as one text, as the model saw them in training; the suffix is encoded on its own.
+(a file's text gets a final newline if it lacks one; a file without a path gets no `#` line).
+The files and the prefix are encoded as one text, as the model saw them in training; the suffix
+is encoded on its own.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ FIM_END = "<｜fim▁end｜>"         # closes the frame; the model writes the m
 MAX_FILES = 256                  # input_extra files in one prompt (an editor sends a few dozen)
 MAX_FILE_BYTES = 1 << 20         # their paths and texts together, in UTF-8 bytes
 MAX_PATH_CHARS = 1024            # one file's path
-NL = "\n"
 
 
 class FimUnavailable(TokenizerError):
@@ -86,7 +88,11 @@ def check_files(files: Sequence[tuple[str, str]]) -> None:
 def repository_text(files: Sequence[tuple[str, str]]) -> str:
     """The files as DeepSeek-Coder's repository example lays them out: `# path`, the text, two blank lines."""
     check_files(files)
-    return "".join(f"# {path}\n{text if text.endswith(NL) else text + NL}\n\n" for path, text in files)
+    out = []
+    for path, text in files:
+        head = f"# {path}\n" if path else ""
+        out.append(head + (text if text.endswith("\n") else text + "\n") + "\n\n")
+    return "".join(out)
 
 
 def fim_text(prefix: str, suffix: str, files: Sequence[tuple[str, str]] = ()) -> tuple[str, str]:

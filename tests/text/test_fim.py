@@ -55,6 +55,7 @@ def test_repository_files_come_first_in_the_prefix_each_under_a_path_comment(v25
     files = [("utils.py", "def load():\n    return 1\n"), ("model.py", "class M:\n    pass")]
     context = "# utils.py\ndef load():\n    return 1\n\n\n# model.py\nclass M:\n    pass\n\n\n"
     assert fim.repository_text(files) == context       # a text without a final newline gets one
+    assert fim.repository_text([("", "x = 1")]) == "x = 1\n\n\n"    # a file without a path: no `#` line
     ids = fim.fim_ids(v25, tokens, PREFIX, SUFFIX, files)
     assert ids == [v25.bos_token_id, tokens.begin, *v25.encode(context + PREFIX, add_special_tokens=False),
                    tokens.hole, *v25.encode(SUFFIX, add_special_tokens=False), tokens.end]
