@@ -27,6 +27,7 @@ def added_ids(directory: Path) -> dict[str, int]:
     return {t["content"]: t["id"] for t in spec["added_tokens"]}
 
 
+@pytest.mark.slow
 def test_the_fim_tokens_are_found_by_their_exact_text(v25):
     ids = added_ids(V25_DIR)
     tokens = fim.FimTokens.of(v25)
