@@ -317,7 +317,16 @@ def moonlight_like(home: Path) -> dict:
     return {}
 
 
-SETUPS = {"V2-Lite-Chat's headers": v2_lite_chat_headers, "the moonlight-like checkpoint": moonlight_like}
+def coder_like(home: Path) -> dict:
+    """~/models/coder-like: tests/support/coder_like.py's random model around DeepSeek-V2.5's
+    tokenizer, whose FIM tokens docs/cli.md's fill-in-the-middle example uses."""
+    from support.coder_like import write_coder_like
+    write_coder_like(home / "models" / "coder-like")
+    return {}
+
+
+SETUPS = {"V2-Lite-Chat's headers": v2_lite_chat_headers, "the moonlight-like checkpoint": moonlight_like,
+          "the coder-like checkpoint": coder_like}
 
 
 @dataclass

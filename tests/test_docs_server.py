@@ -1,6 +1,7 @@
 """docs/server.md's examples, run: the page's blocks marked `<!-- checked: tests/test_docs_server.py
 ... -->` are read in page order. Each `$ ds2 serve ARGS` starts that server on ds2-tiny (a
-subprocess on a free port, which the outputs show as the page's port), and the `$ curl` requests
+subprocess on a free port, which the outputs show as the page's port; `-m coder-like` is
+tests/support/coder_like.py's model), and the `$ curl` requests
 and Python client examples after it, up to the next `$ ds2 serve`, go to it in page order: a
 request body, headers and method are the page's curl command's, and the reply is compared with the
 lines under it (JSON as JSON, with `...` for what the page leaves out; see tests/test_docs.py).
@@ -22,6 +23,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from support.coder_like import write_coder_like
 from test_docs import ROOT, blocks, commands, json_mismatch, loads_abridged, text_matches
 
 pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
@@ -32,6 +34,8 @@ VARIES = ["timings", "dates"]
 # files a page's server command names, made from the repository's
 FILES = {"v25.jinja": lambda: json.loads((ROOT / "tests" / "data" / "tokenizers" / "deepseek-v2.5" /
                                           "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]}
+# model directories a page's server command names (-m DIR), made in the server's working directory
+MODELS = {"coder-like": write_coder_like}
 
 
 @dataclass
@@ -165,6 +169,9 @@ def test_the_page_s_requests_get_the_page_s_replies(session, tmp_path):
     for name, make in FILES.items():
         if name in session.args:
             (tmp_path / name).write_text(make(), encoding="utf-8")
+    for name, make in MODELS.items():
+        if name in session.args:
+            make(tmp_path / name)
     shown = session.shown_port
     with serving(session.args, tmp_path) as (port, log):
         for kind, text, expected in session.steps:

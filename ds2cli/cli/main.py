@@ -25,6 +25,7 @@ from ds2cli.generation.conversation import ChatSession, read_messages
 from ds2cli.cli.console import quiet_broken_pipe, write_out
 from ds2cli.cli.inspect_report import describe
 from ds2cli.errors import ContextFullError, Ds2Error
+from ds2cli.text import fim
 from ds2cli.generation.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.cli.inspect_gguf import describe_gguf
 from ds2cli.weights.source import bundled_model_dir, check_model_dir
@@ -180,6 +181,11 @@ GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_positi
 @chat_template_option(" (implies --chat)")
 @click.option("--from-bos", is_flag=True,
               help="Accept an empty prompt: generate from the bos token alone (raw completion only).")
+@click.option("--suffix", metavar="TEXT",
+              help="Fill in the middle: generate what goes between the prompt and TEXT (a DeepSeek-Coder "
+                   "model's FIM tokens; the prompt may then be empty).")
+@click.option("--suffix-file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
+              help="Fill in the middle, the suffix read from FILE.")
 @generation_options(GENERATE_CTX_HELP)
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at eos tokens (only -n, --ctx or --stop end).")
 @draft_option
@@ -192,10 +198,13 @@ GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_positi
 @stats_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, system, chat_template, from_bos,
-             ignore_eos, verbose_prompt, prompt_cache, as_json, quantize, no_memory_check, **opts):
+             suffix, suffix_file, ignore_eos, verbose_prompt, prompt_cache, as_json, quantize, no_memory_check,
+             **opts):
     """Generate a completion of PROMPT (or of stdin when PROMPT is omitted or "-").
 
     An empty prompt is refused unless --from-bos asks to start from the bos token alone.
+    With --suffix (or --suffix-file), PROMPT is the code before the hole and the model writes what
+    goes between it and the suffix (fill-in-the-middle; docs/cli.md).
     Ctrl-C stops generating (exit 130; with --json, the object says finish_reason "interrupted")."""
     if prompt is not None and prompt_option is not None:
         raise click.UsageError("give the prompt as an argument or with -p/--prompt, not both")
@@ -203,27 +212,32 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
     chat = chat or system is not None or chat_template is not None
     if from_bos and chat:
         raise click.UsageError("--from-bos is for raw completion: a chat prompt is never empty")
+    fill = check_fill_options(suffix, suffix_file, chat, from_bos)
     source = open_source(model_dir)
     config = source.config
     check_ctx(config, opts["ctx"])
     check_prompt_cache(prompt_cache, config)
-    text = read_prompt(prompt if prompt_option is None else prompt_option, prompt_file, encoding,
-                       prompt_bytes_limit(config, opts["max_prompt_bytes"]))
-    if not text and not from_bos:
+    limit_bytes = prompt_bytes_limit(config, opts["max_prompt_bytes"])
+    fim_tokens = fim.FimTokens.of(tokenizer_of(source), model_name(source)) if fill else None
+    text = read_prompt(prompt if prompt_option is None else prompt_option, prompt_file, encoding, limit_bytes)
+    if not text and not from_bos and not fill:
         raise Ds2Error("the prompt is empty: give some text, or pass --from-bos to generate "
                        "from the bos token alone")
+    if fill:
+        suffix = read_suffix(suffix, suffix_file, encoding, limit_bytes)
     with thread_limits(opts["threads"]):
         # the prompt's ids and the context they need, before any weight loads: a prompt longer
         # than the context is refused here, and the memory check counts prompt + -n tokens
         max_positions = config.max_position_embeddings
         limit = opts["ctx"] or max_positions
         tokenizer = tokenizer_of(source, chat_template)
-        at_least = tokenizer.count_at_least(text, limit + 1)     # slices, stopping past the context
+        at_least = tokenizer.count_at_least(text, limit + 1) + (
+            tokenizer.count_at_least(suffix, limit + 1) if fill else 0)    # slices, stopping past the context
         if at_least > limit:
             what = "--ctx" if opts["ctx"] else "the model's max_position_embeddings"
             raise ContextFullError(f"the prompt is at least {at_least} tokens, more than the context of "
                                    f"{limit} tokens ({what})")
-        ids = prompt_ids(tokenizer, text, chat, system)
+        ids = fim.fim_ids(tokenizer, fim_tokens, text, suffix) if fill else prompt_ids(tokenizer, text, chat, system)
         if len(ids) > limit:
             what = "--ctx" if opts["ctx"] else "the model's max_position_embeddings"
             raise ContextFullError(f"the prompt is {len(ids)} tokens, more than the context of {limit} tokens "
@@ -232,7 +246,38 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
         context = opts["ctx"] or min(len(ids) + max_new_tokens_for(source.generation_config, opts["max_new_tokens"]),
                                      limit)
         model, load_s = load_model(source, quantize, context, not no_memory_check, opts["ray"], opts["memory_budget"])
-        run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts, prompt_cache)
+        run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts, prompt_cache,
+                     ends=fim_tokens.ends if fill else ())
+
+
+def check_fill_options(suffix: str | None, suffix_file: Path | None, chat: bool, from_bos: bool) -> bool:
+    """Whether generate fills in the middle; the options that cannot go with it are usage errors."""
+    if suffix is not None and suffix_file is not None:
+        raise click.UsageError("give the suffix with --suffix or --suffix-file, not both")
+    fill = suffix is not None or suffix_file is not None
+    option = "--suffix" if suffix is not None else "--suffix-file"
+    if fill and chat:
+        raise click.UsageError(f"{option} fills in the middle of raw text: it cannot be combined with --chat, "
+                               f"--system or --chat-template")
+    if fill and from_bos:
+        raise click.UsageError(f"{option} needs no --from-bos: a fill's prompt is never empty")
+    return fill
+
+
+def read_suffix(suffix: str | None, suffix_file: Path | None, encoding: str, limit: int) -> str:
+    """--suffix's text, or --suffix-file's, measured against --max-prompt-bytes before it is read."""
+    if suffix_file is None:
+        return argument_text(suffix, "--suffix argument", encoding)
+    try:
+        return strip_bom(read_bounded(suffix_file, limit, "suffix file", "--max-prompt-bytes").decode(encoding))
+    except UnicodeDecodeError as e:
+        raise Ds2Error(f"suffix file {suffix_file} is not valid {encoding} (byte {e.start}); "
+                       f"pass --encoding to read it") from None
+
+
+def model_name(source) -> str:
+    """How an error names the model: its directory's or file's name (ds2-tiny for the bundled one)."""
+    return source.path.name or str(source.path)
 
 
 def prompt_ids(tok, text: str, chat: bool, system: str | None) -> list[int]:
@@ -247,7 +292,10 @@ def prompt_ids(tok, text: str, chat: bool, system: str | None) -> list[int]:
 
 
 def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, verbose_prompt: bool,
-                 as_json: bool, chat: bool, opts: dict, prompt_cache: Path | None = None) -> None:
+                 as_json: bool, chat: bool, opts: dict, prompt_cache: Path | None = None,
+                 ends: tuple[int, ...] = ()) -> None:
+    """Generate from `ids` and print; eos ends the text (and `ends`: a fill's FIM tokens) unless
+    --ignore-eos."""
     tok = model.tokenizer
     if verbose_prompt:
         show_prompt(tok, ids)
@@ -270,7 +318,8 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
     sampler = CountingSampler(sampler_for(model, opts))      # what ran, for an interrupted --json
     stops = [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]]
     reading = console.PrefillProgress(len(ids) - keep)
-    chunks = stream_generate(model, ids[keep:], cache, sampler, max_new, stops, eos_ids=() if ignore_eos else None,
+    eos_ids = () if ignore_eos else (*model.eos_token_ids, *ends) if ends else None
+    chunks = stream_generate(model, ids[keep:], cache, sampler, max_new, stops, eos_ids=eos_ids,
                              context=ids[:keep], draft=opts["draft"], progress=reading)
     if chat:
         chunks = lstrip_reply(chunks)

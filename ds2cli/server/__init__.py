@@ -10,8 +10,10 @@ Bottom-up:
     prompt_cache         the pool of latent caches of recent conversations
     scheduler            up to --parallel requests in each pass, the queue, the prompt cache
     responses            OpenAI's response objects: choices, logprobs, tool calls, usage
+    infill               llama-server's /infill: its fields into a fill's job, its answer's shape
     tokenizer_endpoints  /tokenize, /detokenize and /tokenizer_info
     http_io              bodies read within their limit and checked; JSON, errors and server-sent events written
-    endpoints            one method an endpoint: the chat page, /health, /metrics, models, tokenizer, completions
+    endpoints            one method an endpoint: the chat page, /health, /metrics, models, tokenizer,
+                         completions, /infill
     http_server          the state, the server and the request path: routing, keys, CORS, errors, the log
 """

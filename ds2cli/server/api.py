@@ -17,6 +17,7 @@ from ds2cli.generation.generate import check_stops
 from ds2cli.errors import Ds2Error
 from ds2cli.generation.logprobs import MAX_TOP
 from ds2cli.generation.sampling import SamplingError, SamplingParams
+from ds2cli.text import fim
 from ds2cli.text.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
 from ds2cli.server.tools import ToolError, ToolSet
 
@@ -60,6 +61,7 @@ class Job:
     vocab: Any = None           # the grammar's view of the tokenizer (grammar.vocabulary)
     tools: Any = None           # tools.ToolSet when the request declared tools (chat)
     ignore_eos: bool = False    # eos does not end the reply (llama-server's ignore_eos)
+    end_ids: tuple[int, ...] = ()   # tokens that end the reply as eos does (a fill's FIM tokens)
 
     def constraint(self) -> grammars.Constraint | None:
         """A fresh grammar state for this job's sequence (None when the output is free)."""
@@ -105,9 +107,8 @@ def _unsupported(body: dict) -> None:
     best_of = _number(body, "best_of", integer=True)
     if best_of is not None and best_of != 1:
         raise ApiError(400, "best_of must be 1", param="best_of")
-    for name in ("suffix", "functions"):
-        if body.get(name) not in (None, False, [], {}, ""):
-            raise ApiError(400, f"{name} is not supported by ds2", param=name)
+    if body.get("functions") not in (None, False, [], {}, ""):
+        raise ApiError(400, "functions is not supported by ds2", param="functions")
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name) not in (None, 0):
             raise ApiError(400, f"{name} is not supported: ds2 applies repetition_penalty (multiplicative,"
@@ -356,6 +357,49 @@ def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[i
     return out
 
 
+def fim_tokens(tokenizer: Tokenizer, model_id: str, param: str) -> fim.FimTokens:
+    """The model's FIM tokens, or a 400 naming those its tokenizer lacks."""
+    try:
+        return fim.FimTokens.of(tokenizer, model_id)
+    except fim.FimUnavailable as e:
+        raise ApiError(400, str(e), param=param, code="fim_unsupported") from None
+
+
+def fim_prompt(tokenizer: Tokenizer, tokens: fim.FimTokens, prefix: str, suffix: str, ctx: int,
+               files=(), param: str = "prompt") -> list[int]:
+    """A fill's prompt ids (text/fim.py's layout). A text that cannot fit the context is
+    refused before it is tokenized whole (count_at_least stops in slices past the context)."""
+    try:
+        before, after = fim.fim_text(prefix, suffix, files)
+    except fim.RepositoryError as e:
+        raise ApiError(400, f"input_extra: {e}", param="input_extra") from None
+    at_least = tokenizer.count_at_least(before, ctx + 1) + tokenizer.count_at_least(after, ctx + 1)
+    if at_least > ctx:
+        raise ApiError(400, f"the prompt is at least {at_least} tokens, more than the context of {ctx} tokens",
+                       param=param, code="context_length_exceeded")
+    return fim.fim_ids(tokenizer, tokens, prefix, suffix, files)
+
+
+def suffix_prompts(body: dict, tokenizer: Tokenizer, defaults: Defaults,
+                   model_id: str) -> tuple[list[list[int]], tuple[int, ...]]:
+    """/v1/completions with `suffix` (OpenAI's insert mode): each prompt string is a fill's
+    prefix. Returns the prompts' ids and the tokens that end a fill."""
+    suffix = body.get("suffix")
+    if not isinstance(suffix, str):
+        raise ApiError(400, f"suffix must be a string, not {_show(suffix)}", param="suffix")
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ApiError(400, "with suffix, prompt must be a string or a list of strings (the text before "
+                            "the hole)", param="prompt")
+    if boolean(body, "echo"):
+        raise ApiError(400, "echo cannot be combined with suffix", param="echo")
+    tokens = fim_tokens(tokenizer, model_id, "suffix")
+    unicode_text(suffix, "suffix")
+    ids = [fim_prompt(tokenizer, tokens, unicode_text(p, "prompt"), suffix, defaults.ctx) for p in prompts]
+    return ids, tokens.ends
+
+
 CONTINUE_MARK = "\x00ds2-continue\x00"    # where the last message's content ends, in a rendered prompt
 
 
@@ -426,9 +470,12 @@ def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None) -> gramm
     return fmt
 
 
-def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> list[Job]:
+def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults,
+               model_id: str = "the model", fill: list[int] | None = None, ends: tuple[int, ...] = ()) -> list[Job]:
     """The request's choices as jobs, in OpenAI's order: index = prompt * n + sample. A body
-    that records what is read (http_io.Read) afterwards knows which of its fields nothing read."""
+    that records what is read (http_io.Read) afterwards knows which of its fields nothing read.
+    A completion with `suffix`, or `fill` (a fill's prompt ids that /infill built, with the
+    FIM tokens that end it, `ends`), fills in the middle: the reply also ends at those tokens."""
     _unsupported(body)
     for name in ("cache_prompt", "model", "user", "metadata", "store", "service_tier"):
         body.get(name)          # accepted: ds2 always reuses cached prompts; one model; no store
@@ -446,10 +493,15 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
             raise ApiError(400, "tools are for /v1/chat/completions", param="tools")
         n, prompt = _n(body), body.get("prompt")
         many = len(prompt) if isinstance(prompt, list) and prompt and not _is_ids(prompt) else 1
-        if many * n > MAX_CHOICES:          # before a single prompt is tokenized
+        if fill is None and many * n > MAX_CHOICES:          # before a single prompt is tokenized
             raise ApiError(400, f"{many} prompts x n = {n} is more than {MAX_CHOICES} choices in one request",
                            param="n")
-        prompts = prompt_ids(body, tokenizer, vocab_size)
+        if fill is not None:
+            prompts = [fill]
+        elif body.get("suffix") is not None:
+            prompts, ends = suffix_prompts(body, tokenizer, defaults, model_id)
+        else:
+            prompts = prompt_ids(body, tokenizer, vocab_size)
     n = _n(body)
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts x n = {n} is more than {MAX_CHOICES} choices in one request",
@@ -483,13 +535,14 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
             jobs.append(Job(chat, list(ids), seeded, max_tokens, stop, stream, include_usage,
                             logprobs=logprobs, echo=echo, continue_final=cont, draft=draft,
                             index=p * n + k, sample=k, grammar=grammar, vocab=vocab, tools=offered,
-                            ignore_eos=ignore_eos))
+                            ignore_eos=ignore_eos, end_ids=ends))
     return jobs
 
 
-def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults) -> Job:
+def parse_job(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, defaults: Defaults,
+              model_id: str = "the model", fill: list[int] | None = None, ends: tuple[int, ...] = ()) -> Job:
     """A request that must be one choice."""
-    jobs = parse_jobs(body, chat, tokenizer, vocab_size, defaults)
+    jobs = parse_jobs(body, chat, tokenizer, vocab_size, defaults, model_id, fill, ends)
     if len(jobs) > 1:
         raise ApiError(400, "this request must have one prompt and n = 1", param="n")
     return jobs[0]

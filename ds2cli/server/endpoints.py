@@ -12,6 +12,7 @@ from pathlib import Path
 from ds2cli.errors import Ds2Error, UnavailableError
 from ds2cli.server.api import ApiError, parse_jobs
 from ds2cli.server.http_io import Read
+from ds2cli.server.infill import InfillResponse, infill_job
 from ds2cli.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from ds2cli.server.responses import Response
 from ds2cli.server.tokenizer_endpoints import detokenize_request, tokenize_request, tokenizer_info
@@ -100,12 +101,19 @@ class Endpoints:
     def completions(self) -> None:
         self.complete(chat=False)
 
-    def complete(self, chat: bool) -> None:
+    def infill(self) -> None:
+        """llama-server's /infill: a fill in the middle, answered in llama-server's shape."""
+        self.complete(chat=False, infill=True)
+
+    def complete(self, chat: bool, infill: bool = False) -> None:
         state = self.server.state
         scheduler, model = state.scheduler, state.scheduler.model
         scheduler.check_open()     # while stopping, 503 before the body is read
         body = Read(self.read_json())
-        jobs = parse_jobs(body, chat, model.tokenizer, model.config.vocab_size, state.defaults)
+        if infill:
+            jobs = [infill_job(body, model.tokenizer, model.config.vocab_size, state.defaults, state.model_id)]
+        else:
+            jobs = parse_jobs(body, chat, model.tokenizer, model.config.vocab_size, state.defaults, state.model_id)
         ignored = body.ignored()
         if ignored:     # accepted, as OpenAI's and llama-server's servers do, but said: never silently
             self.extra_headers["X-Ds2-Ignored-Fields"] = ",".join(ignored)[:200]
@@ -117,7 +125,8 @@ class Endpoints:
                                 f"--parallel and --queue)", param="n")
         prompt = sum(len(j.ids) for j in jobs if j.sample == 0)
         self.note = f"prompt {prompt} tok" + (f", {len(jobs)} choices" if len(jobs) > 1 else "")
-        response = Response(jobs, state.model_id, model.tokenizer)
+        response = (InfillResponse(jobs[0], state.model_id, model.tokenizer) if infill
+                    else Response(jobs, state.model_id, model.tokenizer))
         with scheduler.admit(jobs, self.client_gone) as admitted:
             response.outcomes = admitted.outcomes
             lasts = (self.stream if jobs[0].stream else self.collect)(response, admitted.chunks)
@@ -145,7 +154,7 @@ class Endpoints:
         self.send_json(200, response.whole({i: "".join(p) for i, p in pieces.items()}, lasts, entries))
         return lasts
 
-    def stream(self, response: Response, chunks) -> dict:
+    def stream(self, response: Response | InfillResponse, chunks) -> dict:
         self.start_events()
         if response.job.chat:
             for index in response.jobs:
@@ -169,9 +178,9 @@ class Endpoints:
         except Ds2Error as e:  # the status is sent: the error travels as an event, then the stream ends
             error = ApiError(503, str(e), code="unavailable") if isinstance(e, UnavailableError) else ApiError(500, str(e))
             self.send_event(error.body())
-            self.end_events()
+            self.end_events(response.done_event)
             raise error from None
         for obj in response.usage_chunk(lasts):
             self.send_event(obj)
-        self.end_events()
+        self.end_events(response.done_event)
         return lasts

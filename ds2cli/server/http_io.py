@@ -181,9 +181,12 @@ class BodyIO:
         data = b"data: " + obj + b"\n\n"
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
 
-    def end_events(self) -> None:
+    def end_events(self, done: bool = True) -> None:
+        """The stream's end: OpenAI's `data: [DONE]` (unless `done` is false: llama-server's
+        own endpoints send none), then the last chunk."""
         self.count_request()
-        self.send_event(b"[DONE]")
+        if done:
+            self.send_event(b"[DONE]")
         if self.chunked:
             self.wfile.write(b"0\r\n\r\n")
 

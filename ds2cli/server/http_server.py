@@ -37,8 +37,9 @@ CORS_MAX_AGE_S = 600                # how long a browser may reuse a preflight's
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
 MAX_ASKED_HEADERS = 64
 OPEN_PATHS = ("/health", "/", "/favicon.ico")       # no API key needed: the probe, and the chat page (which asks for the key)
+# the /metrics labels; other paths count as "other"
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-             "/tokenize", "/detokenize", "/tokenizer_info")   # the /metrics labels; other paths count as "other"
+             "/infill", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class State:
@@ -146,7 +147,8 @@ class Handler(Endpoints, BodyIO, BaseHTTPRequestHandler):
 
     def route(self, method: str, path: str):
         routes = {"/v1/models": ("GET", self.models), "/v1/chat/completions": ("POST", self.chat),
-                  "/v1/completions": ("POST", self.completions), "/health": ("GET", self.health),
+                  "/v1/completions": ("POST", self.completions), "/infill": ("POST", self.infill),
+                  "/health": ("GET", self.health),
                   "/": ("GET", self.page), "/metrics": ("GET", self.metrics),
                   "/tokenize": ("POST", self.tokenize), "/detokenize": ("POST", self.detokenize),
                   "/tokenizer_info": ("GET", self.tokenizer_info), "/favicon.ico": ("GET", self.favicon)}

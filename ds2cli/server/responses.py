@@ -18,6 +18,8 @@ class Response:
     """Builds the objects of one completion (its choices, one per job), streamed or whole, in
     OpenAI's shapes."""
 
+    done_event = True       # a stream ends with `data: [DONE]`
+
     def __init__(self, jobs: list[Job], model_id: str, tokenizer: Tokenizer | None = None):
         self.jobs = {j.index: j for j in jobs}
         self.job, self.model_id, self.tokenizer = jobs[0], model_id, tokenizer

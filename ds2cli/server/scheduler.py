@@ -281,7 +281,7 @@ class Scheduler:
                     request.logprobs = TokenLogprobs(job.logprobs, keep_eos=job.echo)
                     sampler = ObservedSampler(sampler, request.logprobs)
                 request.gen = Generation(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
-                                         eos_ids=() if job.ignore_eos else None, context=job.ids[:keep],
+                                         eos_ids=self.eos_ids(job), context=job.ids[:keep],
                                          draft=job.draft if job.draft is not None else self.draft,
                                          prompt_rows=self.prompt_rows(request) if scored else None,
                                          prompt_rows_chunk=PROMPT_CHUNK,
@@ -292,6 +292,13 @@ class Scheduler:
                     self.prompt_cache.put([], cache)
                 continue
             self.batch.append(request)
+
+    def eos_ids(self, job: Job) -> tuple[int, ...] | None:
+        """What ends the job's reply: the model's eos (None), nothing (ignore_eos), or eos and
+        the job's own end tokens (a fill's FIM tokens)."""
+        if job.ignore_eos:
+            return ()
+        return (*self.model.eos_token_ids, *job.end_ids) if job.end_ids else None
 
     def is_long(self, request: Request) -> bool:
         """A prompt of more than one chunk (what the last free slot is not given to)."""

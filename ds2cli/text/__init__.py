@@ -5,4 +5,5 @@ Bottom-up:
     tiktoken_convert  Moonlight's / Kimi's tiktoken.model as the same byte-level BPE, cached
     chat_template     Jinja chat templates in a sandbox, with a budget on steps and sizes
     tokenizer         tokenizer.json -> ids, chat prompts, the streaming detokenizer
+    fim               fill-in-the-middle: the FIM tokens found in a tokenizer, the prompt's layout
 """

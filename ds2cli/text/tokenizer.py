@@ -96,6 +96,19 @@ class Tokenizer:
         return () if self._eos_id is None else (self._eos_id,)
 
     @property
+    def adds_bos(self) -> bool:
+        """Whether `encode` starts a text with bos."""
+        return self._add_bos
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token spelled exactly `text` (a special or control token such as
+        "<｜fim▁hole｜>"), or None when the tokenizer has none."""
+        for token_id, token in self._backend.get_added_tokens_decoder().items():
+            if token.content == text:
+                return token_id
+        return None
+
+    @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 

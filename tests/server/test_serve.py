@@ -264,7 +264,7 @@ ERROR_CASES = [
      400, "repetition_penalty"),
     ("POST", "/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt must be a string"),
     ("POST", "/v1/completions", {"prompt": [5, 99999]}, 400, "prompt token ids must be in [0, 4096)"),
-    ("POST", "/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix is not supported"),
+    ("POST", "/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "tokenizer has no fill-in-the-middle tokens"),
     ("POST", "/v1/completions", {"prompt": "hi", "seed": -2}, 400, "seed must be >= 0, or -1 for a random one"),
     ("POST", "/v1/completions", {"prompt": "hi", "top_p": 1e999}, 400, "top_p must be a finite number"),
     ("POST", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt is not valid Unicode"),
