@@ -33,7 +33,8 @@ MARK = "test_docs_server.py"
 VARIES = ["timings", "dates"]
 # files a page's server command names, made from the repository's
 FILES = {"v25.jinja": lambda: json.loads((ROOT / "tests" / "data" / "tokenizers" / "deepseek-v2.5" /
-                                          "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]}
+                                          "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"],
+         "r1.jinja": lambda: (ROOT / "tests" / "data" / "r1_chat_template.jinja").read_text(encoding="utf-8")}
 # model directories a page's server command names (-m DIR), made in the server's working directory
 MODELS = {"coder-like": write_coder_like}
 

@@ -199,9 +199,11 @@ input:
 class Repl:
     """The chat loop: messages in, replies out, /commands, and the bookkeeping for leaving."""
 
-    def __init__(self, session: ChatSession, sampler, max_new: int, stop: list[str], stats: bool, draft: int = 0):
+    def __init__(self, session: ChatSession, sampler, max_new: int, stop: list[str], stats: bool, draft: int = 0,
+                 hide_reasoning: bool = False):
         self.session, self.sampler, self.max_new, self.stop, self.stats = session, sampler, max_new, stop, stats
         self.draft = draft
+        self.hide_reasoning = hide_reasoning    # a reply's reasoning is kept in the conversation, not shown
         self.interactive = sys.stdin.isatty()
         self.unsaved = False          # the conversation has turns no /save or --load holds
         self.session_file = None      # --session: the conversation is saved there after every turn
@@ -276,7 +278,8 @@ class Repl:
         self.turns += 1
         try:
             text = argument_text(text, "message", hint="it was not sent")
-            last = chat_turn(self.session, text, self.sampler, self.max_new, self.stop, self.draft)
+            last = chat_turn(self.session, text, self.sampler, self.max_new, self.stop, self.draft,
+                             self.hide_reasoning)
         except Ds2Error as e:
             console.error(str(e))
             self.failed += 1
@@ -325,18 +328,26 @@ class Repl:
         return True
 
 
-def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop, draft: int = 0) -> Chunk | None:
+def chat_turn(session: ChatSession, text: str, sampler, max_new: int, stop, draft: int = 0,
+              hide_reasoning: bool = False) -> Chunk | None:
+    """One turn: the reply's answer on stdout, its reasoning dimmed on stderr (console.ReplyWriter)."""
     reading = console.PrefillProgress(0)     # a long message (a pasted document) shows its reading
     chunks = session.reply(text, sampler, max_new, stop, draft=draft, progress=reading)
-    last = None
+    last, writer = None, None
     try:
         for chunk in chunks:
             reading.close()
-            write_out(chunk.text)
+            if writer is None:      # the prompt is rendered by now: whether it opened <think> is known
+                writer = console.ReplyWriter(session.split_reasoning, session.opened, hide_reasoning)
+            writer.write(chunk.text)
             last = chunk
+        if writer is not None:
+            writer.close()
     except KeyboardInterrupt:
         chunks.close()
         reading.close()
+        if writer is not None:
+            writer.close()
         write_out("\n")
         if last is None and reading.done:
             console.info(reading.summary())

@@ -1,5 +1,6 @@
-"""Terminal output: stderr helpers (errors, warnings, the stats line, the load progress bar) and
-the one writer of stdout, which is left to generated text (or JSON)."""
+"""Terminal output: stderr helpers (errors, warnings, the stats line, the load progress bar), the
+one writer of stdout, which is left to generated text (or JSON), and a reply's writer, which
+keeps its reasoning off stdout."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from ds2cli.model.cache import LatentCache
 from ds2cli.generation.generate import Chunk
+from ds2cli.text.reasoning import ReasoningSplitter, Split
 from ds2cli.wording import human_bytes
 
 
@@ -138,6 +140,42 @@ def write_out(text: str) -> None:
     if text:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+
+class ReplyWriter:
+    """A reply as it streams (generate, chat): the answer on stdout, its reasoning
+    (`<think>`...`</think>`, text/reasoning.py) on stderr, dimmed on a terminal, its line ended
+    before the answer starts; `hide`: the reasoning is not shown. `split` false (--reasoning-format
+    none): all of the reply on stdout as generated. `opened`: the prompt opened `<think>`."""
+
+    def __init__(self, split: bool = True, opened: bool = False, hide: bool = False):
+        self.splitter = ReasoningSplitter(opened) if split else None
+        self.hide = hide
+        self.thinking = False           # reasoning is on stderr and its line not yet ended
+        self.answer = ""                # what went to stdout
+
+    def write(self, text: str) -> None:
+        self.show(self.splitter.feed(text) if self.splitter is not None else Split(content=text))
+
+    def close(self) -> None:
+        """The reply's end: what the split held back, and the reasoning's line ended."""
+        if self.splitter is not None:
+            self.show(self.splitter.flush())
+        self.end_reasoning()
+
+    def show(self, part: Split) -> None:
+        if part.reasoning and not self.hide:
+            click.echo(click.style(part.reasoning, dim=True), err=True, nl=False)   # unstyled off a terminal
+            self.thinking = True
+        if part.content:
+            self.end_reasoning()
+            self.answer += part.content
+            write_out(part.content)
+
+    def end_reasoning(self) -> None:
+        if self.thinking:
+            click.echo("", err=True)
+            self.thinking = False
 
 
 def quiet_broken_pipe() -> None:

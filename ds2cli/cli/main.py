@@ -32,13 +32,14 @@ from ds2cli.weights.source import bundled_model_dir, check_model_dir
 from ds2cli.model.transformer import Model
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, cluster_plan, draft_option,
                             generation_options, load_model, max_new_tokens_for, memory_options, model_from_env,
-                            model_option, naming_ds2_model, open_source, prompt_bytes_limit, ray_option, sampler_for,
-                            stats_option, strip_bom, thread_limits, threads_option, tokenizer_of, unescape)
+                            model_option, naming_ds2_model, open_source, prompt_bytes_limit, ray_option,
+                            reasoning_options, sampler_for, stats_option, strip_bom, thread_limits, threads_option, tokenizer_of, unescape)
 from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.cli.chat_loop import CHAT_HELP, Repl
 from ds2cli.generation.sampling import CountingSampler
 from ds2cli.cli.serve import serve
 from ds2cli.cli.inspect_tables import render
+from ds2cli.text import reasoning
 from ds2cli.wording import plural
 from ds2cli.user_files import read_bounded
 from ds2cli.cli.saved_state import (check_prompt_cache, hold_session, leaving_on_signals, save_on_leaving,
@@ -196,6 +197,7 @@ GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_positi
                    "to it: a long document is read once across runs (llama-cli's option).")
 @click.option("--verbose-prompt", is_flag=True, help="Print the prompt as the model sees it, and its token ids, on stderr.")
 @stats_option
+@reasoning_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, system, chat_template, from_bos,
              suffix, suffix_file, ignore_eos, verbose_prompt, prompt_cache, as_json, quantize, no_memory_check,
@@ -205,9 +207,11 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
     An empty prompt is refused unless --from-bos asks to start from the bos token alone.
     With --suffix (or --suffix-file), PROMPT is the code before the hole and the model writes what
     goes between it and the suffix (fill-in-the-middle; docs/cli.md).
+    A reply's reasoning (<think>...</think>) goes to stderr and its answer to stdout.
     Ctrl-C stops generating (exit 130; with --json, the object says finish_reason "interrupted")."""
     if prompt is not None and prompt_option is not None:
         raise click.UsageError("give the prompt as an argument or with -p/--prompt, not both")
+    check_reasoning_options(opts)
     system = argument_text(system, "--system argument", encoding)
     chat = chat or system is not None or chat_template is not None
     if from_bos and chat:
@@ -237,7 +241,10 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
             what = "--ctx" if opts["ctx"] else "the model's max_position_embeddings"
             raise ContextFullError(f"the prompt is at least {at_least} tokens, more than the context of "
                                    f"{limit} tokens ({what})")
-        ids = fim.fim_ids(tokenizer, fim_tokens, text, suffix) if fill else prompt_ids(tokenizer, text, chat, system)
+        if fill:
+            ids, opts["opened"] = fim.fim_ids(tokenizer, fim_tokens, text, suffix), False
+        else:
+            ids, opts["opened"] = prompt_ids(tokenizer, text, chat, system)
         if len(ids) > limit:
             what = "--ctx" if opts["ctx"] else "the model's max_position_embeddings"
             raise ContextFullError(f"the prompt is {len(ids)} tokens, more than the context of {limit} tokens "
@@ -280,15 +287,24 @@ def model_name(source) -> str:
     return source.path.name or str(source.path)
 
 
-def prompt_ids(tok, text: str, chat: bool, system: str | None) -> list[int]:
+def check_reasoning_options(opts: dict) -> None:
+    if opts["hide_reasoning"] and opts["reasoning_format"] == "none":
+        raise click.UsageError("--hide-reasoning hides the reasoning that --reasoning-format deepseek sets "
+                               "apart; with none the reply is shown as generated")
+
+
+def prompt_ids(tok, text: str, chat: bool, system: str | None) -> tuple[list[int], bool]:
+    """The prompt's ids, and whether it opened <think> (R1's template does: the reply starts
+    inside its reasoning)."""
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        ids = tok.encode_chat(messages, add_generation_prompt=True)
+        text = tok.render_chat(messages, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(text)
     if not ids:
         raise Ds2Error("the prompt is empty and the tokenizer adds no bos token: nothing to condition on")
-    return ids
+    return ids, reasoning.opens_reasoning(text)
 
 
 def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, verbose_prompt: bool,
@@ -324,8 +340,10 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
     if chat:
         chunks = lstrip_reply(chunks)
     pieces: list[Chunk] = []
+    split = opts["reasoning_format"] != "none"
+    writer = console.ReplyWriter(split, opts["opened"], opts["hide_reasoning"])
     try:
-        last = run_generation(chunks, as_json, pieces, reading)
+        last = run_generation(chunks, as_json, pieces, reading, writer)
     except KeyboardInterrupt:
         chunks.close()
         reading.close()
@@ -335,9 +353,11 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
         ran = pieces[-1] if pieces else Chunk("", prompt_tokens=len(ids))
         interrupted = dataclasses.replace(ran, text="".join(c.text for c in pieces), finish_reason="interrupted")
         if as_json:   # every token sampled counts, those held back (a partial stop string) too
-            out = {**generation_json(interrupted, load_s, opts["draft"]), "completion_tokens": sampler.count}
+            out = {**generation_json(interrupted, load_s, opts["draft"], split, opts["opened"]),
+                   "completion_tokens": sampler.count}
             write_out(json.dumps(out, ensure_ascii=False) + "\n")
         else:
+            writer.close()
             write_out("\n")
         if not pieces and reading.done:
             console.info(reading.summary())
@@ -347,7 +367,8 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
     if prompt_cache is not None:
         save_prompt_cache(prompt_cache, model, cache, ids)
     if as_json:
-        write_out(json.dumps(generation_json(last, load_s, opts["draft"]), ensure_ascii=False) + "\n")
+        write_out(json.dumps(generation_json(last, load_s, opts["draft"], split, opts["opened"]),
+                             ensure_ascii=False) + "\n")
     if opts["stats"]:
         console.info(console.stats_line(load_s, last, cache, model.executor.stats()))
 
@@ -359,23 +380,31 @@ def show_prompt(tok, ids: list[int]) -> None:
     console.info("token ids: " + " ".join(map(str, ids)))
 
 
-def run_generation(chunks, as_json: bool, pieces: list[Chunk], reading=None) -> Chunk:
-    """Stream (or collect, for --json) the chunks into `pieces`; return the last one with the
-    full text in it. `reading`, the prompt's progress line, goes away at the first chunk."""
+def run_generation(chunks, as_json: bool, pieces: list[Chunk], reading=None,
+                   writer: console.ReplyWriter | None = None) -> Chunk:
+    """Stream (or collect, for --json) the chunks into `pieces`, through `writer` (the answer on
+    stdout, the reasoning on stderr); return the last one with the full text in it. `reading`,
+    the prompt's progress line, goes away at the first chunk."""
+    writer = writer or console.ReplyWriter(split=False)
     for chunk in chunks:
         if reading is not None and not pieces:
             reading.close()
         pieces.append(chunk)
         if not as_json:
-            write_out(chunk.text)
+            writer.write(chunk.text)
+    if not as_json:
+        writer.close()
     text = "".join(c.text for c in pieces)
-    if not as_json and text and not text.endswith("\n"):
+    if not as_json and writer.answer and not writer.answer.endswith("\n"):
         write_out("\n")
     return dataclasses.replace(chunk, text=text)
 
 
-def generation_json(last: Chunk, load_s: float, draft: int = 0) -> dict:
-    out = {"text": last.text, "prompt_tokens": last.prompt_tokens,
+def generation_json(last: Chunk, load_s: float, draft: int = 0, split: bool = True, opened: bool = False) -> dict:
+    """`text` is the reply as generated; `content` its answer and `reasoning_content` its
+    reasoning (null when it had none, or with --reasoning-format none)."""
+    thought, answer = reasoning.split(last.text, opened) if split else (None, last.text)
+    out = {"text": last.text, "content": answer, "reasoning_content": thought, "prompt_tokens": last.prompt_tokens,
            "completion_tokens": last.generated_tokens, "finish_reason": last.finish_reason,
            "timings": {"load_s": round(load_s, 4), "prefill_tok_per_s": round(last.prefill_tok_per_s, 2),
                        "decode_tok_per_s": round(last.decode_tok_per_s, 2)}}
@@ -402,13 +431,16 @@ CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation; more th
 @threads_option
 @memory_options
 @stats_option
+@reasoning_options
 def chat(model_dir, system, load_path, session_path, chat_template, quantize, no_memory_check, **opts):
     """Chat with the model in a REPL.
 
     On a terminal: line editing and history, multi-line messages between two lines of \""",
     Ctrl-C stops a reply or clears the line, Ctrl-D or /exit leaves. Otherwise it reads one
     message per line from stdin, writes only the replies to stdout, and exits 1 if every turn
-    failed."""
+    failed. A reply's reasoning (<think>...</think>) is shown dimmed on stderr, apart from
+    its answer, and kept in the conversation (/save, --session) but never sent back to the model."""
+    check_reasoning_options(opts)
     system = argument_text(system, "--system argument")
     source = open_source(model_dir)
     check_ctx(source.config, opts["ctx"])
@@ -425,10 +457,11 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
             model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
                                         opts["ray"], opts["memory_budget"])
             capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
-            session = ChatSession(model, capacity, warn=console.warn)
+            session = ChatSession(model, capacity, warn=console.warn,
+                                  split_reasoning=opts["reasoning_format"] != "none")
             repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                         [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]], opts["stats"],
-                        opts["draft"])
+                        opts["draft"], opts["hide_reasoning"])
             if messages is not None:
                 repl.resume(messages, load_path)
             if session_path is not None and session_path.exists():

@@ -26,6 +26,7 @@ from ds2cli.user_files import read_bounded
 from ds2cli.weights.loader import load
 from ds2cli.weights.source import Source, open_model
 from ds2cli.model.transformer import Model
+from ds2cli.text.reasoning import FORMATS
 from ds2cli.generation.sampling import SamplingParams, make_sampler
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -120,6 +121,16 @@ draft_option = click.option(
          "0 = off (default: 0).")
 
 stats_option = click.option("--stats", is_flag=True, help="Print timings and cache use on stderr.")
+
+
+def reasoning_options(f):
+    """How a reply's reasoning (`<think>`...`</think>`, R1 and V3.1) is shown: text/reasoning.py."""
+    f = click.option("--hide-reasoning", is_flag=True,
+                     help="Do not show a reply's reasoning (<think>...</think>), only its answer.")(f)
+    return click.option("--reasoning-format", type=click.Choice(FORMATS), default="deepseek",
+                        help="deepseek: a reply's <think>...</think> is shown apart from the answer, on stderr "
+                             "(dimmed on a terminal); none: all of the reply as generated, on stdout "
+                             "(default: deepseek).")(f)
 
 
 def checked_stops(stops: tuple[str, ...]) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from ds2cli.server.scheduler import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, Sch
 from ds2cli.errors import Ds2Error
 from ds2cli.server.http_server import MAX_BODY_BYTES, Server, State
 from ds2cli.server.prompt_disk import DiskPool
+from ds2cli.text import reasoning
 from ds2cli.wording import human_bytes
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
                             max_new_tokens_for, memory_options, model_option, open_source, sampling_options,
@@ -110,6 +111,10 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 @click.option("--system", metavar="TEXT", help="A system message for the chat requests that bring none "
               "(no system or developer message).")
 @chat_template_option()
+@click.option("--reasoning-format", type=click.Choice(reasoning.FORMATS), default="deepseek",
+              help="deepseek: a chat reply's <think>...</think> comes apart from the answer, as "
+                   "reasoning_content (streamed as delta.reasoning_content); none: it stays in content. "
+                   "A request's reasoning_format overrides it (default: deepseek).")
 @sampling_options
 @draft_option
 @click.option("-c", "--ctx", "--ctx-size", type=click.IntRange(min=1), metavar="N", help=f"Tokens per request, prompt and reply; "
@@ -141,7 +146,7 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 @memory_options
 def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_cache_dir, prompt_cache_dir_mb,
           max_queue, parallel, prefill_chunk, max_prompt_bytes,
-          draft, cors_origins, system, chat_template, quantize, no_memory_check, **opts):
+          draft, cors_origins, system, chat_template, reasoning_format, quantize, no_memory_check, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
     Listens on 127.0.0.1:8000 unless told otherwise. The sampling options, -n and --draft are the
@@ -168,7 +173,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
             model, load_s = load_model(source, quantize, ctx * parallel, not no_memory_check, opts["ray"],
                                        opts["memory_budget"])
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
-                                ctx, system, tuple(model.eos_token_ids))
+                                ctx, system, tuple(model.eos_token_ids), reasoning_format)
             disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * MB, model) \
                 if prompt_cache_dir is not None else None
             scheduler = Scheduler(model, ctx, prompt_cache_mb * MB, max_queue, parallel, prefill_chunk,

@@ -1,7 +1,10 @@
 """A multi-turn conversation over one persistent latent cache.
 
 Each turn renders the whole history through the chat template, keeps the longest prefix of
-tokens the cache already holds, and prefills only what differs (usually just the new turn)."""
+tokens the cache already holds, and prefills only what differs (usually just the new turn).
+A reply's reasoning (`<think>`...`</think>`) is kept in its message as `reasoning_content`, beside
+the answer in `content`, and saved with it; the template never sees it again (unless it reads
+that field: Tokenizer.render_chat)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from ds2cli.model.transformer import Model
 from ds2cli.generation import saved_cache
 from ds2cli.generation.sampling import Sampler
 from ds2cli.model.cache import common_prefix
+from ds2cli.text import reasoning
 from ds2cli.user_files import read_bounded, write_atomic
 
 ROLES = ("system", "user", "assistant")
@@ -45,17 +49,21 @@ def checked_messages(data, path: Path) -> list[dict]:
     messages = data.get("messages") if isinstance(data, dict) else data
     ok = isinstance(messages, list) and all(
         isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-        for m in messages)
+        and isinstance(m.get(reasoning.REASONING_FIELD) or "", str) for m in messages)
     if not ok:
         raise Ds2Error(f"{path} is not a conversation: expected a JSON list of "
                        f"{{\"role\", \"content\"}} messages")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    field = reasoning.REASONING_FIELD
+    return [{"role": m["role"], "content": m["content"], **({field: m[field]} if m.get(field) is not None else {})}
+            for m in messages]
 
 
 class ChatSession:
     def __init__(self, model: Model, capacity: int, system: str | None = None,
-                 warn: Callable[[str], None] = lambda message: None):
+                 warn: Callable[[str], None] = lambda message: None, split_reasoning: bool = True):
         self.model = model
+        self.split_reasoning = split_reasoning      # False: a reply's <think>...</think> stays in its content
+        self.opened = False                         # the last prompt opened <think> (R1's template does)
         self.cache = model.new_cache(capacity)
         self.cached_ids: list[int] = []      # the tokens whose latents the cache holds
         self.messages: list[dict] = []
@@ -104,9 +112,12 @@ class ChatSession:
     def _fit(self, reserve: int) -> list[int]:
         """Render the history with the generation prompt, dropping the oldest whole turns
         (never the system message) until it leaves `reserve` free positions."""
+        tokenizer = self.model.tokenizer
         while True:
-            ids = self.model.tokenizer.encode_chat(self.messages, add_generation_prompt=True)
+            text = tokenizer.render_chat(self.messages, add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
             if len(ids) + reserve <= self.cache.capacity:
+                self.opened = reasoning.opens_reasoning(text)
                 return ids
             first = next(i for i, m in enumerate(self.messages) if m["role"] != "system")
             rest = self.messages[first + 1:]
@@ -155,4 +166,10 @@ class ChatSession:
             # and cached_ids is whatever the cache really holds.
             fed = ids + generated
             self.cached_ids = fed[:self.cache.length] if generated else ids[:self.cache.length]
-            self.messages.append({"role": "assistant", "content": "".join(pieces).strip()})
+            self.messages.append(self.reply_message("".join(pieces)))
+
+    def reply_message(self, text: str) -> dict:
+        """The assistant's message for a reply: its answer, and its reasoning apart."""
+        thought, answer = reasoning.split(text, self.opened) if self.split_reasoning else (None, text)
+        return {"role": "assistant", "content": answer.strip(),
+                **({reasoning.REASONING_FIELD: thought} if thought is not None else {})}

@@ -18,6 +18,7 @@ from ds2cli.errors import Ds2Error
 from ds2cli.generation.logprobs import MAX_TOP
 from ds2cli.generation.sampling import SamplingError, SamplingParams
 from ds2cli.text import fim
+from ds2cli.text import reasoning
 from ds2cli.text.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
 from ds2cli.server.tools import ToolError, ToolSet
 
@@ -62,6 +63,8 @@ class Job:
     tools: Any = None           # tools.ToolSet when the request declared tools (chat)
     ignore_eos: bool = False    # eos does not end the reply (llama-server's ignore_eos)
     end_ids: tuple[int, ...] = ()   # tokens that end the reply as eos does (a fill's FIM tokens)
+    reasoning: bool = False     # chat: <think>...</think> goes to reasoning_content (reasoning_format deepseek)
+    reasoning_opened: bool = False  # the prompt opened <think>: the reply starts inside the reasoning
 
     def constraint(self) -> grammars.Constraint | None:
         """A fresh grammar state for this job's sequence (None when the output is free)."""
@@ -76,6 +79,7 @@ class Defaults:
     ctx: int
     system: str | None = None   # --system: for chat requests that bring no system message
     eos_ids: tuple[int, ...] = ()   # the model's eos ids (a grammar allows them where it accepts)
+    reasoning_format: str = "deepseek"  # --reasoning-format: chat replies' reasoning apart ("none": in content)
 
 
 # ---- request fields ----
@@ -153,6 +157,19 @@ def _compile(build, param: str, what: str | None = None) -> grammars.Grammar:
         raise ApiError(400, f"{param}: {e}", param=param, code="grammar_unavailable") from None
     except grammars.GrammarError as e:
         raise ApiError(400, f"{what or param} is not a usable JSON Schema: {e}", param=param) from None
+
+
+def _reasoning_format(body: dict, defaults: Defaults) -> str:
+    """llama-server's per-request reasoning_format over --reasoning-format: "deepseek" puts the
+    reply's <think>...</think> in reasoning_content, "none" leaves it in content; "auto" (what
+    llama-server's clients send as its default) is deepseek's split."""
+    value = body.get("reasoning_format")
+    if value is None:
+        return defaults.reasoning_format
+    if value not in (*reasoning.FORMATS, "auto"):
+        raise ApiError(400, f"reasoning_format must be one of {', '.join(reasoning.FORMATS)} or auto, "
+                            f"not {_show(value)}", param="reasoning_format")
+    return "deepseek" if value == "auto" else value
 
 
 def _n(body: dict) -> int:
@@ -309,6 +326,11 @@ def chat_messages(body: dict) -> list[dict]:
             raise ApiError(400, f"messages[{i}].role must be one of system, developer, user, assistant, tool, "
                                 f"not {_show(m.get('role'))}", param=f"messages[{i}].role")
         message = {"role": ROLES[m["role"]], "content": _content(m, i)}
+        if message["role"] == "assistant" and isinstance(m.get(reasoning.REASONING_FIELD), str):
+            # an earlier reply's reasoning, as this server returned it: for a template that reads
+            # it (Tokenizer.render_chat drops it for the others)
+            message[reasoning.REASONING_FIELD] = unicode_text(m[reasoning.REASONING_FIELD],
+                                                              f"messages[{i}].{reasoning.REASONING_FIELD}")
         if message["role"] == "assistant" and m.get("tool_calls") not in (None, []):
             message["tool_calls"] = _tool_check(tooling.assistant_calls, m, i)
             # templates (DeepSeek's) tell a call from a reply by `content is none`
@@ -436,6 +458,14 @@ def render_continuation(tokenizer: Tokenizer, messages: list[dict]) -> str:
 def chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults,
              toolset: ToolSet | None = None) -> tuple[list[int], bool]:
     """The chat prompt's ids (with the request's tools), and whether it continues the last message."""
+    ids, cont, _ = chat_prompt(body, tokenizer, defaults, toolset)
+    return ids, cont
+
+
+def chat_prompt(body: dict, tokenizer: Tokenizer, defaults: Defaults,
+                toolset: ToolSet | None = None) -> tuple[list[int], bool, bool]:
+    """chat_ids, and whether the reply starts inside reasoning: the prompt opened <think> (R1's
+    generation prompt does), or the assistant message it continues did."""
     messages = chat_messages(body)
     if defaults.system and all(m["role"] != "system" for m in messages):
         messages.insert(0, {"role": "system", "content": defaults.system})
@@ -449,8 +479,11 @@ def chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults,
     cont, gen = continuation(body, messages), body.get("add_generation_prompt") is not False
     try:
         if cont:
-            return tokenizer.encode(render_continuation(tokenizer, messages), add_special_tokens=False), True
-        return tokenizer.encode_chat(messages, add_generation_prompt=gen, tools=declared), False
+            last = messages[-1]["content"] or ""
+            opened = last.rfind(reasoning.THINK_OPEN) > last.rfind(reasoning.THINK_CLOSE)
+            return tokenizer.encode(render_continuation(tokenizer, messages), add_special_tokens=False), True, opened
+        text = tokenizer.render_chat(messages, add_generation_prompt=gen, tools=declared)
+        return tokenizer.encode(text, add_special_tokens=False), False, reasoning.opens_reasoning(text)
     except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
         raise ApiError(400, str(e), param="messages") from None
 
@@ -479,14 +512,14 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     _unsupported(body)
     for name in ("cache_prompt", "model", "user", "metadata", "store", "service_tier"):
         body.get(name)          # accepted: ds2 always reuses cached prompts; one model; no store
-    cont = False
+    cont = opened = False
     echo = boolean(body, "echo")
     if chat and echo:
         raise ApiError(400, "echo is only for /v1/completions", param="echo")
     toolset = None
     if chat:
         toolset = _tool_check(tooling.parse_tools, body)
-        ids, cont = chat_ids(body, tokenizer, defaults, toolset)
+        ids, cont, opened = chat_prompt(body, tokenizer, defaults, toolset)
         prompts = [ids]
     else:
         if body.get("tools") not in (None, []):
@@ -518,6 +551,7 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     params, max_tokens = _params(body, defaults, vocab_size), _max_tokens(body, defaults, echo)
     stop, draft, logprobs = _stop(body), _draft(body), _logprobs(body, chat)
     ignore_eos = boolean(body, "ignore_eos")     # llama-server's: only max_tokens, stop or ctx end it
+    split = chat and _reasoning_format(body, defaults) != "none"
     grammar = _grammar(body, tokenizer, toolset)
     vocab = None
     if grammar is not None:
@@ -535,7 +569,8 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
             jobs.append(Job(chat, list(ids), seeded, max_tokens, stop, stream, include_usage,
                             logprobs=logprobs, echo=echo, continue_final=cont, draft=draft,
                             index=p * n + k, sample=k, grammar=grammar, vocab=vocab, tools=offered,
-                            ignore_eos=ignore_eos, end_ids=ends))
+                            ignore_eos=ignore_eos, end_ids=ends, reasoning=split,
+                            reasoning_opened=split and opened))
     return jobs
 
 

@@ -166,9 +166,10 @@ class Endpoints:
                 if response.jobs[index].echo and index not in started:   # scored once its prompt ran
                     self.send_event(response.echo_chunk(index))
                 started.add(index)
-                text = response.content(chunk.text, index)     # held back where it may be a tool call
-                if text or chunk.logprobs:
-                    self.send_event(response.chunk(text, index=index, entries=chunk.logprobs))
+                # held back where it may be a marker of reasoning or a tool call
+                piece = response.piece_chunk(*response.pieces(chunk.text, index), index=index, entries=chunk.logprobs)
+                if piece is not None:
+                    self.send_event(piece)
                 if chunk.finish_reason is not None:
                     lasts[index] = chunk
                     for obj in response.finish_chunks(chunk, index):

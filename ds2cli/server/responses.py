@@ -1,4 +1,5 @@
-"""OpenAI's response objects for one request's choices, whole or streamed: text, logprobs
+"""OpenAI's response objects for one request's choices, whole or streamed: text, reasoning apart
+from the answer (DeepSeek's `reasoning_content`, text/reasoning.py splits it), logprobs
 (logprobs.py shapes them), tool calls (tools.py parses them), finish reasons and usage.
 No HTTP here (http_server.py writes them) and no request parsing (api.py).
 """
@@ -12,6 +13,7 @@ from ds2cli.server import tools as tooling
 from ds2cli.server.api import ABORTED, Job
 from ds2cli.generation.generate import Chunk
 from ds2cli.generation.logprobs import TextOffsets, chat_content, completion_logprobs
+from ds2cli.text import reasoning
 from ds2cli.text.tokenizer import Tokenizer
 
 class Response:
@@ -30,6 +32,9 @@ class Response:
         self.offsets = {i: TextOffsets(tokenizer) for i in self.jobs} if tokenizer is not None else {}
         # streamed tool calls, each choice's held back until it ends
         self.calls = {i: tooling.CallStream() for i in self.jobs} if self.job.tools is not None else None
+        # streamed reasoning, each choice's split from its answer as it comes
+        self.splitters = {i: reasoning.ReasoningSplitter(j.reasoning_opened) for i, j in self.jobs.items()
+                          if j.reasoning}
         # what the scheduler found for each choice (scheduler.Outcome: cached tokens, echo's
         # logprobs), given once the request is admitted
         self.outcomes: dict = {}
@@ -48,12 +53,14 @@ class Response:
         return completion_logprobs(self.tokenizer, entries, self.offsets[index], job.ids if echoed else None)
 
     def _choice(self, index: int, text: str | None, finish: str | None, delta: bool, role: bool = False,
-                logprobs: dict | None = None, calls: list | None = None) -> dict:
+                logprobs: dict | None = None, calls: list | None = None, thought: str | None = None) -> dict:
         if not self.job.chat:
             return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         body: dict = {"role": "assistant"} if role or not delta else {}
         if text is not None or (calls and not delta):
             body["content"] = text
+        if thought is not None:         # only a reply that had reasoning has the key (llama-server's way)
+            body[reasoning.REASONING_FIELD] = thought
         if calls:
             body["tool_calls"] = ([{"index": k, **c} for k, c in enumerate(calls)] if delta else calls)
         return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
@@ -81,13 +88,15 @@ class Response:
             if job.echo:
                 text = self.echoed_prompt(index) + text
                 ents = None if ents is None or job.logprobs is None else [*self.outcomes[index].prompt_logprobs, *ents]
-            finish, calls = finish_reason(lasts[index]), None
+            finish, calls, thought = finish_reason(lasts[index]), None, None
+            if job.reasoning:
+                thought, text = reasoning.split(text, job.reasoning_opened)
             if job.tools is not None:
                 text, calls, complete = tooling.parse_calls(text)
                 if calls:
                     text = text or None
                     finish = "tool_calls" if complete else finish
-            choices.append(self._choice(index, text, finish, delta=False, calls=calls,
+            choices.append(self._choice(index, text, finish, delta=False, calls=calls, thought=thought,
                                         logprobs=self._logprobs(index, ents, echoed=job.echo)))
         return self._wrap(choices, self.object, usage=self.usage(lasts))
 
@@ -95,11 +104,28 @@ class Response:
         """What of a streamed piece can go out as content now (tool calls wait for the end)."""
         return self.calls[index].feed(text) if self.calls is not None else text
 
+    def pieces(self, text: str, index: int = 0) -> tuple[str, str]:
+        """What of a streamed piece can go out now as (reasoning, content): a possible marker waits
+        for the next piece, tool calls for the end."""
+        thought = ""
+        if index in self.splitters:
+            part = self.splitters[index].feed(text)
+            thought, text = part.reasoning, part.content
+        return thought, self.content(text, index)
+
+    def piece_chunk(self, thought: str, text: str, index: int = 0, entries: list | None = None) -> dict | None:
+        """A streamed piece's chunk (None when it has nothing to send): reasoning as
+        delta.reasoning_content, the answer as delta.content."""
+        if not (thought or text or entries):
+            return None
+        return self.chunk(None if thought and not text else text, index=index, entries=entries,
+                          thought=thought or None)
+
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False, index: int = 0,
-              entries: list | None = None, calls: list | None = None) -> dict:
+              entries: list | None = None, calls: list | None = None, thought: str | None = None) -> dict:
         extra = {"usage": None} if self.job.include_usage else {}
         choice = self._choice(index, text, finish, delta=True, role=role, logprobs=self._logprobs(index, entries),
-                              calls=calls)
+                              calls=calls, thought=thought)
         return self._wrap([choice], self._chunk_object(), **extra)
 
     def echo_chunk(self, index: int = 0) -> dict:
@@ -110,9 +136,14 @@ class Response:
         return self._wrap([choice], self._chunk_object(), **extra)
 
     def finish_chunks(self, last: Chunk, index: int = 0) -> list[dict]:
-        """A choice's end: the rest of its content and its tool calls (with tools), then the
-        chunk that carries its finish_reason."""
+        """A choice's end: what its reasoning split held back, the rest of its content and its
+        tool calls (with tools), then the chunk that carries its finish_reason."""
         out, finish = [], finish_reason(last)
+        if index in self.splitters:
+            rest = self.splitters[index].flush()
+            held = self.piece_chunk(rest.reasoning, self.content(rest.content, index), index)
+            if held is not None:
+                out.append(held)
         if self.calls is not None:
             rest, calls, complete = self.calls[index].finish()
             if rest:

@@ -21,6 +21,7 @@ import tokenizers
 from ds2cli.json_files import read_json_object
 from ds2cli.errors import TokenizerError
 from ds2cli.text.chat_template import compile_template, one_line, render
+from ds2cli.text.reasoning import without_reasoning
 from ds2cli.text.tiktoken_convert import byte_level_alphabet, has_tiktoken
 from ds2cli.text.tiktoken_convert import load_backend as tiktoken_backend
 
@@ -171,8 +172,10 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> str:
         """Messages -> the prompt string, exactly as Hugging Face's apply_chat_template renders it
-        (`tools`, OpenAI's tool list, is the template's `tools` variable, as in HF)."""
+        (`tools`, OpenAI's tool list, is the template's `tools` variable, as in HF). Earlier
+        turns' reasoning reaches the template only if it reads it (reasoning.without_reasoning)."""
         _check_messages(messages)
+        messages = without_reasoning(messages, self.chat_template or FALLBACK_CHAT_TEMPLATE)
         variables: dict[str, Any] = {"messages": messages,
                                      "add_generation_prompt": add_generation_prompt}
         if tools is not None:

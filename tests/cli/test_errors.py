@@ -873,7 +873,7 @@ def test_reply_closed_before_any_text_keeps_the_user_turn(tiny_model):
 
 def test_failed_turn_leaves_no_dangling_user_message(tiny_model, monkeypatch):
     session = ChatSession(tiny_model, capacity=512)
-    monkeypatch.setattr(tiny_model.tokenizer, "encode_chat",
+    monkeypatch.setattr(tiny_model.tokenizer, "render_chat",
                         lambda *a, **k: (_ for _ in ()).throw(TokenizerError("chat template line 1: boom")))
     with pytest.raises(TokenizerError):
         list(session.reply("hi", greedy(), 8))

@@ -43,11 +43,11 @@ def model():
 
 
 def make_server(model, api_key=KEY, max_queue=16, budget=64 << 20, ctx=1024, params=None, system=None,
-                parallel=1, cors_origins=(), max_tokens=256, **scheduler):
+                parallel=1, cors_origins=(), max_tokens=256, reasoning_format="deepseek", **scheduler):
     """A server not yet serving; returns (server, state, log lines)."""
     lines = []
     params = params or SamplingParams.from_generation_config(model.generation_config)
-    defaults = Defaults(params, max_tokens, ctx, system, tuple(model.eos_token_ids))
+    defaults = Defaults(params, max_tokens, ctx, system, tuple(model.eos_token_ids), reasoning_format)
     state = State(Scheduler(model, ctx, budget, max_queue, parallel=parallel, **scheduler), "ds2-tiny", defaults,
                   api_key, sink=lines.append, cors_origins=cors_origins)
     return Server(("127.0.0.1", 0), state), state, lines
