@@ -100,6 +100,12 @@ class InfillResponse:
     def chunk(self, text: str | None, index: int = 0, entries=None) -> dict:
         return {"content": text or "", "stop": False}
 
+    def pieces(self, text: str, index: int = 0) -> tuple[str, str]:
+        return "", text                     # a fill has no reasoning to keep apart
+
+    def piece_chunk(self, thought: str, text: str, index: int = 0, entries=None) -> dict | None:
+        return self.chunk(text, index) if text else None
+
     def finish_chunks(self, last: Chunk, index: int = 0) -> list[dict]:
         return [self.final("", last)]       # the last chunk's text went out as an event before
 
