@@ -63,6 +63,7 @@ def test_an_evicted_conversation_comes_back_from_disk(model, tmp_path):
     np.testing.assert_array_equal(cache.latent[:, :len(a)], want)
 
 
+@pytest.mark.slow
 def test_a_conversation_sharing_a_first_token_is_not_cut_for_another(model, tmp_path):
     """Every prompt begins with bos: the pooled conversation that shares it stays whole (on disk
     when the pool has no room), and the other gets the shared prefix copied."""
@@ -97,6 +98,7 @@ def test_a_restarted_server_finds_what_the_last_one_flushed(model, tmp_path):
     assert keep == len(ids) and cache.length == len(ids)
 
 
+@pytest.mark.slow
 def test_the_directory_stays_within_its_budget_oldest_first(model, tmp_path):
     one = filled(model, list(range(5, 45)))
     disk = DiskPool(tmp_path, 10 ** 9, model)
@@ -142,6 +144,7 @@ def strange_files(tmp_path, prefix):
     return kinds
 
 
+@pytest.mark.slow
 def test_fifos_devices_symlinks_and_directories_are_skipped_with_a_line(model, tmp_path):
     prefix = DiskPool(tmp_path, 1 << 30, model).prefix
     kinds = strange_files(tmp_path, prefix)
