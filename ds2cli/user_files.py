@@ -8,6 +8,8 @@ outputs checked before any work and replaced atomically, a file one process at a
   write_atomic(path, write)         a temporary file beside the target (a symlink's target), its
                                     mode kept, fsynced, renamed over it; stale temporaries of a
                                     killed writer removed
+  open_regular(path, follow)        a regular file opened for reading, never blocking on a FIFO,
+                                    never through a symlink unless `follow`
   Lock(path)                        one process at a time: an flock that dies with its process
 Below every package, beside json_files: the CLI, the generation layer and the server use it."""
 
@@ -85,6 +87,39 @@ def _read_stream(f: BinaryIO, limit: int, what: str, hint: str) -> bytes:
         n += len(chunk)
         if n > limit:
             raise TooLargeError(f"{what} is larger than the limit of {human_bytes(limit)}{hint}")
+
+
+class NotRegularError(Ds2Error):
+    """Something other than a regular file (a FIFO, a device, a socket) where one is read."""
+
+
+def file_kind(mode: int) -> str:
+    """What st_mode says a path is, in words."""
+    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def open_regular(path: Path, follow: bool = True) -> BinaryIO:
+    """`path` opened for reading if it is a regular file. The open never waits for a FIFO's
+    writer (O_NONBLOCK) and, unless `follow`, fails on a symlink (O_NOFOLLOW: ELOOP); a
+    directory raises IsADirectoryError, a FIFO or a device NotRegularError, checked on the open
+    file (fstat), so nothing swapped in after a look at the name is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(21, "Is a directory", str(path))
+        if not stat.S_ISREG(mode):
+            raise NotRegularError(f"{path} is {file_kind(mode)}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def target_of(path: Path) -> Path:

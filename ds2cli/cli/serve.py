@@ -174,7 +174,8 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
                                        opts["memory_budget"])
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                                 ctx, system, tuple(model.eos_token_ids), reasoning_format)
-            disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * MB, model) \
+            model.tokenizer.longest_token     # a prompt's limit in characters (api.check_chars), found once
+            disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * MB, model, state.log) \
                 if prompt_cache_dir is not None else None
             scheduler = Scheduler(model, ctx, prompt_cache_mb * MB, max_queue, parallel, prefill_chunk,
                                   draft, disk)

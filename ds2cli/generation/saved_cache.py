@@ -8,8 +8,8 @@ The header says what the file is and what follows: ds2's format version, its kin
 it), the model's fingerprint (weights/fingerprint.py: config, headers, sizes and load form, never
 the weights), the cache's dims, dtype and length, the tokens, the caller's `state` (chat's
 messages) and a CRC-32 of the tokens and the arrays. Everything is checked before a byte goes
-into a cache: a file truncated, edited, holding values that are not finite, a directory or
-unreadable is one Ds2Error, and the file is left as it was; one from another model or version
+into a cache: a file truncated, edited, holding values that are not finite, a directory, a FIFO
+or a device (opened without waiting for a writer) or unreadable is one Ds2Error, and the file is left as it was; one from another model or version
 is a ForeignCacheError, which says what it held (a prompt cache is then rebuilt, a session's
 conversation read again). The header is bounded by what the model's context can hold before it
 is read. Writing goes through user_files.write_atomic: a full disk or an interrupt leaves the
@@ -30,7 +30,7 @@ from ds2cli.json_files import JSON_ERRORS, json_error
 from ds2cli.model.cache import LatentCache, common_prefix
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.model.transformer import Model
-from ds2cli.user_files import write_atomic
+from ds2cli.user_files import open_regular, write_atomic
 from ds2cli.weights.fingerprint import fingerprint
 
 MAGIC = b"DS2CACHE"
@@ -113,11 +113,12 @@ def load(path: Path, model: Model, capacity: int, match: list[int] | None = None
     return cache, tokens, state
 
 
-def peek(path: Path, model: Model) -> list[int]:
-    """The tokens a prompt cache holds, its header checked against `model`; the arrays unread."""
+def peek(path: Path, model: Model, follow: bool = True) -> list[int]:
+    """The tokens a prompt cache holds, its header checked against `model`; the arrays unread.
+    Only a regular file is read (unless `follow`, not through a symlink)."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, follow) as f:
             return check_header(path, read_header(f, path, model.config)[0], model, PROMPT_CACHE)["tokens"]
     except OSError as e:
         raise SavedCacheError(f"cannot read {path}: {e.strerror}") from None
@@ -180,10 +181,22 @@ def check_kind(path: Path, cfg: DeepseekV2Config, kind: str) -> None:
 def load_into(path: Path, model: Model, cache: LatentCache, match: list[int] | None = None,
               kind: str = PROMPT_CACHE) -> tuple[list[int], dict]:
     """`load`, into a cache the caller has (the server's pool hands out its own)."""
-    capacity = cache.capacity
+    tokens, state, latent, k_pe = read(path, model, match, kind)
+    if len(tokens) > cache.capacity:
+        raise SavedCacheError(f"{path} holds {len(tokens)} tokens, more than the context of {cache.capacity} "
+                              f"tokens; a larger --ctx holds it")
+    cache.set_prefix(latent, k_pe)
+    return tokens, state
+
+
+def read(path: Path, model: Model, match: list[int] | None = None, kind: str = PROMPT_CACHE,
+         follow: bool = True) -> tuple[list[int], dict, np.ndarray, np.ndarray]:
+    """The saved tokens (with `match`, those the prompt begins with, all but its last at most),
+    the state and the positions' latent (L, n, C) and k_pe (L, n, R), every check passed. Only a
+    regular file is read (unless `follow`, not through a symlink)."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, follow) as f:
             header, data_at, size = read_header(f, path, model.config)
             header = check_header(path, header, model, kind)
             n = header["length"]
@@ -204,11 +217,7 @@ def load_into(path: Path, model: Model, cache: LatentCache, match: list[int] | N
         raise SavedCacheError(f"{path} holds values that are not finite: it was damaged, not written by "
                               f"a working ds2 (refused, and left as it is)")
     keep = n if match is None else min(common_prefix(header["tokens"], match), len(match) - 1)
-    if keep > capacity:
-        raise SavedCacheError(f"{path} holds {keep} tokens, more than the context of {capacity} tokens; "
-                              f"a larger --ctx holds it")
-    cache.set_prefix(latent[:, :keep], k_pe[:, :keep])
-    return header["tokens"][:keep], header["state"]
+    return header["tokens"][:keep], header["state"], latent[:, :keep], k_pe[:, :keep]
 
 
 def check_header(path: Path, h: dict, model: Model, kind: str) -> dict:

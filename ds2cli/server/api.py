@@ -358,8 +358,9 @@ def _is_ids(value: Any) -> bool:
                                                            for t in value)
 
 
-def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
-    """/v1/completions' prompt: a string or token ids, or a list of either (one choice each)."""
+def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, ctx: int) -> list[list[int]]:
+    """/v1/completions' prompt: a string or token ids, or a list of either (one choice each); a
+    string longer than `ctx` tokens can be is refused before it is tokenized."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_ids(prompt):
         prompts = [prompt]
@@ -367,16 +368,13 @@ def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[i
         prompts = prompt
     else:
         raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either", param="prompt")
-    out = []
-    for i, p in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+    wheres = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
+    for p, where in zip(prompts, wheres):        # every prompt checked before one is tokenized
         if isinstance(p, str):
-            out.append(tokenizer.encode(unicode_text(p, where)))
+            unicode_text(check_chars(p, tokenizer, ctx, where, "prompt"), where)
         elif not all(0 <= t < vocab_size for t in p):
             raise ApiError(400, f"{where} token ids must be in [0, {vocab_size})", param="prompt")
-        else:
-            out.append(list(p))
-    return out
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def fim_tokens(tokenizer: Tokenizer, model_id: str, param: str) -> fim.FimTokens:
@@ -458,14 +456,15 @@ def render_continuation(tokenizer: Tokenizer, messages: list[dict]) -> str:
 def chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults,
              toolset: ToolSet | None = None) -> tuple[list[int], bool]:
     """The chat prompt's ids (with the request's tools), and whether it continues the last message."""
-    ids, cont, _ = chat_prompt(body, tokenizer, defaults, toolset)
-    return ids, cont
+    text, cont, _ = chat_text(body, tokenizer, defaults, toolset)
+    return tokenizer.encode(text, add_special_tokens=False), cont
 
 
-def chat_prompt(body: dict, tokenizer: Tokenizer, defaults: Defaults,
-                toolset: ToolSet | None = None) -> tuple[list[int], bool, bool]:
-    """chat_ids, and whether the reply starts inside reasoning: the prompt opened <think> (R1's
-    generation prompt does), or the assistant message it continues did."""
+def chat_text(body: dict, tokenizer: Tokenizer, defaults: Defaults,
+              toolset: ToolSet | None = None) -> tuple[str, bool, bool]:
+    """The chat prompt as the template renders it (with the request's tools), whether it
+    continues the last message, and whether the reply starts inside reasoning: the prompt
+    opened <think> (R1's generation prompt does), or the assistant message it continues did."""
     messages = chat_messages(body)
     if defaults.system and all(m["role"] != "system" for m in messages):
         messages.insert(0, {"role": "system", "content": defaults.system})
@@ -481,11 +480,22 @@ def chat_prompt(body: dict, tokenizer: Tokenizer, defaults: Defaults,
         if cont:
             last = messages[-1]["content"] or ""
             opened = last.rfind(reasoning.THINK_OPEN) > last.rfind(reasoning.THINK_CLOSE)
-            return tokenizer.encode(render_continuation(tokenizer, messages), add_special_tokens=False), True, opened
+            return render_continuation(tokenizer, messages), True, opened
         text = tokenizer.render_chat(messages, add_generation_prompt=gen, tools=declared)
-        return tokenizer.encode(text, add_special_tokens=False), False, reasoning.opens_reasoning(text)
+        return text, False, reasoning.opens_reasoning(text)
     except Ds2Error as e:  # the chat template refused the conversation (e.g. roles out of order)
         raise ApiError(400, str(e), param="messages") from None
+
+
+def check_chars(text: str, tokenizer: Tokenizer, ctx: int, where: str, param: str) -> str:
+    """`text`, unless it has more characters than `ctx` tokens can hold (each covers at most
+    tokenizer.longest_token): then its 400 comes before it is tokenized."""
+    most = ctx * tokenizer.longest_token
+    if len(text) > most:
+        raise ApiError(400, f"{where} is {len(text)} characters, more than the context of {ctx} tokens can "
+                            f"hold (at most {most}: no token of this model covers more than "
+                            f"{tokenizer.longest_token} characters)", param=param, code="context_length_exceeded")
+    return text
 
 
 def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None) -> grammars.Grammar | None:
@@ -519,8 +529,9 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     toolset = None
     if chat:
         toolset = _tool_check(tooling.parse_tools, body)
-        ids, cont, opened = chat_prompt(body, tokenizer, defaults, toolset)
-        prompts = [ids]
+        text, cont, opened = chat_text(body, tokenizer, defaults, toolset)
+        check_chars(text, tokenizer, defaults.ctx, "the prompt", "messages")
+        prompts = [tokenizer.encode(text, add_special_tokens=False)]
     else:
         if body.get("tools") not in (None, []):
             raise ApiError(400, "tools are for /v1/chat/completions", param="tools")
@@ -534,7 +545,7 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
         elif body.get("suffix") is not None:
             prompts, ends = suffix_prompts(body, tokenizer, defaults, model_id)
         else:
-            prompts = prompt_ids(body, tokenizer, vocab_size)
+            prompts = prompt_ids(body, tokenizer, vocab_size, defaults.ctx)
     n = _n(body)
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts x n = {n} is more than {MAX_CHOICES} choices in one request",

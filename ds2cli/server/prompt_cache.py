@@ -4,7 +4,8 @@ Chat clients resend the whole conversation every turn. Each pooled cache remembe
 ids whose latents it holds; a request starts from the entry sharing the longest token prefix
 with its prompt, keeps that prefix and prefills the rest (as ChatSession does for one
 conversation). The pool holds at most `budget_bytes` of caches, counted at full capacity
-(the ones in use included), and evicts the least recently used first.
+(the ones in use included), and evicts the least recently used first, to the disk tier
+(prompt_disk.py) when there is one; a conversation is never cut short to make room for another.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ds2cli.model.cache import LatentCache, common_prefix
+from ds2cli.server.prompt_disk import Prefix
 
 
 @dataclasses.dataclass(eq=False)   # entries are told apart by identity (list.remove)
@@ -34,39 +36,48 @@ class PromptCache:
         self.in_use = 0                     # caches taken and not yet put back
         self.disk = disk                    # prompt_disk.DiskPool: where evicted entries go, or None
 
-    def take(self, ids: Sequence[int]) -> tuple[LatentCache, int]:
-        """A cache for prompt `ids` holding its longest cached prefix, and that prefix's length.
-
-        At least one prompt token is left to run, since generation needs its logits. An entry
-        whose tokens all match is handed over; one that matches only in part (another
-        conversation with the same system prompt) is copied from and kept, if the budget has
-        room for another cache, else handed over and cut."""
+    def longest(self, ids: Sequence[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with prompt `ids` (all but its last token at
+        most, since generation needs its logits), and that prefix's length."""
         best, keep = None, 0
         prompt = np.asarray(ids, dtype=np.int64)
         for entry in self.entries:
             n = min(common_prefix(entry.ids, prompt), len(ids) - 1)
             if n > keep:
                 best, keep = entry, n
-        on_disk, disk_keep = self.disk.best(prompt) if self.disk is not None else (None, 0)
+        return best, keep
+
+    def take(self, ids: Sequence[int], read: Prefix | None = None) -> tuple[LatentCache, int]:
+        """A cache for prompt `ids` holding its longest cached prefix, and that prefix's length.
+
+        `read` is what the request's thread read from the disk tier (prompt_disk.DiskPool.read),
+        used when it is longer than what memory holds. An entry whose tokens all match is
+        handed over. Otherwise the request gets a new cache if the budget has room, else the
+        least recently used entry's (that entry evicted: to disk first), and the prefix it
+        shares with an entry (another conversation with the same system prompt) is copied, so
+        that entry stays whole."""
+        best, keep = self.longest(ids)
         room = len(self.entries) + self.in_use + 1 <= self.slots
         self.in_use += 1
-        if best is not None and disk_keep <= keep and (keep == len(best.ids) or not room):
+        if (read is None or len(read.tokens) <= keep) and best is not None and keep == len(best.ids):
             self.entries.remove(best)
-            best.cache.truncate(keep)
             return best.cache, keep
         if room or not self.entries:
             cache = self.new_cache()
         else:  # full: the least recently used entry's memory becomes this request's cache
+            oldest = self.entries[0]
             cache = self.evict(0)
-            cache.reset()
-        if on_disk is not None and disk_keep > keep:     # a conversation evicted earlier, or before a restart
-            kept = self.disk.load(on_disk, prompt, cache)
-            if kept:
-                return cache, kept
-        if best is not None and best in self.entries:
+            if oldest is best:         # the prefix it shares is in place already
+                cache.truncate(keep)
+                best = None
+            else:
+                cache.reset()
+        if read is not None and len(read.tokens) > keep:     # evicted earlier, or before a restart
+            cache.set_prefix(read.latent, read.k_pe)
+            return cache, len(read.tokens)
+        if best is not None:
             copy_prefix(best.cache, cache, keep)
-            return cache, keep
-        return cache, 0
+        return cache, keep
 
     def evict(self, k: int) -> LatentCache:
         """Drop entry k (to disk first, with --prompt-cache-dir); its cache is free for reuse."""
@@ -76,10 +87,12 @@ class PromptCache:
         return entry.cache
 
     def flush(self) -> None:
-        """At a stop: every pooled conversation to disk (with --prompt-cache-dir)."""
+        """At a stop: every pooled conversation to disk (with --prompt-cache-dir), and the
+        directory's lock let go."""
         if self.disk is not None:
             for entry in self.entries:
                 self.disk.save(entry.ids, entry.cache)
+            self.disk.close()
 
     def put(self, ids: Sequence[int], cache: LatentCache) -> None:
         """Keep `cache`, which holds the latents of ids[:cache.length], as most recently used."""

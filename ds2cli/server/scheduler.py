@@ -87,6 +87,7 @@ class Request:
         self.outcome = Outcome()
         self.gen: Generation | None = None          # set when it gets a slot
         self.logprobs: TokenLogprobs | None = None  # the generated tokens' entries, when asked for
+        self.read = None                            # prompt_disk.Prefix its thread read from disk, or None
         self.cancelled = False                      # its client left, or its handler ended
         self.running = False
         self.chunk_at = -1                          # when a chunk of its prompt last ran (plan)
@@ -175,11 +176,10 @@ class Scheduler:
             requests.append(Request(job, out, after=first.get(key)))
             first.setdefault(key, requests[-1])
         with self.cond:
-            self.check_open()
-            free = max(0, self.parallel - len(self.batch))
-            if len(self.waiting_line) + len(requests) > self.max_queue + free:
-                raise Refused(f"the server is busy: {len(self.waiting_line)} requests are already waiting "
-                              f"(queue limit {self.max_queue}); retry later", code="queue_full")
+            self.check_room(len(requests))           # before a file is read for a request turned away
+        self.read_from_disk(requests)
+        with self.cond:
+            self.check_room(len(requests))
             self.waiting_line.extend(requests)
             self.cond.notify_all()
             try:
@@ -194,6 +194,28 @@ class Scheduler:
                 self.cancel(requests)
                 raise
         return requests
+
+    def check_room(self, count: int) -> None:
+        """Refused unless the scheduler is open and its queue can take `count` more. Called holding `cond`."""
+        self.check_open()
+        free = max(0, self.parallel - len(self.batch))
+        if len(self.waiting_line) + count > self.max_queue + free:
+            raise Refused(f"the server is busy: {len(self.waiting_line)} requests are already waiting "
+                          f"(queue limit {self.max_queue}); retry later", code="queue_full")
+
+    def read_from_disk(self, requests: list[Request]) -> None:
+        """On the request's thread, so that no pass waits for a file: each prompt's longest
+        prefix in --prompt-cache-dir, when it is longer than what the pool in memory holds."""
+        disk = self.prompt_cache.disk
+        if disk is None:
+            return
+        for request in requests:
+            job = request.job
+            if request.after is not None or (job.echo and job.logprobs is not None):
+                continue            # a later sample copies the first's prompt; echo reuses nothing
+            with self.cond:
+                in_memory = self.prompt_cache.longest(job.ids)[1]
+            request.read = disk.read(job.ids, in_memory)
 
     def chunks(self, requests: list[Request], gone: Callable[[], bool]) -> Iterator[tuple[int, Chunk]]:
         """The requests' (index, chunk) pairs as the scheduler makes them, until each has given
@@ -269,7 +291,8 @@ class Scheduler:
                 # cached prefix (and takes none from the pool: it is kept when the job ends)
                 scored = job.echo and job.logprobs is not None
                 outcome = request.outcome
-                cache, outcome.cached = self.prompt_cache.take(job.ids[:1] if scored else job.ids)
+                cache, outcome.cached = self.prompt_cache.take(job.ids[:1] if scored else job.ids, request.read)
+                request.read = None             # in the cache now: its arrays are let go
                 if scored:
                     outcome.prompt_logprobs = [None]
                 else:

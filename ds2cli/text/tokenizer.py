@@ -12,6 +12,7 @@ Three jobs, one screen each:
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from pathlib import Path
 from typing import Any, Iterable
@@ -115,7 +116,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> ids. With special tokens, the ids start with exactly one bos when the tokenizer wants it."""
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._ids(text, add_special_tokens)
         if not (add_special_tokens and self._add_bos):
             return ids
         # Prepend bos ourselves (DeepSeek's tokenizer.json doesn't) and drop any the
@@ -140,9 +141,23 @@ class Tokenizer:
                 space = max(text.rfind(" ", at + COUNT_SLICE // 2, end), text.rfind("\n", at + COUNT_SLICE // 2, end))
                 end = space if space > at else end
                 cuts += 1
-            total += len(self._backend.encode(text[at:end], add_special_tokens=False).ids)
+            total += len(self._ids(text[at:end], add_special_tokens=False))
             at = end
         return max(0, total - cuts)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The backend's ids for `text`. Through encode_batch, which releases the GIL while it
+        runs (encode holds it throughout): a long prompt tokenized on one server thread never
+        stops the others, the scheduler's passes included. The ids are encode's."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The most characters one token stands for, so that a text of more than ctx x this
+        many characters is known to be longer than the context before it is tokenized: a token's
+        string is as long as the text it covers or longer (byte-level BPE spells each byte, at
+        most one character, as one letter; an added token such as bos is matched as its text)."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids -> text, special tokens included (callers strip eos themselves)."""

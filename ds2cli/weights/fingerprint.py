@@ -34,8 +34,8 @@ def fingerprint(path: Path | None, quantization: dict | None) -> str:
                 n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
                 h.update(fh.read(min(n, HEADER_LIMIT, size)))
             elif f.suffix == ".gguf":
-                h.update(fh.read(GGUF_HEAD))
-            else:        # config.json, tokenizer files, generation_config.json: small
-                h.update(fh.read(HEADER_LIMIT))
+                h.update(fh.read(min(GGUF_HEAD, size)))
+            else:        # config.json, tokenizer files, generation_config.json: small (read(n) allocates n)
+                h.update(fh.read(min(HEADER_LIMIT, size)))
     h.update(json.dumps(quantization, sort_keys=True).encode())
     return h.hexdigest()

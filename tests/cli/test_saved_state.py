@@ -305,6 +305,10 @@ def test_a_prompt_far_longer_than_the_context_is_refused_before_tokenizing_all_o
         def encode(self, text, add_special_tokens=True):
             calls.append(len(text))
             return backend.encode(text, add_special_tokens=add_special_tokens)
+
+        def encode_batch(self, texts, add_special_tokens=True):     # what Tokenizer.encode calls
+            calls.extend(map(len, texts))
+            return backend.encode_batch(texts, add_special_tokens=add_special_tokens)
     monkeypatch.setattr(model.tokenizer, "_backend", Counting())
     text = "the quick brown fox " * 50_000                           # a megabyte
     assert model.tokenizer.count_at_least(text, 1025) > 1024

@@ -79,3 +79,20 @@ def test_llama_servers_fields_are_read_and_an_unknown_one_is_named(model):
     jobs, _ = parse(model, body)
     assert jobs[0].max_tokens == 7 and jobs[0].ignore_eos
     assert body.ignored() == ["temprature"]
+
+
+def test_a_prompt_longer_than_the_context_in_characters_is_refused_before_it_is_tokenized(model):
+    most = 1024 * model.tokenizer.longest_token            # the test's ctx x the longest token's characters
+    error, calls = parse(model, {"prompt": "7" * (most + 1)})
+    assert (error.status, error.code, error.param, calls) == (400, "context_length_exceeded", "prompt", 0)
+    assert f"{most + 1} characters" in error.message and "1024 tokens" in error.message
+    error, calls = parse(model, {"prompt": ["a", "b", "7" * (most + 1)]})     # the short ones are not read first
+    assert error.status == 400 and "prompt[2]" in error.message and calls == 0
+    chat = {"messages": [{"role": "user", "content": "7" * most}]}            # the template's words make it longer
+    error, calls = parse(model, chat, True)
+    assert (error.status, error.code, error.param, calls) == (400, "context_length_exceeded", "messages", 0)
+
+
+def test_a_prompt_within_the_characters_is_still_counted_in_tokens(model):
+    error, calls = parse(model, {"prompt": "7 " * 2000})    # 4,000 characters, over 1,024 tokens
+    assert error.code == "context_length_exceeded" and "tokens, more than the context" in error.message and calls == 1

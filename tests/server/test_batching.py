@@ -209,8 +209,8 @@ def test_a_request_whose_logits_go_bad_fails_alone(tiny, monkeypatch):
     with running(tiny, api_key=None, parallel=2, budget=0) as (port, state, _):
         real_take = state.scheduler.prompt_cache.take
 
-        def take(ids):
-            cache, keep = real_take(ids)
+        def take(ids, *read):
+            cache, keep = real_take(ids, *read)
             cache.poisoned = tiny.tokenizer.decode(ids).endswith("POISON")
             return cache, keep
         state.scheduler.prompt_cache.take = take

@@ -378,3 +378,37 @@ def test_set_chat_template_replaces_the_checkpoint_template(tmp_path):
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi" != before
     raises_one_line("chat template line 1", tok.set_chat_template, "{% for %}")
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi"   # the old one stays
+
+
+@pytest.mark.parametrize("name", ["v2", "v25", "tiny"])
+def test_encode_gives_the_backends_own_ids(name, request):
+    tok = request.getfixturevalue(name)
+    text = V2_CONVERSATION + ROCKET_TEXT + "".join(TEXT_PIECES) * 50 + BOS + "  \n\t x"
+    for special in (True, False):
+        assert tok._ids(text, special) == tok._backend.encode(text, add_special_tokens=special).ids
+    assert tok.encode(text, add_special_tokens=False) == tok._backend.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.slow
+def test_a_long_encode_lets_the_other_threads_run(v2):
+    """The server tokenizes on a request's thread: the others (the scheduler's passes) go on.
+    Another thread takes 1,000 turns (each gives the GIL away) before the encode of a long
+    prompt returns; an encode holding the GIL throughout would let it take about one."""
+    import threading
+    import time
+    text = "What is 12 + 30? Twelve and thirty make forty-two.\n" * 20_000        # 1 MB
+    started, done, turns = threading.Event(), threading.Event(), []
+
+    def other():
+        started.wait()
+        while not done.is_set() and len(turns) < 1000:
+            turns.append(1)
+            time.sleep(0)                  # gives up the GIL: the encoding thread may take it
+    thread = threading.Thread(target=other)
+    thread.start()
+    started.set()
+    ids = v2.encode(text)
+    done.set()
+    thread.join()
+    assert len(turns) == 1000
+    assert ids == [v2.bos_token_id] + v2._backend.encode(text).ids
