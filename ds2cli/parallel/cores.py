@@ -72,6 +72,8 @@ class Workers:
             for span in spans:
                 fn(*span)
             return
+        if self.few and self.helpers_running():
+            self.helpers.park()          # a few-token pass's own work on the cores: no helper spins
         with contextlib.nullcontext() if self.held else blas_threads(1):   # held: already one
             self.share(lambda k: fn(*spans[k]), len(spans), len(spans))
 

@@ -66,7 +66,8 @@ HELPER_VALUES = 1 << 23               # float32 values of shared memory a helper
 HELPER_SPIN = 0.01                    # seconds a process polls for its next message (receive)
 HELPER_TIMEOUT = 60.0                 # a helper inside one plan this long is taken as stuck
 STATUS = 4                            # a helper's status row: the last plan it started, the last it
-                                      # ended, the last in which a unit failed (its rows: this process's)
+                                      # ended, the last in which a unit failed (its rows: this process's),
+                                      # 1 while it is parked (`park`)
 GRACE = 2.0                           # a unit a helper took is waited for this many times as long as
                                       # this process takes for as many weights, then run here
 # A plan's units: guided self-scheduling, each unit 1/(UNIT_SPLIT x CUT_PROCESSES) of the
@@ -245,9 +246,17 @@ class Helpers:
         os.write(self.claims_w, b"".join(TOKEN.pack(tag, u) for u in range(len(units))))
         now = time.perf_counter()
         for h in ready:
+            h.status[3] = 0
             os.write(h.jobs, PLAN.pack(self.seq, len(plan), len(units)))
             h.sent, h.sent_at = self.seq, now
         return ready
+
+    def park(self) -> None:
+        """The helpers sleep until their next plan instead of spinning for it: this process is
+        about to run work of its own on every core (threads), which a spinning helper would
+        slow. The next plan sent to a helper unparks it."""
+        for h in self.procs:
+            h.status[3] = 1
 
     def check(self) -> None:
         """OSError if a helper still inside a plan has exited, or has been inside it longer than
@@ -381,14 +390,16 @@ def plans(products: list) -> list[list]:
     return out
 
 
-def receive(fd: int, size: int, timeout: float | None = None) -> bytes | None:
+def receive(fd: int, size: int, timeout: float | None = None, parked=None) -> bytes | None:
     """The next message of `size` bytes from a non-blocking pipe, None once it is closed;
     TimeoutError after `timeout` seconds without one.
 
     Polls for HELPER_SPIN seconds before sleeping in select: a process that sleeps between a
     step's plans can be woken up a scheduler tick late, which costs more than the matvec it
-    waits for, and a decode step sends the next plan well within the spin. Messages are shorter than PIPE_BUF, so each is
-    written, and read, whole."""
+    waits for, and a decode step sends the next plan well within the spin. It sleeps at once
+    while `parked()` is true: the parent then runs work of its own on every core (a long
+    cache's attention), and a spinning helper would take one of them. Messages are shorter than
+    PIPE_BUF, so each is written, and read, whole."""
     start = time.perf_counter()
     sleep = None
     while True:
@@ -396,7 +407,7 @@ def receive(fd: int, size: int, timeout: float | None = None) -> bytes | None:
             return os.read(fd, size) or None
         except BlockingIOError:
             waited = time.perf_counter() - start
-            if waited > HELPER_SPIN:
+            if waited > HELPER_SPIN or (parked is not None and parked()):
                 if sleep is None:
                     sleep = select.poll()
                     sleep.register(fd, select.POLLIN)
@@ -446,7 +457,7 @@ def helper_main(parent: int, with_parent: bool, jobs: int, claims: int, claims_w
     for c in cores.blas_controllers():
         c.set_num_threads(1)
     table, units, finished, status, values = shared_views(shared)
-    while (message := receive(jobs, PLAN.size)) is not None:
+    while (message := receive(jobs, PLAN.size, parked=lambda: status[3] == 1)) is not None:
         seq, n, n_units = PLAN.unpack(message)
         status[0] = seq
         products, cuts, tag = table[:n].tolist(), units[:n_units].tolist(), seq % 2 ** 31
