@@ -273,10 +273,12 @@ def model_name(cfg: DeepseekV2Config, path: Path | None = None) -> str:
 
 
 def check(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, quantize: int | None,
-          context: int | None, available: int | None = None, recipe: QuantConfig | None = None) -> None:
+          context: int | None, available: int | None = None, recipe: QuantConfig | None = None,
+          streamable: bool = False) -> None:
     """Raise MemoryCheckError, naming both figures and what would fit, when the model in the form
     it will be loaded would not fit in the memory available (`recipe`: the formats it loads
-    into, when not --quantize's own recipe, as a GGUF's exact one)."""
+    into, when not --quantize's own recipe, as a GGUF's exact one; `streamable`: a model that is
+    not a ds2 low-bit checkpoint but whose experts --memory-budget can stream, a Q8_0 GGUF)."""
     available = available_bytes() if available is None else available
     qc = stored or recipe or (QuantConfig.recipe(quantize) if quantize else None)
     need = required(cfg, qc, context, quantize_at_load=stored is None and quantize is not None)
@@ -285,14 +287,14 @@ def check(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, qu
     head = (f"{model_name(cfg, model_dir)} needs {gb(need['total'])} as {label(qc)} "
             f"(weights {gb(need['weights'])}, cache {gb(need['cache'])} at {need['context']} tokens, "
             f"working memory {gb(need['working'])}, margin {gb(need['margin'])}) but {gb(available)} is available")
-    raise MemoryCheckError(head + "; " + suggestion(cfg, model_dir, stored, quantize, context, available)
+    raise MemoryCheckError(head + "; " + suggestion(cfg, model_dir, stored, quantize, context, available, streamable)
                            + "; --no-memory-check skips this check")
 
 
 def suggestion(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, quantize: int | None,
-               context: int | None, available: int) -> str:
+               context: int | None, available: int, streamable: bool = False) -> str:
+    budget = f"--memory-budget {max(0.1, math.floor(available / 1e8) / 10):.1f}G streams the routed experts from disk"
     if stored is not None:
-        budget = f"--memory-budget {max(0.1, math.floor(available / 1e8) / 10):.1f}G streams the routed experts from disk"
         return ("use a smaller --ctx or a machine with more memory" if stored.bits == 4 else
                 "a 4-bit copy (ds2 quantize from the float checkpoint with --bits 4) takes "
                 f"{gb(required(cfg, QuantConfig.recipe(4), context)['total'])}") + "; " + budget
@@ -307,6 +309,5 @@ def suggestion(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | Non
             size = gb(weight_bytes(cfg, QuantConfig.recipe(bits)))
             how = f"ds2 quantize {source} OUT --bits {bits} makes {article(size)} {size} copy that fits"
             options.append(how + (f" (or add --quantize {bits})" if at_load <= available else ""))
-    if options:
-        return "; ".join(options)
-    return "neither the 8-bit nor the 4-bit form fits either"
+    text = "; ".join(options) if options else "neither the 8-bit nor the 4-bit form fits either"
+    return text + "; " + budget if streamable else text

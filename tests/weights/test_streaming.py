@@ -11,10 +11,12 @@ import pytest
 
 import ds2cli
 from ds2cli.errors import ConfigError
+from ds2cli.weights import loader
 from ds2cli.model.transformer import Step
 from ds2cli.weights import memory, streaming
 from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.weights.source import bundled_model_dir
+from support.gguf_writer import write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +24,12 @@ def q8(tmp_path_factory):
     out = tmp_path_factory.mktemp("stream") / "tiny-q8"
     quantize_checkpoint(bundled_model_dir(), out, 8)
     return out
+
+
+@pytest.fixture(scope="module")
+def q8_0(tmp_path_factory):
+    """ds2-tiny as a Q8_0 GGUF: every stacked expert tensor (blk.N.ffn_*_exps) Q8_0."""
+    return write_gguf(bundled_model_dir(), tmp_path_factory.mktemp("stream") / "tiny.Q8_0.gguf", "Q8_0")
 
 
 def budget_for(path, slots: int, context: int = 64) -> int:
@@ -67,7 +75,7 @@ def test_the_budget_holds_the_resident_part_and_the_slots(q8):
 
 
 def test_a_float_checkpoint_is_refused_before_loading():
-    with pytest.raises(ConfigError, match="make one first with ds2 quantize"):
+    with pytest.raises(ConfigError, match="float checkpoint: make a low-bit copy first with ds2 quantize"):
         ds2cli.load(bundled_model_dir(), memory_budget=10**9)
 
 
@@ -113,3 +121,81 @@ def test_a_cgroup_limit_is_what_remains_of_it(tmp_path):
     limit.write_text("max\n")
     assert memory.cgroup_room([(str(limit), str(usage))]) is None
     assert memory.cgroup_room([(str(tmp_path / "none"), str(usage))]) is None
+
+
+# ---- GGUF: a Q8_0 file's stacked experts, read an expert at a time into q8b slots ----
+
+def same_logits_prefill_decode_batch(full, m) -> None:
+    """Prefill, six greedy decode steps and a batch of two give the same logits, bit for bit."""
+    ids = np.array(full.tokenizer.encode("What is 451 - 123? Think of it as 451 minus 100, then 23."))
+    c1, c2 = full.new_cache(64), m.new_cache(64)
+    np.testing.assert_array_equal(m.forward(ids, c2, all_logits=True), full.forward(ids, c1, all_logits=True))
+    for _ in range(6):
+        t = [int(full.forward(ids[-1:], c1).argmax())]
+        c2.length = c1.length - 1
+        m.forward(ids[-1:], c2)
+        np.testing.assert_array_equal(m.forward(t, c2), full.forward(t, c1))
+    a1, b1, a2, b2 = full.new_cache(64), full.new_cache(64), m.new_cache(64), m.new_cache(64)
+    want = full.forward_batch([Step(ids[:7], a1, "all"), Step(ids, b1, "last")])
+    got = m.forward_batch([Step(ids[:7], a2, "all"), Step(ids, b2, "last")])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.slow
+def test_a_q8_0_gguf_streams_two_experts_a_layer_with_the_same_logits(q8_0):
+    full = ds2cli.load(q8_0)
+    assert set(full.quantization.formats.values()) == {"q8b"}
+    budget = budget_for(q8_0, 2)
+    m = ds2cli.load(q8_0, context=64, memory_budget=budget)
+    cache = m.executor.cache
+    moe = [layer for layer in m.layers if layer.is_moe]
+    assert cache.slots == 2 and all(isinstance(layer.mlp.experts_gate_up, streaming.StreamedStack)
+                                    and isinstance(layer.mlp.experts_down, streaming.StreamedStack) for layer in moe)
+    same_logits_prefill_decode_batch(full, m)
+    plan = memory.streamed(m.config, m.quantization, 64, budget)
+    assert plan["resident"] + cache.slots * cache.expert_bytes <= budget          # counted bytes, not RSS
+    assert sum(s.qweight.nbytes + s.scales.nbytes for s in cache.stacks.values()) == cache.slots * cache.expert_bytes
+    assert len(cache.slot_of) + len(cache.free) == cache.slots
+    s, per_expert = cache.stats, cache.source.read_bytes
+    cfg = m.config                      # an expert from disk: gate, up and down's Q8_0 blocks of 34 bytes a 32 values
+    assert per_expert == 3 * cfg.moe_intermediate_size * cfg.hidden_size // 32 * 34
+    assert s["misses"] > 0 and s["read_ahead"] > 0 and s["bytes_read"] == (s["misses"] + s["read_ahead"]) * per_expert
+    m.executor.stop()
+
+
+@pytest.mark.slow
+def test_a_gguf_whose_experts_need_converting_is_refused_before_loading(tmp_path, monkeypatch):
+    q4 = write_gguf(bundled_model_dir(), tmp_path / "tiny.Q4_0.gguf", "Q4_0")
+    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ConfigError, match=r"as Q8_0; tiny.Q4_0.gguf stores them as Q4_0 \(blk.1.ffn_gate_exps.weight\)"
+                                          r".*ds2 quantize .*tiny.Q4_0.gguf OUT --bits 4"):
+        ds2cli.load(q4, memory_budget=10**9)
+    f16 = write_gguf(bundled_model_dir(), tmp_path / "tiny.F16.gguf", "F16")
+    with pytest.raises(ConfigError, match=r"stores them as F16 .*--bits 8"):
+        ds2cli.load(f16, memory_budget=10**9)
+
+
+def test_a_q8_0_gguf_converted_by_quantize_8_is_refused_before_loading(q8_0, monkeypatch):
+    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ConfigError, match="leave --quantize out"):
+        ds2cli.load(q8_0, quantize=8, memory_budget=10**9)
+
+
+@pytest.mark.slow
+def test_a_gguf_truncated_mid_run_is_one_error(q8_0, tmp_path):
+    import shutil
+    copy = shutil.copy(q8_0, tmp_path / "copy.gguf")
+    m = ds2cli.load(copy, context=64, memory_budget=budget_for(copy, 2))
+    first = min(m.executor.cache.source.where[1, "experts_gate_up"][0][1], m.executor.cache.source.where[1, "experts_down"][0][1])
+    os.truncate(copy, first)                         # every expert of every layer now lies past the end
+    with pytest.raises(streaming.StreamingError, match="copy.gguf ends before expert"):
+        m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
+    m.executor.stop()
+
+
+def test_the_memory_check_offers_a_budget_for_a_q8_0_gguf(q8_0, monkeypatch):
+    monkeypatch.setenv(memory.ENV, "1M")
+    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(memory.MemoryCheckError, match=r"--memory-budget 0.1G streams the routed experts from disk"):
+        ds2cli.load(q8_0)
