@@ -142,9 +142,33 @@ def streamed(cfg: DeepseekV2Config, qc: QuantConfig, context: int | None, budget
                                f"(weights but the routed experts {gb(weights)}, cache {gb(need['cache'])} at "
                                f"{need['context']} tokens, working memory and margin) takes {gb(resident)}, and one "
                                f"token's {k} experts {gb(k * expert)} more; give at least "
-                               f"--memory-budget {math.ceil((resident + k * expert) / 1e8) / 10:.1f}G")
+                               f"--memory-budget {budget_text(resident + k * expert)}")
     return {"resident": resident, "resident_weights": weights, "routed": routed, "expert": expert,
-            "slots": int(min(slots, moe_layers * cfg.n_routed_experts)), "context": need["context"]}
+            "slots": int(min(slots, moe_layers * cfg.n_routed_experts)), "context": need["context"],
+            "experts": moe_layers * cfg.n_routed_experts, "least": resident + k * expert,
+            "weights": need["weights"], "total": need["total"]}
+
+
+def budget_text(n: int) -> str:
+    """A budget as --memory-budget takes it, rounded up to 0.1 GB: "3.2G"."""
+    return f"{math.ceil(n / 1e8) / 10:.1f}G"
+
+
+def streaming_summary(cfg: DeepseekV2Config, qc: QuantConfig, context: int | None = None,
+                      budget: int | None = None) -> dict | None:
+    """What --memory-budget means for a model in qc's low-bit formats (`ds2 inspect`): the
+    resident part beside the whole, the least budget that runs it, and with `budget` the experts
+    it caches; None for a model without routed experts."""
+    if not routed_bytes(cfg, qc):
+        return None
+    plan = streamed(cfg, qc, context, 1 << 62)
+    least = int(math.ceil(plan["least"] / 1e8) * 1e8)
+    cached = None if budget is None or budget < plan["least"] else min(plan["experts"], (budget - plan["resident"]) // plan["expert"])
+    return {"format": label(qc), "weight_bytes": plan["weights"], "resident_weight_bytes": plan["resident_weights"],
+            "routed_bytes": plan["routed"], "expert_bytes": plan["expert"], "experts": plan["experts"],
+            "ram_bytes": plan["total"], "resident_bytes": plan["resident"], "context": plan["context"],
+            "least_budget_bytes": least, "least_budget": budget_text(plan["least"]),
+            "budget_bytes": budget, "cached_experts": None if cached is None else int(cached)}
 
 
 def parse_size(text: str) -> int:

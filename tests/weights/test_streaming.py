@@ -199,3 +199,52 @@ def test_the_memory_check_offers_a_budget_for_a_q8_0_gguf(q8_0, monkeypatch):
     monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(memory.MemoryCheckError, match=r"--memory-budget 0.1G streams the routed experts from disk"):
         ds2cli.load(q8_0)
+
+
+# ---- ds2 inspect: the resident part beside the whole, the least budget, the experts a budget caches ----
+
+def inspect_json(*args) -> dict:
+    from click.testing import CliRunner
+    from ds2cli.cli.main import main
+    r = CliRunner().invoke(main, ["inspect", *map(str, args), "--json"])
+    assert r.exit_code == 0, r.output
+    import json
+    return json.loads(r.stdout)
+
+
+@pytest.mark.slow
+def test_inspect_gives_the_least_budget_that_loads_and_what_a_budget_caches(q8):
+    (form,) = inspect_json(q8)["memory"]["streaming"]
+    assert form["command"] is None and form["format"] == "8-bit"
+    assert form["resident_weight_bytes"] + form["routed_bytes"] == form["weight_bytes"]
+    assert form["routed_bytes"] == form["experts"] * form["expert_bytes"] and form["resident_bytes"] < form["ram_bytes"]
+    m = ds2cli.load(q8, context=form["context"], memory_budget=form["least_budget_bytes"])   # what it says loads
+    assert m.executor.cache.slots >= m.config.num_experts_per_tok
+    m.executor.stop()
+    with pytest.raises(memory.MemoryCheckError, match="cannot stream this model"):
+        ds2cli.load(q8, context=form["context"], memory_budget=form["least_budget_bytes"] - 10**8)
+    budget = form["resident_bytes"] + 5 * form["expert_bytes"]
+    assert inspect_json(q8, "--memory-budget", budget)["memory"]["streaming"][0]["cached_experts"] == 5
+
+
+@pytest.mark.slow
+def test_inspect_shows_streaming_for_a_q8_0_gguf_and_the_copies_another_needs(q8_0, tmp_path):
+    from click.testing import CliRunner
+    from ds2cli.cli.main import main
+    (form,) = inspect_json(q8_0, "--memory-budget", "100G")["memory"]["streaming"]
+    full = ds2cli.load(q8_0)
+    assert form["command"] is None and form["cached_experts"] == form["experts"] == 5 * full.config.n_routed_experts
+    assert form["weight_bytes"] == memory.weight_bytes(full.config, full.quantization)
+    q4 = write_gguf(bundled_model_dir(), tmp_path / "tiny.Q4_0.gguf", "Q4_0")
+    forms = inspect_json(q4)["memory"]["streaming"]
+    assert [f["command"] for f in forms] == [f"ds2 quantize {q4} OUT --bits {b}" for b in (8, 4)]
+    assert forms[1]["least_budget_bytes"] <= forms[0]["least_budget_bytes"]
+    r = CliRunner().invoke(main, ["inspect", str(q8_0), "--memory-budget", "1M"])
+    assert r.exit_code == 0 and "--memory-budget 0.4G at least" in r.stdout and "is below that" in r.stdout
+
+
+def test_inspect_of_a_float_checkpoint_sizes_its_low_bit_copies():
+    from ds2cli.cli.inspect_report import describe
+    forms = describe(bundled_model_dir(), budget=0)["memory"]["streaming"]
+    assert [f["format"] for f in forms] == ["8-bit", "4-bit"] and all(f["cached_experts"] is None for f in forms)
+    assert all(f["command"].startswith("ds2 quantize ") and f["resident_weight_bytes"] < f["weight_bytes"] for f in forms)

@@ -36,6 +36,8 @@ def unstreamable(gf: GGUFFile, cfg: DeepseekV2Config) -> dict[str, str]:
         for names in STACKED.values():
             for g in names:
                 name = f"blk.{i}.{g}.weight"
+                if name not in gf.tensors:
+                    continue                     # missing: GGUFModel.check names it
                 kind = gf.type_name(name)
                 if kind not in STREAMABLE:
                     out.setdefault(kind, name)
