@@ -146,7 +146,11 @@ class ExpertCache:
                             return out
                         raise StreamingError(f"the expert cache's {self.slots} slots cannot hold "
                                              f"{len(keep)} experts beside the {len(self.in_use)} in use")
-                    self.read(layer, int(e), slot)
+                    try:
+                        self.read(layer, int(e), slot)
+                    except BaseException:          # a failed or interrupted read: its slot holds nothing
+                        self.free.append(slot)
+                        raise
                     self.slot_of[key] = slot
                     if ahead:
                         self.ahead.add(key)

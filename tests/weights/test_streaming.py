@@ -248,3 +248,84 @@ def test_inspect_of_a_float_checkpoint_sizes_its_low_bit_copies():
     forms = describe(bundled_model_dir(), budget=0)["memory"]["streaming"]
     assert [f["format"] for f in forms] == ["8-bit", "4-bit"] and all(f["cached_experts"] is None for f in forms)
     assert all(f["command"].startswith("ds2 quantize ") and f["resident_weight_bytes"] < f["weight_bytes"] for f in forms)
+
+
+# ---- faults mid-run: one error, the cache still whole, no thread or file left open ----
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.slow
+def test_a_read_error_mid_run_is_one_error_line_and_leaves_nothing_open(q8, monkeypatch):
+    import errno
+    import threading
+    from click.testing import CliRunner
+    from ds2cli.cli.main import main
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    threads, fds = threading.active_count(), open_fds()
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 2))
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(streaming.StreamingError, match=r"cannot read expert \d+ of layer \d+ from .*Input/output error"):
+        m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
+    m.executor.stop()
+    assert threading.active_count() == threads and open_fds() <= fds      # the reader ended, the files closed
+    r = CliRunner().invoke(main, ["generate", "-m", str(q8), "hi", "-n", "4", "--ctx", "64",
+                                  "--memory-budget", str(budget_for(q8, 2))])
+    monkeypatch.setattr(os, "preadv", real)
+    assert r.exit_code == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot read expert") and "Input/output error" in lines[0]
+
+
+@pytest.mark.slow
+def test_an_expert_file_gone_after_loading_is_one_error(q8, tmp_path):
+    import shutil
+    copy = shutil.copytree(q8, tmp_path / "copy")
+    m = ds2cli.load(copy, context=64, memory_budget=budget_for(copy, 2))
+    for shard in copy.glob("*.safetensors"):
+        shard.rename(shard.with_suffix(".gone"))
+    with pytest.raises(streaming.StreamingError, match=r"cannot open .*\.safetensors: No such file or directory"):
+        m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
+    m.executor.stop()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_read_leaves_the_cache_whole(q8, monkeypatch):
+    """A KeyboardInterrupt in the middle of reading an expert: the slot it was filling is free
+    again (not taken for the expert), and the next pass computes the same logits as ever."""
+    full = ds2cli.load(q8)
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 2))
+    cache, real = m.executor.cache, streaming.ExpertCache.pread
+    calls = []
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == 3:                         # the third matrix read: an expert half read
+            raise KeyboardInterrupt
+        return real(self, *args)
+    monkeypatch.setattr(streaming.ExpertCache, "pread", interrupted)
+    ids = np.array(full.tokenizer.encode("What is 451 - 123?"))
+    with pytest.raises(KeyboardInterrupt):
+        m.forward(ids, m.new_cache(64))
+    m.executor.settle()
+    assert len(cache.slot_of) + len(cache.free) == cache.slots and not cache.in_use
+    np.testing.assert_array_equal(m.forward(ids, m.new_cache(64), all_logits=True),
+                                  full.forward(ids, full.new_cache(64), all_logits=True))
+    m.executor.stop()
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_float_checkpoint_or_a_gguf_to_convert_in_one_line(tmp_path):
+    from click.testing import CliRunner
+    from ds2cli.cli.main import main
+    q4 = write_gguf(bundled_model_dir(), tmp_path / "tiny.Q4_0.gguf", "Q4_0")
+    for model, words in ((bundled_model_dir(), "float checkpoint: make a low-bit copy first with ds2 quantize"),
+                         (q4, "stores them as Q4_0")):
+        r = CliRunner().invoke(main, ["generate", "-m", str(model), "hi", "--memory-budget", "1G"])
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 1 and r.stdout == "" and len(lines) == 1 and lines[0].startswith("error: "), r.output
+        assert words in lines[0] and "ds2 quantize" in lines[0]
