@@ -31,7 +31,7 @@ def tensor_types(gf: GGUFFile) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
 
 
-def describe_gguf(path: str | Path) -> dict:
+def describe_gguf(path: str | Path, budget: int | None = None) -> dict:
     gf = GGUFFile(find(path))
     f = gf.fields
     report = {"format": "gguf", "path": str(path), "files": [p.name for p in gf.paths], "file_bytes": gf.nbytes,
@@ -61,6 +61,9 @@ def describe_gguf(path: str | Path) -> dict:
                   bulk_type=model.bulk_type,
                   loads_as="q8b (the file's own blocks)" if model.default_recipe else f"{bits}-bit" if bits else "float32",
                   memory=memory_section(cfg, bits, model.default_recipe))
+    streams = model.stream_problem(model.default_recipe) is None           # a Q8_0 file, as it loads
+    report["memory"]["streaming"] = describe.streaming_section(cfg, model.default_recipe, streams,
+                                                               str(gf.paths[0]), budget)
     return report
 
 

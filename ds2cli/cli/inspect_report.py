@@ -52,7 +52,8 @@ PARAM_CATEGORIES = ("embeddings", "attention", "dense_mlp", "routed_experts", "s
                     "router", "norms", "lm_head", "other")
 
 
-def describe(model_dir: str | Path, check: bool = False, shards: checkpoint.Shards | None = None) -> dict:
+def describe(model_dir: str | Path, check: bool = False, shards: checkpoint.Shards | None = None,
+             budget: int | None = None) -> dict:
     """The report for one checkpoint directory (JSON-serialisable).
 
     Raises ConfigError for a missing or invalid config.json; every other defect (safetensors
@@ -61,7 +62,9 @@ def describe(model_dir: str | Path, check: bool = False, shards: checkpoint.Shar
     and the rest of the report is made of what can be read.
     With `check`, every tensor's values are scanned, one tensor at a time.
     `shards` is where the safetensors files are read, by default the directory's own; for a Hub
-    id, the shards' headers read over HTTP (hub.resolve_headers), which hold no data to check."""
+    id, the shards' headers read over HTTP (hub.resolve_headers), which hold no data to check.
+    `budget`: the --memory-budget whose expert cache the report sizes (default: the memory
+    available now)."""
     model_dir = check_model_dir(model_dir)
     if check and shards is not None:
         raise ConfigError("--check reads every weight: it needs the shards downloaded, not only their headers")
@@ -75,6 +78,7 @@ def describe(model_dir: str | Path, check: bool = False, shards: checkpoint.Shar
     storage = storage_section(model_dir, stored, qc, shards)
     mem = memory_section(cfg, params["total"])
     mem["formats"] = memory.fits(cfg, qc)
+    mem["streaming"] = streaming_section(cfg, qc, qc is not None, str(model_dir), budget)
     scanned, scan_problems = scan_values(stored) if check else (None, [])
     return {
         "path": str(model_dir.absolute()),      # absolute in every command's --json
@@ -316,6 +320,24 @@ def memory_section(cfg: DeepseekV2Config, params: int) -> dict:
             "context_length": n,
             "latent_cache_bytes_at_context": latent * n,
             "mha_cache_bytes_at_context": mha * n}
+
+
+def streaming_section(cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None, as_stored: bool, source: str,
+                      budget: int | None = None) -> list[dict]:
+    """What --memory-budget holds (memory.streaming_summary) for each low-bit form the model can
+    stream in: its own (`as_stored`: a ds2 low-bit checkpoint, a Q8_0 GGUF's q8b), else the
+    8-bit and 4-bit copies `command` makes; the expert cache sized at `budget` (default: the
+    memory available now). Empty for a model without routed experts."""
+    given = budget is not None
+    budget = budget if given else memory.available_bytes()
+    forms = [(qc, None)] if as_stored else [(qcheckpoint.QuantConfig.recipe(bits), f"ds2 quantize {source} OUT --bits {bits}")
+                                            for bits in (8, 4)]
+    out = []
+    for form, command in forms:
+        summary = memory.streaming_summary(cfg, form, budget=budget)
+        if summary is not None:
+            out.append({**summary, "command": command, "budget_given": given})
+    return out
 
 
 # ---- tokenizer, from its JSON files (headers only: no tokenizers.Tokenizer is built) ----

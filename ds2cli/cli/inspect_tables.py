@@ -152,7 +152,24 @@ def _memory_rows(m: dict) -> list[tuple[str, str]]:
         ("MHA cache per token", human_bytes(m["mha_cache_bytes_per_token"])),
         ("MHA / latent", f"{m['mha_to_latent_ratio']:.1f}x"),
         (f"latent cache at {n} tokens", human_bytes(m["latent_cache_bytes_at_context"])),
-        (f"MHA cache at {n} tokens", human_bytes(m["mha_cache_bytes_at_context"]))]
+        (f"MHA cache at {n} tokens", human_bytes(m["mha_cache_bytes_at_context"]))] + _streaming_rows(m)
+
+
+def _streaming_rows(m: dict) -> list[tuple[str, str]]:
+    """--memory-budget: each streamable form's resident part beside the whole and the least
+    budget that runs it; the experts a budget caches when one was given, or when the whole does
+    not fit the memory available (the budget is then that memory)."""
+    rows = []
+    for f in m.get("streaming", []):
+        name = f"streamed, {f['format']}" + (" copy" if f["command"] else "") + f" at {f['context']} tokens"
+        text = (f"resident {human_bytes(f['resident_bytes'])} of {human_bytes(f['ram_bytes'])}: "
+                f"--memory-budget {f['least_budget']} at least")
+        budget, cached = f["budget_bytes"], f["cached_experts"]
+        if budget is not None and (f["budget_given"] or budget < f["ram_bytes"]):
+            text += f"; {human_bytes(budget)}" + ("" if f["budget_given"] else " (available)") + (
+                " is below that" if cached is None else f" caches {cached:,} of {f['experts']:,} experts")
+        rows.append((name, text))
+    return rows
 
 
 def _tokenizer_table(r: dict) -> Table:

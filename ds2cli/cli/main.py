@@ -30,7 +30,7 @@ from ds2cli.generation.generate import Chunk, lstrip_reply, stream_generate
 from ds2cli.cli.inspect_gguf import describe_gguf
 from ds2cli.weights.source import bundled_model_dir, check_model_dir
 from ds2cli.model.transformer import Model
-from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, cluster_plan, draft_option,
+from ds2cli.cli.options import (argument_text, budget_size, chat_template_option, check_ctx, cluster_plan, draft_option,
                             generation_options, load_model, max_new_tokens_for, memory_options, model_from_env,
                             model_option, naming_ds2_model, open_source, prompt_bytes_limit, ray_option,
                             reasoning_options, sampler_for, stats_option, strip_bom, thread_limits, threads_option, tokenizer_of, unescape)
@@ -498,8 +498,11 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
 @click.option("--ctx", type=click.IntRange(min=1), metavar="N",
               help="With --ray: the context each node's part of the cache is counted at (default: the model's, "
                    "at most 4096).")
+@click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
+              help="Size the expert cache that --memory-budget SIZE would hold; the report always gives the "
+                   "least budget that runs the model (default: the memory available now).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def inspect(directory, model_dir, as_json, check, ray, ctx):
+def inspect(directory, model_dir, as_json, check, ray, ctx, memory_budget):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics.
 
     A Hugging Face id whose shards are not cached is read without them: its small files are
@@ -512,8 +515,8 @@ def inspect(directory, model_dir, as_json, check, ray, ctx):
         path, shards = (target, None) if check else resolve_headers(target, checkpoint.MAX_HEADER_BYTES)
         path = check_model_dir(path)
         # a GGUF's report is built from its metadata (gguf_inspect, on describe's sections)
-        report = (describe_gguf(path.absolute()) if gguf_file.find(path) is not None
-                  else describe(path, check=check, shards=shards))
+        report = (describe_gguf(path.absolute(), memory_budget) if gguf_file.find(path) is not None
+                  else describe(path, check=check, shards=shards, budget=memory_budget))
     if shards is not None:
         console.info("(the shards are not downloaded: their headers were read from the Hub; "
                      "generate and chat download them)")

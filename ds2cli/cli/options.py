@@ -248,7 +248,7 @@ def memory_options(f):
                      help="Load even when the model looks too big for the memory available."),
         ray_option,
         click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
-                     help="Run a low-bit checkpoint larger than memory: everything but the routed experts "
+                     help="Run a low-bit checkpoint or a Q8_0 GGUF larger than memory: everything but the routed experts "
                           "stays resident, the experts are read from disk into a cache that fills the rest of "
                           "SIZE (8G, 8GiB or bytes), reading ahead what the next layer will likely need "
                           "(docs/performance.md)."),

@@ -90,7 +90,8 @@ def prepare_attention(t: dict, cfg: DeepseekV2Config) -> dict:
     return w
 
 
-def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None = None) -> tuple[dict, dict]:
+def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None = None,
+              routed: bool = True) -> tuple[dict, dict]:
     """Layer i's fused MLP arrays, preallocated, and where each checkpoint tensor goes in them.
 
     gate_proj fills the first half of a (2I, D) gate_up matrix and up_proj the second, so one
@@ -98,7 +99,8 @@ def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None 
     tensor is converted to float32 straight into its slot: no per-layer float32 copy of the
     experts exists beside the stacked arrays, which keeps the load's peak memory near the
     weights' own size. With qc, the routed experts' stacks are qcheckpoint.ExpertStacks, which
-    quantize each expert once it is read: their float32 stacks never exist."""
+    quantize each expert once it is read: their float32 stacks never exist. Without `routed`,
+    the routed experts have no slots (streamed from the file instead: weights/streaming.py)."""
     D, w, slots = cfg.hidden_size, {}, {}
 
     def stack(key: str, shape: tuple[int, int, int]):
@@ -116,10 +118,11 @@ def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None 
         fuse("", "gate_up", "down_proj", inter)
         return w, slots
     E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-    w.update(experts_gate_up=stack("experts_gate_up", (E, 2 * inter, D)),
-             experts_down=stack("experts_down", (E, D, inter)))
-    for e in range(E):
-        fuse(f"experts.{e}.", "experts_gate_up", "experts_down", inter, (e,))
+    if routed:
+        w.update(experts_gate_up=stack("experts_gate_up", (E, 2 * inter, D)),
+                 experts_down=stack("experts_down", (E, D, inter)))
+        for e in range(E):
+            fuse(f"experts.{e}.", "experts_gate_up", "experts_down", inter, (e,))
     if cfg.n_shared_experts:
         shared = inter * cfg.n_shared_experts
         w.update(shared_gate_up=np.empty((2 * shared, D), np.float32),
@@ -161,11 +164,13 @@ def expert_of(name: str, prefix: str) -> int:
 
 
 def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
-               qc: qcheckpoint.QuantConfig | None = None) -> Layer:
+               qc: qcheckpoint.QuantConfig | None = None, routed: bool = True) -> Layer:
     """Layer i, prepared, in float32; with qc its routed experts already in qc's formats (the
-    rest is for qcheckpoint.quantize_layer)."""
+    rest is for qcheckpoint.quantize_layer); without `routed`, without its routed experts."""
     prefix = f"model.layers.{i}."
-    mlp, slots = mlp_slots(cfg, i, qc)
+    mlp, slots = mlp_slots(cfg, i, qc, routed)
+    if not routed:
+        names = [n for n in names if expert_of(n, prefix) < 0]
     t = {}
     # an expert's tensors together, so each one is complete (and quantized) soon after it starts
     # (a GGUF lists all experts' gate slabs, then all up slabs)
@@ -209,10 +214,11 @@ def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None 
 
 def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | None = None,
                  qc: qcheckpoint.QuantConfig | None = None, tensors: dict | None = None,
-                 layers: range | None = None) -> dict:
+                 layers: range | None = None, routed: bool = True) -> dict:
     """A Hugging Face checkpoint's weights, prepared; with qc, each layer is quantized as soon as
     it is loaded, so only one layer ever exists in float32. `tensors`: the validated headers.
-    With `layers`, only those decoder layers (the others None) and the top weights they need."""
+    With `layers`, only those decoder layers (the others None) and the top weights they need;
+    without `routed`, no routed experts (a streamed GGUF's: weights/streaming.py)."""
     tensors = checkpoint.validate(cfg, model_dir) if tensors is None else tensors
     wanted = range(cfg.num_hidden_layers) if layers is None else layers
     top = load_top(tensors, cfg, qc, qcheckpoint.top_needed(cfg, wanted))
@@ -221,7 +227,7 @@ def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | No
         if i not in wanted:
             layers.append(None)
             continue
-        layer = load_layer(tensors, names, cfg, i, qc)
+        layer = load_layer(tensors, names, cfg, i, qc, routed)
         layers.append(qcheckpoint.quantize_layer(layer, qc) if qc else layer)
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
@@ -247,8 +253,8 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     helper processes (parallel/executor.py), which the Model starts once its weights exist.
     `layers`: only that range of decoder layers, and the top weights it needs (a node of a
     cluster computes its range with Model.compute; the memory check is the placement's).
-    `memory_budget` (bytes): a low-bit checkpoint's routed experts streamed from disk into a
-    cache that, with everything else, fits the budget (weights/streaming.py)."""
+    `memory_budget` (bytes): the routed experts of a low-bit checkpoint or a Q8_0 GGUF streamed
+    from disk into a cache that, with everything else, fits the budget (weights/streaming.py)."""
     source = open_model(path)
     model_dir, cfg, stored = source.path, source.config, source.stored
     quantize, recipe = load_form(source, quantize, context)
@@ -256,29 +262,43 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     # then the weights
     tensors = source.tensors
     tokenizer, gen = source.tokenizer, source.generation_config
+    qc = formats_of(source, quantize, recipe)
     plan = None
     if memory_budget is not None:
-        if stored is None:
-            raise ConfigError(f"--memory-budget streams the routed experts of a low-bit ds2 checkpoint; {model_dir} "
-                              f"is not one: make one first with ds2 quantize {model_dir} OUT --bits 4 (or 8)")
-        plan = memory.streamed(cfg, stored, context, memory_budget)
-        available = memory.available_bytes() if memory_check else None
-        if available is not None and memory_budget > available:
-            raise memory.MemoryCheckError(f"--memory-budget {memory.gb(memory_budget)} is more than the "
-                                          f"{memory.gb(available)} available")
+        plan = stream_plan(source, qc, context, memory_budget, memory_check, executor)
     elif memory_check:
-        memory.check(cfg, model_dir, stored, quantize, context, recipe=recipe)
+        streamable = source.gguf is not None and source.gguf.stream_problem(qc) is None
+        memory.check(cfg, model_dir, stored, quantize, context, recipe=recipe, streamable=streamable)
     if stored is not None:
         weights = qcheckpoint.load_weights(cfg, stored, tensors, progress, layers)
-        if plan is not None:
-            if executor is not None:
-                raise ConfigError("memory_budget streams experts through weights.streaming.StreamingExecutor: "
-                                  "give no executor with it")
-            executor = streaming.StreamingExecutor(streaming.streamed_weights(weights, cfg, stored, tensors,
-                                                                              plan["slots"]))
     else:
-        qc = recipe or (qcheckpoint.QuantConfig.recipe(quantize) if quantize is not None else None)
-        weights = load_weights(model_dir, cfg, progress, qc, tensors, layers)
-    quantization = formats_of(source, quantize, recipe)
+        weights = load_weights(model_dir, cfg, progress, qc, tensors, layers, routed=plan is None)
+    if plan is not None:
+        experts = source.gguf.streamed_experts(qc) if source.gguf else streaming.StoredExperts(cfg, stored, tensors)
+        executor = streaming.StreamingExecutor(streaming.streamed_weights(weights, cfg, experts, plan["slots"]))
     return Model(cfg, Weights(**weights), tokenizer, gen, model_dir, executor=executor or CoreExecutor(),
-                 quantization=quantization)
+                 quantization=qc)
+
+
+def stream_plan(source: Source, qc, context: int | None, budget: int, memory_check: bool,
+                executor: Executor | None) -> dict:
+    """memory.streamed's plan for `--memory-budget`, once the model is known to stream: a ds2
+    low-bit checkpoint, or a GGUF whose experts some ds2 format holds as stored (Q8_0); a
+    float checkpoint must be quantized first."""
+    if source.gguf is not None:
+        problem = source.gguf.stream_problem(qc)
+        if problem:
+            raise ConfigError(problem)
+    elif source.stored is None:
+        raise ConfigError(f"--memory-budget streams the routed experts of a low-bit ds2 checkpoint or a Q8_0 GGUF; "
+                          f"{source.path} is a float checkpoint: make a low-bit copy first with "
+                          f"ds2 quantize {source.path} OUT --bits 4 (or 8)")
+    if executor is not None:
+        raise ConfigError("memory_budget streams experts through weights.streaming.StreamingExecutor: "
+                          "give no executor with it")
+    plan = memory.streamed(source.config, qc, context, budget)
+    available = memory.available_bytes() if memory_check else None
+    if available is not None and budget > available:
+        raise memory.MemoryCheckError(f"--memory-budget {memory.gb(budget)} is more than the "
+                                      f"{memory.gb(available)} available")
+    return plan

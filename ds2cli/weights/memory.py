@@ -142,9 +142,33 @@ def streamed(cfg: DeepseekV2Config, qc: QuantConfig, context: int | None, budget
                                f"(weights but the routed experts {gb(weights)}, cache {gb(need['cache'])} at "
                                f"{need['context']} tokens, working memory and margin) takes {gb(resident)}, and one "
                                f"token's {k} experts {gb(k * expert)} more; give at least "
-                               f"--memory-budget {math.ceil((resident + k * expert) / 1e8) / 10:.1f}G")
+                               f"--memory-budget {budget_text(resident + k * expert)}")
     return {"resident": resident, "resident_weights": weights, "routed": routed, "expert": expert,
-            "slots": int(min(slots, moe_layers * cfg.n_routed_experts)), "context": need["context"]}
+            "slots": int(min(slots, moe_layers * cfg.n_routed_experts)), "context": need["context"],
+            "experts": moe_layers * cfg.n_routed_experts, "least": resident + k * expert,
+            "weights": need["weights"], "total": need["total"]}
+
+
+def budget_text(n: int) -> str:
+    """A budget as --memory-budget takes it, rounded up to 0.1 GB: "3.2G"."""
+    return f"{math.ceil(n / 1e8) / 10:.1f}G"
+
+
+def streaming_summary(cfg: DeepseekV2Config, qc: QuantConfig, context: int | None = None,
+                      budget: int | None = None) -> dict | None:
+    """What --memory-budget means for a model in qc's low-bit formats (`ds2 inspect`): the
+    resident part beside the whole, the least budget that runs it, and with `budget` the experts
+    it caches; None for a model without routed experts."""
+    if not routed_bytes(cfg, qc):
+        return None
+    plan = streamed(cfg, qc, context, 1 << 62)
+    least = int(math.ceil(plan["least"] / 1e8) * 1e8)
+    cached = None if budget is None or budget < plan["least"] else min(plan["experts"], (budget - plan["resident"]) // plan["expert"])
+    return {"format": label(qc), "weight_bytes": plan["weights"], "resident_weight_bytes": plan["resident_weights"],
+            "routed_bytes": plan["routed"], "expert_bytes": plan["expert"], "experts": plan["experts"],
+            "ram_bytes": plan["total"], "resident_bytes": plan["resident"], "context": plan["context"],
+            "least_budget_bytes": least, "least_budget": budget_text(plan["least"]),
+            "budget_bytes": budget, "cached_experts": None if cached is None else int(cached)}
 
 
 def parse_size(text: str) -> int:
@@ -273,10 +297,12 @@ def model_name(cfg: DeepseekV2Config, path: Path | None = None) -> str:
 
 
 def check(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, quantize: int | None,
-          context: int | None, available: int | None = None, recipe: QuantConfig | None = None) -> None:
+          context: int | None, available: int | None = None, recipe: QuantConfig | None = None,
+          streamable: bool = False) -> None:
     """Raise MemoryCheckError, naming both figures and what would fit, when the model in the form
     it will be loaded would not fit in the memory available (`recipe`: the formats it loads
-    into, when not --quantize's own recipe, as a GGUF's exact one)."""
+    into, when not --quantize's own recipe, as a GGUF's exact one; `streamable`: a model that is
+    not a ds2 low-bit checkpoint but whose experts --memory-budget can stream, a Q8_0 GGUF)."""
     available = available_bytes() if available is None else available
     qc = stored or recipe or (QuantConfig.recipe(quantize) if quantize else None)
     need = required(cfg, qc, context, quantize_at_load=stored is None and quantize is not None)
@@ -285,14 +311,14 @@ def check(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, qu
     head = (f"{model_name(cfg, model_dir)} needs {gb(need['total'])} as {label(qc)} "
             f"(weights {gb(need['weights'])}, cache {gb(need['cache'])} at {need['context']} tokens, "
             f"working memory {gb(need['working'])}, margin {gb(need['margin'])}) but {gb(available)} is available")
-    raise MemoryCheckError(head + "; " + suggestion(cfg, model_dir, stored, quantize, context, available)
+    raise MemoryCheckError(head + "; " + suggestion(cfg, model_dir, stored, quantize, context, available, streamable)
                            + "; --no-memory-check skips this check")
 
 
 def suggestion(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | None, quantize: int | None,
-               context: int | None, available: int) -> str:
+               context: int | None, available: int, streamable: bool = False) -> str:
+    budget = f"--memory-budget {max(0.1, math.floor(available / 1e8) / 10):.1f}G streams the routed experts from disk"
     if stored is not None:
-        budget = f"--memory-budget {max(0.1, math.floor(available / 1e8) / 10):.1f}G streams the routed experts from disk"
         return ("use a smaller --ctx or a machine with more memory" if stored.bits == 4 else
                 "a 4-bit copy (ds2 quantize from the float checkpoint with --bits 4) takes "
                 f"{gb(required(cfg, QuantConfig.recipe(4), context)['total'])}") + "; " + budget
@@ -307,6 +333,5 @@ def suggestion(cfg: DeepseekV2Config, model_dir: Path, stored: QuantConfig | Non
             size = gb(weight_bytes(cfg, QuantConfig.recipe(bits)))
             how = f"ds2 quantize {source} OUT --bits {bits} makes {article(size)} {size} copy that fits"
             options.append(how + (f" (or add --quantize {bits})" if at_load <= available else ""))
-    if options:
-        return "; ".join(options)
-    return "neither the 8-bit nor the 4-bit form fits either"
+    text = "; ".join(options) if options else "neither the 8-bit nor the 4-bit form fits either"
+    return text + "; " + budget if streamable else text

@@ -2,10 +2,11 @@
 
 A mixture of experts is mostly routed experts that a given token never touches. With a budget
 smaller than the model, everything else (attention, shared experts, dense layers, embedding,
-head, norms) stays memory-mapped and resident, and the routed experts live in an ExpertCache:
-a fixed number of *slots*, each holding one expert (its gate_up and down matrices), filled from
-the checkpoint file on a miss with one read a matrix, in whole experts, into buffers the cache
-owns. What was read is dropped from the page cache (posix_fadvise DONTNEED), so the budget holds
+head, norms) stays resident, and the routed experts live in an ExpertCache: a fixed number of
+*slots*, each holding one expert (its gate_up and down matrices), filled from the model's file
+on a miss with one read a stored matrix, in whole experts, into buffers the cache owns. Where an
+expert lies is its source's: StoredExperts for a ds2 low-bit checkpoint (here),
+gguf/experts.GGUFExperts for a GGUF's stacked tensors (a Q8_0 expert's blocks become q8b's). What was read is dropped from the page cache (posix_fadvise DONTNEED), so the budget holds
 for the process's memory and the page cache it causes together.
 
 Each layer's expert stacks are StreamedStacks: `stack[e]` is the slot holding expert e, a weight
@@ -48,14 +49,18 @@ def shared_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
 
-class ExpertCache:
-    """`slots` experts in memory, read from the checkpoint's files on a miss, least recently
-    used out first. `stats`: hits, misses, reads ahead and those that were used, bytes read."""
+class StoredExperts:
+    """Where a ds2 low-bit checkpoint keeps each MoE layer's routed experts: every matrix's
+    qweight and scales stacked (E, ...) in a safetensors file, so expert e of a matrix is one
+    contiguous range of each, read straight into a slot. The checkpoint's other weights are views
+    of the mapped files (`mapped`): streamed_weights copies them into memory of the process's own."""
 
-    def __init__(self, cfg: DeepseekV2Config, qc, tensors: dict, slots: int):
-        self.cfg, self.slots = cfg, slots
+    mapped = True
+
+    def __init__(self, cfg: DeepseekV2Config, qc, tensors: dict):
         self.where: dict[tuple[int, str], tuple] = {}     # (layer, kind) -> (qweight info, scales info)
         self.formats: dict[str, type[QuantMatrix]] = {}
+        self.shapes: dict[str, tuple[int, int]] = {}      # kind -> one expert's (out, in)
         for i in range(cfg.num_hidden_layers):
             if not cfg.is_moe_layer(i):
                 continue
@@ -67,16 +72,34 @@ class ExpertCache:
                                          f"this one stores {kind} as floats")
                 name = qcheckpoint.stored_name(i, "mlp", kind)
                 self.where[i, kind] = (tensors[name + ".qweight"], tensors[name + ".scales"])
-                self.formats[kind] = f
-        if not self.where:
+                self.formats[kind], self.shapes[kind] = f, shapes["mlp", kind][1:]
+        self.E = cfg.n_routed_experts
+        self.paths = {info.file for info in tensors.values()}
+        first = min((i for i, _ in self.where), default=None)
+        self.read_bytes = 0 if first is None else \
+            sum(info.nbytes // self.E for kind in KINDS for info in self.where[first, kind])   # an expert, from disk
+
+    def read(self, layer: int, e: int, kind: str, qweight: np.ndarray, scales: np.ndarray, pread) -> None:
+        """Expert e of `layer`'s `kind` into a slot's arrays: one read for each."""
+        for info, dst in zip(self.where[layer, kind], (qweight, scales)):
+            n = info.nbytes // self.E
+            pread(info.file, info.offset + e * n, dst.reshape(-1).view(np.uint8), e, layer)
+
+
+class ExpertCache:
+    """`slots` experts in memory, read from the model's files on a miss, least recently used out
+    first. `source` says where each expert lies and how its bytes fill a slot (StoredExperts, a
+    ds2 low-bit checkpoint; gguf/experts.GGUFExperts, a GGUF's stacked tensors). `stats`: hits,
+    misses, reads ahead and those that were used, bytes read from disk."""
+
+    def __init__(self, cfg: DeepseekV2Config, source, slots: int):
+        self.cfg, self.source, self.slots = cfg, source, slots
+        if not source.formats:
             raise StreamingError("--memory-budget streams routed experts; this model has none")
-        E, first = cfg.n_routed_experts, min(i for i, _ in self.where)
-        self.stacks = {}
-        for kind, f in self.formats.items():
-            q, s = self.where[first, kind]
-            self.stacks[kind] = f(shared_array((slots, *q.shape[1:]), checkpoint.NUMPY_DTYPES[q.dtype]),
-                                  shared_array((slots, *s.shape[1:]), checkpoint.NUMPY_DTYPES[s.dtype]))
-        self.expert_bytes = sum((q.nbytes + s.nbytes) // E for q, s in (self.where[first, k] for k in KINDS))
+        self.stacks = {kind: f(shared_array(f.qweight_shape((slots, *source.shapes[kind])), f.qweight_dtype),
+                               shared_array(f.scales_shape((slots, *source.shapes[kind])), f.scale_dtype))
+                       for kind, f in source.formats.items()}
+        self.expert_bytes = sum(f.nbytes_of(source.shapes[kind]) for kind, f in source.formats.items())
         self.slot_of: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
         self.free = list(range(slots - 1, -1, -1))
         self.ahead: set[tuple[int, int]] = set()           # read ahead, not yet used
@@ -123,7 +146,11 @@ class ExpertCache:
                             return out
                         raise StreamingError(f"the expert cache's {self.slots} slots cannot hold "
                                              f"{len(keep)} experts beside the {len(self.in_use)} in use")
-                    self.read(layer, int(e), slot)
+                    try:
+                        self.read(layer, int(e), slot)
+                    except BaseException:          # a failed or interrupted read: its slot holds nothing
+                        self.free.append(slot)
+                        raise
                     self.slot_of[key] = slot
                     if ahead:
                         self.ahead.add(key)
@@ -157,30 +184,30 @@ class ExpertCache:
         return None
 
     def read(self, layer: int, e: int, slot: int) -> None:
-        """Expert e of `layer` into `slot`: one read a tensor, then its pages dropped from the page cache."""
+        """Expert e of `layer` into `slot`, each of its matrices as the source says."""
         t0 = time.perf_counter()
-        E = self.cfg.n_routed_experts
-        for kind in KINDS:
-            stack = self.stacks[kind]
-            for info, dst in zip(self.where[layer, kind], (stack.qweight[slot], stack.scales[slot])):
-                n = info.nbytes // E
-                at = info.offset + e * n
-                fd = self.fd(info.file)
-                view = memoryview(dst.reshape(-1).view(np.uint8))
-                got = 0
-                try:
-                    while got < n:
-                        k = os.preadv(fd, [view[got:]], at + got)
-                        if k == 0:
-                            raise StreamingError(f"{info.file} ends before expert {e} of layer {layer} "
-                                                 f"(truncated after ds2 opened it?)")
-                        got += k
-                    os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)
-                except OSError as err:
-                    raise StreamingError(f"cannot read expert {e} of layer {layer} from {info.file}: "
-                                         f"{err.strerror}") from None
-                self.stats["bytes_read"] += n
+        for kind, stack in self.stacks.items():
+            self.source.read(layer, e, kind, stack.qweight[slot], stack.scales[slot], self.pread)
         self.stats["read_seconds"] += time.perf_counter() - t0
+
+    def pread(self, path, at: int, view: np.ndarray, e: int, layer: int) -> None:
+        """`view.nbytes` bytes of `path` from `at` into `view` (uint8), in as few reads as the
+        kernel allows, then their pages dropped from the page cache."""
+        n, got = view.nbytes, 0
+        buf = memoryview(view)
+        try:
+            fd = self.fd(path)
+            while got < n:
+                k = os.preadv(fd, [buf[got:]], at + got)
+                if k == 0:
+                    raise StreamingError(f"{path} ends before expert {e} of layer {layer} "
+                                         f"(truncated after ds2 opened it?)")
+                got += k
+            os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)
+        except OSError as err:
+            raise StreamingError(f"cannot read expert {e} of layer {layer} from {path}: "
+                                 f"{err.strerror}") from None
+        self.stats["bytes_read"] += n
 
 
 class StreamedStack:
@@ -367,26 +394,32 @@ class StreamingExecutor(CoreExecutor):
                 self.read_ahead(j, wanted[:max(1, self.cache.slots // (2 * self.AHEAD))])
 
 
-def streamed_weights(weights: dict, cfg: DeepseekV2Config, qc, tensors: dict, slots: int) -> ExpertCache:
-    """Replace each MoE layer's routed expert stacks in `weights` (qcheckpoint.load_weights'
-    memory-mapped ones) with StreamedStacks over one ExpertCache of `slots` experts, and read
-    every other weight into memory of this process's own: the budget then holds no page cache of
-    the files (dropped as they are read), and a file changed under the run fails a read with an
-    error instead of a fault on a mapped page."""
-    cache = ExpertCache(cfg, qc, tensors, slots)
+def streamed_weights(weights: dict, cfg: DeepseekV2Config, source, slots: int) -> ExpertCache:
+    """Put StreamedStacks over one ExpertCache of `slots` experts in place of each MoE layer's
+    routed expert stacks in `weights` (qcheckpoint.load_weights' memory-mapped ones, or None
+    where the loader left them out), and, when the other weights are views of the mapped files
+    (`source.mapped`), read them into memory of this process's own: the budget then holds no page
+    cache of the files (dropped as they are read), and a file changed under the run fails a read
+    with an error instead of a fault on a mapped page."""
+    cache = ExpertCache(cfg, source, slots)
+    keep = owned if source.mapped else (lambda w: w)
+    E = cfg.n_routed_experts
     for i, layer in enumerate(weights["layers"]):
         if layer is not None:
             for _, part in layer.parts():
                 for key, w in list(part.items()):
-                    part[key] = StreamedStack(cache, i, key, w.shape) if key in KINDS and layer.is_moe else owned(w)
-            layer.input_layernorm = owned(layer.input_layernorm)
-            layer.post_attention_layernorm = owned(layer.post_attention_layernorm)
+                    if not (layer.is_moe and key in KINDS):      # those are replaced: never copied
+                        part[key] = keep(w)
+            for key in KINDS if layer.is_moe else ():
+                layer.mlp[key] = StreamedStack(cache, i, key, (E, *source.shapes[key]))
+            layer.input_layernorm = keep(layer.input_layernorm)
+            layer.post_attention_layernorm = keep(layer.post_attention_layernorm)
     tied = weights["lm_head"] is weights["embed_tokens"]
     for key in ("embed_tokens", "norm", "lm_head"):
-        weights[key] = owned(weights[key])
+        weights[key] = keep(weights[key])
     if tied:
         weights["lm_head"] = weights["embed_tokens"]
-    for path in {info.file for info in tensors.values()}:
+    for path in source.paths:
         drop_cached(path)
     return cache
 

@@ -284,7 +284,10 @@ def test_a_gguf_s_memory_is_its_source_checkpoint_s_with_the_option_of_each_form
                               "plain_rope_tied_fp16.f16.gguf").stdout)["memory"]
     source = json.loads(inspect("--json", REFERENCE / "plain_rope_tied_fp16").stdout)["memory"]
     options = [(f.pop("option"), f.pop("default")) for f in gguf["formats"]]
+    commands = [(f.pop("command"), g.pop("command")) for f, g in zip(gguf["streaming"], source["streaming"])]
     assert gguf == source
+    assert [c for c, _ in commands] == [f"ds2 quantize {g} OUT --bits {b}" for g, b in
+                                        zip([Path(__file__).parents[1] / "data" / "gguf" / "plain_rope_tied_fp16.f16.gguf"] * 2, (8, 4))]
     assert options == [("--quantize auto", True), ("--quantize 8", False), ("--quantize 4", False)]
 
 

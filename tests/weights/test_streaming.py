@@ -11,10 +11,12 @@ import pytest
 
 import ds2cli
 from ds2cli.errors import ConfigError
+from ds2cli.weights import loader
 from ds2cli.model.transformer import Step
 from ds2cli.weights import memory, streaming
 from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.weights.source import bundled_model_dir
+from support.gguf_writer import write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +24,12 @@ def q8(tmp_path_factory):
     out = tmp_path_factory.mktemp("stream") / "tiny-q8"
     quantize_checkpoint(bundled_model_dir(), out, 8)
     return out
+
+
+@pytest.fixture(scope="module")
+def q8_0(tmp_path_factory):
+    """ds2-tiny as a Q8_0 GGUF: every stacked expert tensor (blk.N.ffn_*_exps) Q8_0."""
+    return write_gguf(bundled_model_dir(), tmp_path_factory.mktemp("stream") / "tiny.Q8_0.gguf", "Q8_0")
 
 
 def budget_for(path, slots: int, context: int = 64) -> int:
@@ -67,7 +75,7 @@ def test_the_budget_holds_the_resident_part_and_the_slots(q8):
 
 
 def test_a_float_checkpoint_is_refused_before_loading():
-    with pytest.raises(ConfigError, match="make one first with ds2 quantize"):
+    with pytest.raises(ConfigError, match="float checkpoint: make a low-bit copy first with ds2 quantize"):
         ds2cli.load(bundled_model_dir(), memory_budget=10**9)
 
 
@@ -113,3 +121,211 @@ def test_a_cgroup_limit_is_what_remains_of_it(tmp_path):
     limit.write_text("max\n")
     assert memory.cgroup_room([(str(limit), str(usage))]) is None
     assert memory.cgroup_room([(str(tmp_path / "none"), str(usage))]) is None
+
+
+# ---- GGUF: a Q8_0 file's stacked experts, read an expert at a time into q8b slots ----
+
+def same_logits_prefill_decode_batch(full, m) -> None:
+    """Prefill, six greedy decode steps and a batch of two give the same logits, bit for bit."""
+    ids = np.array(full.tokenizer.encode("What is 451 - 123? Think of it as 451 minus 100, then 23."))
+    c1, c2 = full.new_cache(64), m.new_cache(64)
+    np.testing.assert_array_equal(m.forward(ids, c2, all_logits=True), full.forward(ids, c1, all_logits=True))
+    for _ in range(6):
+        t = [int(full.forward(ids[-1:], c1).argmax())]
+        c2.length = c1.length - 1
+        m.forward(ids[-1:], c2)
+        np.testing.assert_array_equal(m.forward(t, c2), full.forward(t, c1))
+    a1, b1, a2, b2 = full.new_cache(64), full.new_cache(64), m.new_cache(64), m.new_cache(64)
+    want = full.forward_batch([Step(ids[:7], a1, "all"), Step(ids, b1, "last")])
+    got = m.forward_batch([Step(ids[:7], a2, "all"), Step(ids, b2, "last")])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.slow
+def test_a_q8_0_gguf_streams_two_experts_a_layer_with_the_same_logits(q8_0):
+    full = ds2cli.load(q8_0)
+    assert set(full.quantization.formats.values()) == {"q8b"}
+    budget = budget_for(q8_0, 2)
+    m = ds2cli.load(q8_0, context=64, memory_budget=budget)
+    cache = m.executor.cache
+    moe = [layer for layer in m.layers if layer.is_moe]
+    assert cache.slots == 2 and all(isinstance(layer.mlp.experts_gate_up, streaming.StreamedStack)
+                                    and isinstance(layer.mlp.experts_down, streaming.StreamedStack) for layer in moe)
+    same_logits_prefill_decode_batch(full, m)
+    plan = memory.streamed(m.config, m.quantization, 64, budget)
+    assert plan["resident"] + cache.slots * cache.expert_bytes <= budget          # counted bytes, not RSS
+    assert sum(s.qweight.nbytes + s.scales.nbytes for s in cache.stacks.values()) == cache.slots * cache.expert_bytes
+    assert len(cache.slot_of) + len(cache.free) == cache.slots
+    s, per_expert = cache.stats, cache.source.read_bytes
+    cfg = m.config                      # an expert from disk: gate, up and down's Q8_0 blocks of 34 bytes a 32 values
+    assert per_expert == 3 * cfg.moe_intermediate_size * cfg.hidden_size // 32 * 34
+    assert s["misses"] > 0 and s["read_ahead"] > 0 and s["bytes_read"] == (s["misses"] + s["read_ahead"]) * per_expert
+    m.executor.stop()
+
+
+@pytest.mark.slow
+def test_a_gguf_whose_experts_need_converting_is_refused_before_loading(tmp_path, monkeypatch):
+    q4 = write_gguf(bundled_model_dir(), tmp_path / "tiny.Q4_0.gguf", "Q4_0")
+    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ConfigError, match=r"as Q8_0; tiny.Q4_0.gguf stores them as Q4_0 \(blk.1.ffn_gate_exps.weight\)"
+                                          r".*ds2 quantize .*tiny.Q4_0.gguf OUT --bits 4"):
+        ds2cli.load(q4, memory_budget=10**9)
+    f16 = write_gguf(bundled_model_dir(), tmp_path / "tiny.F16.gguf", "F16")
+    with pytest.raises(ConfigError, match=r"stores them as F16 .*--bits 8"):
+        ds2cli.load(f16, memory_budget=10**9)
+
+
+def test_a_q8_0_gguf_converted_by_quantize_8_is_refused_before_loading(q8_0, monkeypatch):
+    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ConfigError, match="leave --quantize out"):
+        ds2cli.load(q8_0, quantize=8, memory_budget=10**9)
+
+
+@pytest.mark.slow
+def test_a_gguf_truncated_mid_run_is_one_error(q8_0, tmp_path):
+    import shutil
+    copy = shutil.copy(q8_0, tmp_path / "copy.gguf")
+    m = ds2cli.load(copy, context=64, memory_budget=budget_for(copy, 2))
+    first = min(m.executor.cache.source.where[1, "experts_gate_up"][0][1], m.executor.cache.source.where[1, "experts_down"][0][1])
+    os.truncate(copy, first)                         # every expert of every layer now lies past the end
+    with pytest.raises(streaming.StreamingError, match="copy.gguf ends before expert"):
+        m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
+    m.executor.stop()
+
+
+def test_the_memory_check_offers_a_budget_for_a_q8_0_gguf(q8_0, monkeypatch):
+    monkeypatch.setenv(memory.ENV, "1M")
+    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(memory.MemoryCheckError, match=r"--memory-budget 0.1G streams the routed experts from disk"):
+        ds2cli.load(q8_0)
+
+
+# ---- ds2 inspect: the resident part beside the whole, the least budget, the experts a budget caches ----
+
+def inspect_json(*args) -> dict:
+    from click.testing import CliRunner
+    from ds2cli.cli.main import main
+    r = CliRunner().invoke(main, ["inspect", *map(str, args), "--json"])
+    assert r.exit_code == 0, r.output
+    import json
+    return json.loads(r.stdout)
+
+
+@pytest.mark.slow
+def test_inspect_gives_the_least_budget_that_loads_and_what_a_budget_caches(q8):
+    (form,) = inspect_json(q8)["memory"]["streaming"]
+    assert form["command"] is None and form["format"] == "8-bit"
+    assert form["resident_weight_bytes"] + form["routed_bytes"] == form["weight_bytes"]
+    assert form["routed_bytes"] == form["experts"] * form["expert_bytes"] and form["resident_bytes"] < form["ram_bytes"]
+    m = ds2cli.load(q8, context=form["context"], memory_budget=form["least_budget_bytes"])   # what it says loads
+    assert m.executor.cache.slots >= m.config.num_experts_per_tok
+    m.executor.stop()
+    with pytest.raises(memory.MemoryCheckError, match="cannot stream this model"):
+        ds2cli.load(q8, context=form["context"], memory_budget=form["least_budget_bytes"] - 10**8)
+    budget = form["resident_bytes"] + 5 * form["expert_bytes"]
+    assert inspect_json(q8, "--memory-budget", budget)["memory"]["streaming"][0]["cached_experts"] == 5
+
+
+@pytest.mark.slow
+def test_inspect_shows_streaming_for_a_q8_0_gguf_and_the_copies_another_needs(q8_0, tmp_path):
+    from click.testing import CliRunner
+    from ds2cli.cli.main import main
+    (form,) = inspect_json(q8_0, "--memory-budget", "100G")["memory"]["streaming"]
+    full = ds2cli.load(q8_0)
+    assert form["command"] is None and form["cached_experts"] == form["experts"] == 5 * full.config.n_routed_experts
+    assert form["weight_bytes"] == memory.weight_bytes(full.config, full.quantization)
+    q4 = write_gguf(bundled_model_dir(), tmp_path / "tiny.Q4_0.gguf", "Q4_0")
+    forms = inspect_json(q4)["memory"]["streaming"]
+    assert [f["command"] for f in forms] == [f"ds2 quantize {q4} OUT --bits {b}" for b in (8, 4)]
+    assert forms[1]["least_budget_bytes"] <= forms[0]["least_budget_bytes"]
+    r = CliRunner().invoke(main, ["inspect", str(q8_0), "--memory-budget", "1M"])
+    assert r.exit_code == 0 and "--memory-budget 0.4G at least" in r.stdout and "is below that" in r.stdout
+
+
+def test_inspect_of_a_float_checkpoint_sizes_its_low_bit_copies():
+    from ds2cli.cli.inspect_report import describe
+    forms = describe(bundled_model_dir(), budget=0)["memory"]["streaming"]
+    assert [f["format"] for f in forms] == ["8-bit", "4-bit"] and all(f["cached_experts"] is None for f in forms)
+    assert all(f["command"].startswith("ds2 quantize ") and f["resident_weight_bytes"] < f["weight_bytes"] for f in forms)
+
+
+# ---- faults mid-run: one error, the cache still whole, no thread or file left open ----
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.slow
+def test_a_read_error_mid_run_is_one_error_line_and_leaves_nothing_open(q8, monkeypatch):
+    import errno
+    import threading
+    from click.testing import CliRunner
+    from ds2cli.cli.main import main
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    threads, fds = threading.active_count(), open_fds()
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 2))
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(streaming.StreamingError, match=r"cannot read expert \d+ of layer \d+ from .*Input/output error"):
+        m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
+    m.executor.stop()
+    assert threading.active_count() == threads and open_fds() <= fds      # the reader ended, the files closed
+    r = CliRunner().invoke(main, ["generate", "-m", str(q8), "hi", "-n", "4", "--ctx", "64",
+                                  "--memory-budget", str(budget_for(q8, 2))])
+    monkeypatch.setattr(os, "preadv", real)
+    assert r.exit_code == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot read expert") and "Input/output error" in lines[0]
+
+
+@pytest.mark.slow
+def test_an_expert_file_gone_after_loading_is_one_error(q8, tmp_path):
+    import shutil
+    copy = shutil.copytree(q8, tmp_path / "copy")
+    m = ds2cli.load(copy, context=64, memory_budget=budget_for(copy, 2))
+    for shard in copy.glob("*.safetensors"):
+        shard.rename(shard.with_suffix(".gone"))
+    with pytest.raises(streaming.StreamingError, match=r"cannot open .*\.safetensors: No such file or directory"):
+        m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
+    m.executor.stop()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_read_leaves_the_cache_whole(q8, monkeypatch):
+    """A KeyboardInterrupt in the middle of reading an expert: the slot it was filling is free
+    again (not taken for the expert), and the next pass computes the same logits as ever."""
+    full = ds2cli.load(q8)
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 2))
+    cache, real = m.executor.cache, streaming.ExpertCache.pread
+    calls = []
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == 3:                         # the third matrix read: an expert half read
+            raise KeyboardInterrupt
+        return real(self, *args)
+    monkeypatch.setattr(streaming.ExpertCache, "pread", interrupted)
+    ids = np.array(full.tokenizer.encode("What is 451 - 123?"))
+    with pytest.raises(KeyboardInterrupt):
+        m.forward(ids, m.new_cache(64))
+    m.executor.settle()
+    assert len(cache.slot_of) + len(cache.free) == cache.slots and not cache.in_use
+    np.testing.assert_array_equal(m.forward(ids, m.new_cache(64), all_logits=True),
+                                  full.forward(ids, full.new_cache(64), all_logits=True))
+    m.executor.stop()
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_float_checkpoint_or_a_gguf_to_convert_in_one_line(tmp_path):
+    from click.testing import CliRunner
+    from ds2cli.cli.main import main
+    q4 = write_gguf(bundled_model_dir(), tmp_path / "tiny.Q4_0.gguf", "Q4_0")
+    for model, words in ((bundled_model_dir(), "float checkpoint: make a low-bit copy first with ds2 quantize"),
+                         (q4, "stores them as Q4_0")):
+        r = CliRunner().invoke(main, ["generate", "-m", str(model), "hi", "--memory-budget", "1G"])
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 1 and r.stdout == "" and len(lines) == 1 and lines[0].startswith("error: "), r.output
+        assert words in lines[0] and "ds2 quantize" in lines[0]

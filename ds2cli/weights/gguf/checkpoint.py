@@ -21,6 +21,8 @@ from pathlib import Path
 from ds2cli.weights import qcheckpoint
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import CheckpointError, ConfigError
+from ds2cli.weights.formats.base import FORMATS
+from ds2cli.weights.gguf import experts as gguf_experts
 from ds2cli.weights.gguf.config import config_from_gguf
 from ds2cli.weights.gguf.file import GGUFFile, find
 from ds2cli.weights.gguf.tensors import GGUFTensors
@@ -81,6 +83,32 @@ class GGUFModel:
         if "temperature" in gen:
             gen["do_sample"] = gen["temperature"] > 0
         return gen
+
+    def stream_problem(self, qc: qcheckpoint.QuantConfig | None) -> str | None:
+        """Why `--memory-budget` cannot stream this file's routed experts loaded into `qc`'s
+        formats (None: it can): a type no ds2 format holds unchanged, which every read would
+        have to convert (gguf/experts.py), or formats other than the one that holds Q8_0."""
+        found = gguf_experts.unstreamable(self.file, self.config)
+        if found:
+            types = ", ".join(f"{kind} ({name})" for kind, name in found.items())
+            bits = 4 if any(DEFAULT_BITS.get(kind) == 4 for kind in found) else 8    # as the file loads
+            return (f"--memory-budget reads a GGUF's routed experts as stored, which ds2 multiplies unchanged only "
+                    f"as {', '.join(gguf_experts.STREAMABLE)}; {self.file.name} stores them as {types}, which ds2 "
+                    f"converts at load: convert the file once with ds2 quantize {self.file.paths[0]} OUT "
+                    f"--bits {bits}, then stream OUT")
+        wanted = {kind: FORMATS[gguf_experts.STREAMABLE[self.bulk_type]]
+                  for kind in gguf_experts.STACKED} if self.bulk_type in gguf_experts.STREAMABLE else {}
+        got = {kind: qc.format_of("mlp", kind) if qc else None for kind in gguf_experts.STACKED}
+        if not wanted or got != wanted:
+            return (f"--memory-budget streams a {'/'.join(gguf_experts.STREAMABLE)} GGUF's experts in their own "
+                    f"blocks, as the file loads by default (or with --quantize exact); another --quantize would "
+                    f"convert each expert as it is read: leave --quantize out")
+        return None
+
+    def streamed_experts(self, qc: qcheckpoint.QuantConfig) -> "gguf_experts.GGUFExperts":
+        """The routed experts as the expert cache reads them (stream_problem(qc) None)."""
+        return gguf_experts.GGUFExperts(self.file, self.config,
+                                        {kind: qc.format_of("mlp", kind) for kind in gguf_experts.STACKED})
 
     def check(self) -> None:
         """The tensors against the metadata: every problem named, or none."""

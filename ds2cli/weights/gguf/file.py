@@ -140,12 +140,14 @@ def _reader_class():
 
 class GGUFFile:
     """The parts of one GGUF model, read: `fields` (the first part's metadata, name -> value),
-    `tensors` (name -> gguf ReaderTensor, over all parts), `paths`, `nbytes` on disk."""
+    `tensors` (name -> gguf ReaderTensor, over all parts), `part_of` (name -> the part holding
+    it: its data_offset counts from that file's start), `paths`, `nbytes` on disk."""
 
     def __init__(self, paths: list[Path]):
         self.paths = paths
         self.fields: dict[str, Any] = {}
         self.tensors: dict = {}
+        self.part_of: dict[str, Path] = {}
         self.maps: dict = {}
         Reader = _reader_class()
         for k, path in enumerate(paths):
@@ -162,6 +164,7 @@ class GGUFFile:
                 self.fields = {name: field_value(f) for name, f in reader.fields.items()}
             for t in reader.tensors:
                 self.tensors[t.name] = t
+                self.part_of[t.name] = path
                 self.maps[t.name] = reader.data._mmap     # np.memmap's mmap: see release()
         count = self.fields.get("split.count")
         if count is not None and count != len(paths):
