@@ -326,7 +326,9 @@ class Helpers:
             for u in np.flatnonzero(~mine).tolist():    # (tokens a Ctrl-C left, or no helper)
                 self.run_unit(plan, units, u, mine)
         for h in ready:
-            for u in np.flatnonzero((h.finished[:n] == seq) & ~mine).tolist():
+            got = np.flatnonzero((h.finished[:n] == seq) & ~mine).tolist()
+            fence()                                      # the marks read before the rows
+            for u in got:
                 j, a, b = units[u]
                 p = plan[j]
                 out, k, y_at = p.y.shape[-1], p.x.size // p.x.shape[-1], int(h.table[j, 7])
@@ -366,6 +368,19 @@ def cut_shapes(shapes: tuple, processes: int) -> tuple[tuple[int, int, int], ...
             left -= (b - a) * values
             a = b
     return tuple(units)                    # shared by every plan of these shapes: not to be changed
+
+
+_fence = threading.Lock()
+_fence.acquire()
+
+
+def fence() -> None:
+    """A memory barrier between a process's accesses to the shared memory before it and after it:
+    a helper's rows are visible before its mark that they are finished, and the parent reads
+    the marks before the rows. x86 keeps stores in order anyway; weaker machines (ARM) need the
+    release and the acquire (a lock's) between them."""
+    _fence.release()
+    _fence.acquire()
 
 
 def then(p) -> int:
@@ -453,6 +468,9 @@ def helper_main(parent: int, with_parent: bool, jobs: int, claims: int, claims_w
     for fd in (0, 1, 2):                        # of ds2's stdout waits for every writer to close
         os.dup2(devnull, fd)
     cores.use_workers(cores.Workers(1))   # one core, no pool, no lock another thread holds
+    global _fence
+    _fence = threading.Lock()             # (held, whatever a thread of the parent did with its own)
+    _fence.acquire()
     os.set_blocking(jobs, False)
     for c in cores.blas_controllers():
         c.set_num_threads(1)
@@ -482,7 +500,8 @@ def helper_main(parent: int, with_parent: bool, jobs: int, claims: int, claims_w
                     matrices[j] = AbsorbedQuery(m, _matrices[heads]()) if heads >= 0 else m
                 matrices[j].span(values[x_at:x_at + inp * k].reshape(k, inp),
                                  values[y_at:y_at + out * k].reshape(k, out), a, b)
-                finished[u] = seq                   # after its rows: the parent reads them then
+                fence()                             # its rows are seen before the mark
+                finished[u] = seq
         except Exception:    # noqa: BLE001 - any failure (a matrix gone too): the parent runs the rows
             status[2] = seq
         status[1] = seq
