@@ -199,10 +199,7 @@ def tokenizer_of(source: Source, chat_template: Path | None = None):
         tokenizer = source.tokenizer
     if chat_template is not None:
         text = read_text_file(chat_template, "chat template", TEMPLATE_LIMIT)
-        try:
-            tokenizer.set_chat_template(text)
-        except Ds2Error as e:
-            raise type(e)(f"chat template {chat_template}: {e}") from None
+        tokenizer.set_chat_template(text, str(chat_template))
     return tokenizer
 
 

@@ -112,7 +112,9 @@ class Endpoints:
             state.log(f"{self.client_address[0]} ignored request fields: {', '.join(ignored)[:200]}")
         most = scheduler.max_queue + scheduler.parallel
         if len(jobs) > most:     # never admissible, however long the client waits: not a 503
-            raise ApiError(400, f"n is {len(jobs)} (with best_of), more choices than this server can ever hold "
+            n = 1 + max(j.sample for j in jobs)
+            asked = f"n = {n} is" if n == len(jobs) else f"{len(jobs) // n} prompts x n = {n} is {len(jobs)} choices,"
+            raise ApiError(400, f"{asked} more than this server can ever hold "
                                 f"at once ({scheduler.parallel} running + {scheduler.max_queue} waiting: "
                                 f"--parallel and --queue)", param="n")
         prompt = sum(len(j.ids) for j in jobs if j.sample == 0)

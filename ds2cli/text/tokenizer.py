@@ -64,6 +64,7 @@ class Tokenizer:
         # Whether encode() starts with bos: the config asks for it, or tokenizer.json adds it itself.
         self._add_bos = self._bos_id is not None and (add_bos_token or self._post_processor_adds_bos())
         self._template = compile_template(chat_template or FALLBACK_CHAT_TEMPLATE)
+        self._template_name = "chat template"      # what its errors start with
         # Byte-level BPE (GPT-2 style, as DeepSeek's): each token is a run of raw bytes.
         self.byte_level = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
         self._alphabet = byte_level_alphabet() if self.byte_level else {}
@@ -169,16 +170,19 @@ class Tokenizer:
             variables["bos_token"] = self.bos_token
         if self.eos_token is not None:
             variables["eos_token"] = self.eos_token
-        return render(self._template, variables)
+        return render(self._template, variables, self._template_name)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
         """Render, then encode without special tokens: the template writes bos itself."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
-    def set_chat_template(self, source: str) -> None:
-        """Replace the checkpoint's chat template (compiled now, so a syntax error shows at once)."""
-        self._template = compile_template(source)
+    def set_chat_template(self, source: str, file: str | None = None) -> None:
+        """Replace the checkpoint's chat template (compiled now, so a syntax error shows at once);
+        its errors, now and when it renders, name `file` when it came from one."""
+        name = "chat template" if file is None else f"chat template {file}"
+        self._template = compile_template(source, name)
+        self._template_name = name
         self.chat_template = source
 
     def stream_decoder(self) -> "StreamDecoder":

@@ -237,7 +237,12 @@ def test_chat_template_file_replaces_the_checkpoints(tmp_path):
     assert r.exit_code == 0 and r.stdout.strip()
     template.write_text("{% for %}")
     r = run("generate", "hi", "--chat-template", str(template))
-    assert r.exit_code == 1 and r.stderr.startswith(f"error: chat template {template}: chat template line 1")
+    assert r.exit_code == 1 and r.stderr.startswith(f"error: chat template {template} line 1: ")
+    template.write_text("{{ raise_exception('no system here') }}")       # fails when it renders, not before
+    r = run("generate", "hi", "--chat-template", str(template))
+    assert r.exit_code == 1 and r.stderr == f"error: chat template {template} line 1: no system here\n"
+    r = run("chat", "--chat-template", str(template), input="hi\n")
+    assert f"chat template {template} line 1: no system here" in r.stderr
     r = run("generate", "hi", "--chat-template", str(tmp_path / "none.jinja"))
     assert r.exit_code == 1 and "cannot read chat template" in r.stderr
 
