@@ -47,3 +47,10 @@ def _scaled(n: int | float, units: tuple[str, ...], sep: str) -> str:
     if unit == units[0] and float(n).is_integer():
         return f"{int(n)}{sep}{unit}"
     return f"{value:.3g}{sep}{unit}"
+
+
+def install_hint(extra: str, package: str) -> str:
+    """How to add one of ds2's extras, from an index or a clone alike: install_hint("grammar",
+    "llguidance") -> "pip install 'ds2cli[grammar]' (from a clone: pip install '.[grammar]'),
+    or pip install llguidance"."""
+    return f"pip install 'ds2cli[{extra}]' (from a clone: pip install '.[{extra}]'), or pip install {package}"
