@@ -170,7 +170,7 @@ GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_positi
 @click.argument("prompt", required=False)
 @model_option
 @click.option("-p", "--prompt", "prompt_option", metavar="TEXT", help="The prompt (instead of the PROMPT argument).")
-@click.option("-f", "--prompt-file", "--file", "prompt_file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+@click.option("-f", "--prompt-file", "--file", "prompt_file", type=click.Path(path_type=Path, allow_dash=True),
               help="Read the prompt from FILE (- for stdin).")
 @click.option("--encoding", default="utf-8", metavar="NAME",
               help="Encoding of the prompt file or stdin, and of the prompt and --system arguments where "
@@ -343,7 +343,7 @@ CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation; more th
 @model_option
 @click.option("--system", help="A system message.")
 @chat_template_option()
-@click.option("--load", "load_path", type=click.Path(path_type=Path, dir_okay=False),
+@click.option("--load", "load_path", type=click.Path(path_type=Path),
               help="Resume a conversation saved with /save (its transcript: it is read again).")
 @click.option("--session", "session_path", type=click.Path(path_type=Path), metavar="FILE",
               help="Keep the conversation in FILE: resumed from it at start without reading it again "

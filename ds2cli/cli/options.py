@@ -72,7 +72,7 @@ def model_option(f, default: str = "the bundled ds2-tiny"):
 
 
 def chat_template_option(extra: str = ""):
-    return click.option("--chat-template", "chat_template", type=click.Path(path_type=Path, dir_okay=False),
+    return click.option("--chat-template", "chat_template", type=click.Path(path_type=Path),
                         help=f"A Jinja chat template file to use instead of the checkpoint's{extra}.")
 
 
