@@ -17,6 +17,7 @@ from ds2cli.generation import saved_cache
 from ds2cli.generation.sampling import Sampler
 from ds2cli.model.cache import common_prefix
 from ds2cli.user_files import read_bounded, write_atomic
+from ds2cli.wording import plural
 
 ROLES = ("system", "user", "assistant")
 TRANSCRIPT_LIMIT = 64 << 20     # a saved conversation's default limit: far beyond any context
@@ -103,7 +104,8 @@ class ChatSession:
 
     def _fit(self, reserve: int) -> list[int]:
         """Render the history with the generation prompt, dropping the oldest whole turns
-        (never the system message) until it leaves `reserve` free positions."""
+        (never the system message) until it leaves `reserve` free positions: room for the reply,
+        said in the warning, since a turn dropped at 48 of 100 tokens looks early otherwise."""
         while True:
             ids = self.model.tokenizer.encode_chat(self.messages, add_generation_prompt=True)
             if len(ids) + reserve <= self.cache.capacity:
@@ -115,11 +117,12 @@ class ChatSession:
             if nxt is None:
                 raise ContextFullError(f"this message ({len(ids)} tokens with the history that "
                                        f"cannot be dropped) does not fit in the context of "
-                                       f"{self.cache.capacity} tokens")
+                                       f"{self.cache.capacity} tokens with {reserve} kept for the reply")
             dropped = nxt + 1
             self.messages = self.messages[:first] + rest[nxt:]
-            self.warn(f"context full: dropped the oldest turn ({dropped} message"
-                      f"{'s' * (dropped > 1)}) to make room")
+            self.warn(f"context full: dropped the oldest turn ({plural(dropped, 'message')}): "
+                      f"{len(ids)} tokens of history + {reserve} kept for the reply (-n, at most half "
+                      f"the context) pass its {self.cache.capacity}")
 
     def reply(self, text: str, sampler: Sampler, max_new_tokens: int,
               stop: tuple[str, ...] = (), draft: int = 0,

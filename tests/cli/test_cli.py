@@ -74,7 +74,10 @@ def test_chat_drops_oldest_turns_when_the_context_is_full():
             input="\n".join(questions) + "\n")
     assert r.exit_code == 0, r.stderr
     assert r.stdout.splitlines() == ["11 + 22 = 33.", "33 + 44 = 77.", "15 + 16 = 31.", "21 + 30 = 51."]
-    assert "warning: context full: dropped the oldest turn" in r.stderr
+    # the warning says the room kept for the reply (-n 16, at most half of 64): why a turn goes early
+    said = re.findall(r"warning: context full: dropped the oldest turn \((\d+) messages\): (\d+) tokens of history "
+                      r"\+ (\d+) kept for the reply \(-n, at most half the context\) pass its (\d+)", r.stderr)
+    assert said and all(m == "2" and rest == ["16", "64"] and int(t) + 16 > 64 >= int(t) for m, t, *rest in said)
 
 
 def test_generate_json_fields():
