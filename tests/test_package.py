@@ -47,3 +47,13 @@ def test_console_script_help_and_version():
     assert p.returncode == 0 and all(c in p.stdout for c in ("generate", "chat", "inspect"))
     p = subprocess.run([sys.executable, "-m", "ds2cli", "--version"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.startswith("ds2, version ")
+
+
+def test_packed_lines_keep_within_the_width_and_unpack_to_one_line():
+    from ds2cli.wording import packed, unpacked
+    parts = ["[load 0.05s", "prefill 19 tok, 2419.2 tok/s", "decode 16 tok, 381.8 tok/s", "cache 34/275 tok, 65.3 kB]"]
+    text = packed(parts)
+    assert text.splitlines() == ["[load 0.05s | prefill 19 tok, 2419.2 tok/s | decode 16 tok, 381.8 tok/s",
+                                 "  | cache 34/275 tok, 65.3 kB]"]
+    assert unpacked(text) == " | ".join(parts) and packed(["a", "b"]) == "a | b"
+    assert all(len(line) <= 20 for line in packed(["x" * 10, "y" * 10, "z" * 15], width=20).splitlines())

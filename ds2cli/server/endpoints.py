@@ -63,13 +63,13 @@ class Endpoints:
         self.send_json(200, tokenizer_info(model.tokenizer, model.path, self.server.state.defaults.ctx))
 
     def health(self) -> None:
-        """The probe: 200 while serving, 503 while stopping. `running` stays the boolean it
-        always was; `requests_running` and `requests_waiting` are the counts."""
+        """The probe: 200 while serving, 503 while stopping; `requests_running` and
+        `requests_waiting` are the counts docs/server.md names (one pair, no aliases)."""
         scheduler = self.server.state.scheduler
         if scheduler is None:
             self.extra_headers["Retry-After"] = "1"
-            self.send_json(503, {"status": "loading", "model": self.server.state.model_id, "running": False,
-                                 "waiting": 0, "requests_running": 0, "requests_waiting": 0})
+            self.send_json(503, {"status": "loading", "model": self.server.state.model_id,
+                                 "requests_running": 0, "requests_waiting": 0})
             return
         lost = scheduler.model.executor.health()       # a cluster that lost a node: degraded
         status = 503 if scheduler.closing or lost else 200
@@ -77,7 +77,6 @@ class Endpoints:
         self.send_json(status, {"status": "shutting down" if scheduler.closing else "degraded" if lost else "ok",
                                 **({"error": lost} if lost else {}),
                                 "model": self.server.state.model_id,
-                                "running": running > 0, "waiting": waiting,
                                 "requests_running": running, "requests_waiting": waiting,
                                 "slots": scheduler.parallel, "queue": scheduler.max_queue})
 

@@ -14,7 +14,7 @@ from ds2cli.cli.console import LoadProgress
 from ds2cli.generation.generate import stream_generate
 from ds2cli.weights.source import bundled_model_dir
 from ds2cli.weights.quantize import quantize_checkpoint
-from ds2cli.wording import human_bytes
+from ds2cli.wording import human_bytes, unpacked
 
 STATS = re.compile(r"^\[(?:load \d+\.\d\ds \| )?prefill (\d+) tok, [\d.]+ tok/s \| decode (\d+) tok, [\d.]+ tok/s"
                    r" \| cache (\d+)/(\d+) tok, ([\d.]+ k?M?G?B)\]$")
@@ -34,7 +34,8 @@ def test_chat_scripted_greedy_answers_and_prefills_only_new_tokens():
         "4, 5, 6, 7, 8.",
         "I am ds2-tiny, a small DeepSeek-V2 model. I can add and subtract numbers, count, and babble like Shakespeare.",
     ]
-    lines = r.stderr.splitlines()
+    assert max(map(len, r.stderr.splitlines())) <= 80        # the stats lines wrapped within 80 columns
+    lines = unpacked(r.stderr).splitlines()
     assert re.fullmatch(r"\[load \d+\.\d\ds\]", lines[0])            # the load time, once
     stats = [STATS.match(line) for line in lines[1:]]
     assert all(stats) and len(stats) == 3 and not any("load" in line for line in lines[1:])
@@ -63,6 +64,8 @@ def test_chat_commands_save_clear_and_load(tmp_path):
                         {"role": "user", "content": "What is 2 + 3?"},
                         {"role": "assistant", "content": "2 + 3 = 5."}]
     assert "/save PATH" in r.stderr and "unknown or incomplete command '/bogus'" in r.stderr
+    r = run("chat", "--temperature", "0", "--stats", input="What is 2 + 3?\n/save\n/help\n/system\n/clear\n")
+    assert "usage: /save PATH" in r.stderr and max(map(len, r.stderr.splitlines())) <= 80, r.stderr
     r = run("chat", "--temperature", "0", "--load", str(saved), input="What is 30 + 12?\n")
     assert r.exit_code == 0 and r.stdout.splitlines() == ["30 + 12 = 42."]
 
@@ -117,7 +120,8 @@ def test_generate_seed_reproducible_and_stdin_prompt():
 def test_generate_stats_line_on_stderr_only():
     r = run("generate", "--chat", "What is 2 + 2?", "--temperature", "0", "--stats")
     assert r.stdout == "2 + 2 = 4.\n"
-    m = STATS.match(r.stderr.strip())
+    assert max(map(len, r.stderr.splitlines())) <= 80 < len(unpacked(r.stderr).strip())
+    m = STATS.match(unpacked(r.stderr).strip())
     model = ds2cli.load()
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
     assert m and int(m.group(1)) == len(prompt) and int(m.group(3)) == len(prompt) + int(m.group(2)) - 1
@@ -332,7 +336,7 @@ def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(monkeypatch, a
     args = ["generate", "--chat", "Count from 3 to 9.", "--temp", "0", "--stats", "--ignore-eos", "-n", "50"]
     r = run(*args, *(["--json"] if as_json else []))
     assert r.exit_code == 130
-    stats = [line for line in r.stderr.splitlines() if line.startswith("[load")]
+    stats = [line for line in unpacked(r.stderr).splitlines() if line.startswith("[load")]
     assert len(stats) == 1
     prefill, decode = re.search(r"prefill \d+ tok, ([\d.]+) tok/s \| decode 6 tok, ([\d.]+) tok/s", stats[0]).groups()
     assert float(prefill) > 0 and float(decode) > 0
