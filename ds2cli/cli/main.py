@@ -271,7 +271,7 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
     stops = [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]]
     reading = console.PrefillProgress(len(ids) - keep)
     chunks = stream_generate(model, ids[keep:], cache, sampler, max_new, stops, eos_ids=() if ignore_eos else None,
-                             context=ids[:keep], draft=opts["draft"], progress=reading)
+                             context=ids[:keep], draft=opts["draft"], progress=reading, special=opts["special"])
     if chat:
         chunks = lstrip_reply(chunks)
     pieces: list[Chunk] = []
@@ -376,7 +376,7 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
             model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
                                         opts["ray"], opts["memory_budget"])
             capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
-            session = ChatSession(model, capacity, warn=console.warn)
+            session = ChatSession(model, capacity, warn=console.warn, special=opts["special"])
             repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                         [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]], opts["stats"],
                         opts["draft"])

@@ -149,6 +149,9 @@ def generation_options(ctx_help: str):
                      help="Stop at this string (repeatable; not printed). Understands the escapes "
                           "\\n \\t \\r \\0 \\\\ \\\" \\' and \\xNN, as llama-cli does."),
         click.option("-c", "--ctx", "--ctx-size", type=click.IntRange(min=1), metavar="N", help=ctx_help),
+        click.option("--special", is_flag=True,
+                     help="Print the special tokens (bos, eos, pad) the model writes, as llama-cli's "
+                          "--special does; without it their text is left out."),
         max_prompt_bytes_option,
     ]
 

@@ -55,8 +55,9 @@ def checked_messages(data, path: Path) -> list[dict]:
 
 class ChatSession:
     def __init__(self, model: Model, capacity: int, system: str | None = None,
-                 warn: Callable[[str], None] = lambda message: None):
+                 warn: Callable[[str], None] = lambda message: None, special: bool = False):
         self.model = model
+        self.special = special              # special tokens' text in replies (chat --special)
         self.cache = model.new_cache(capacity)
         self.cached_ids: list[int] = []      # the tokens whose latents the cache holds
         self.messages: list[dict] = []
@@ -144,7 +145,7 @@ class ChatSession:
         try:
             for chunk in lstrip_reply(stream_generate(self.model, ids[keep:], self.cache, sampler,
                                                       max_new_tokens, stop, context=ids[:keep], draft=draft,
-                                                      progress=progress)):
+                                                      progress=progress, special=self.special)):
                 pieces.append(chunk.text)
                 if chunk.finish_reason:
                     generated = chunk.tokens

@@ -65,6 +65,10 @@ class Tokenizer:
         self._add_bos = self._bos_id is not None and (add_bos_token or self._post_processor_adds_bos())
         self._template = compile_template(chat_template or FALLBACK_CHAT_TEMPLATE)
         self._template_name = "chat template"      # what its errors start with
+        # bos, eos, pad, <|EOT|>: tokens the tokenizer marks special, which generated text leaves
+        # out (as Hugging Face's skip_special_tokens, llama-cli without --special); DeepSeek's
+        # tool-call, FIM and <think> tokens are added but not special, so replies keep them
+        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         # Byte-level BPE (GPT-2 style, as DeepSeek's): each token is a run of raw bytes.
         self.byte_level = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
         self._alphabet = byte_level_alphabet() if self.byte_level else {}
@@ -185,8 +189,8 @@ class Tokenizer:
         self._template_name = name
         self.chat_template = source
 
-    def stream_decoder(self) -> "StreamDecoder":
-        return StreamDecoder(self)
+    def stream_decoder(self, special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, special)
 
 
 class StreamDecoder:
@@ -202,15 +206,19 @@ class StreamDecoder:
     emitting the text beyond what that context produced, and waiting while it ends in '\\ufffd'.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, special: bool = False):
         self._tokenizer = tokenizer
+        self._hidden = frozenset() if special else tokenizer.special_ids     # ids whose text is left out
         self._token_bytes = tokenizer.token_bytes if tokenizer.byte_level else None
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._window: list[int] = []    # fallback: ids from the previous emit's start
         self._read = 0                  # fallback: window[:_read] is context already printed
 
     def push(self, token_id: int) -> str:
-        """Add one id; return the newly completed text (possibly "")."""
+        """Add one id; return the newly completed text (possibly ""): none for a special token
+        unless the decoder was made with `special`."""
+        if token_id in self._hidden:
+            return ""
         if self._token_bytes is not None:
             return self._utf8.decode(self._token_bytes(int(token_id)))
         self._window.append(int(token_id))

@@ -211,7 +211,18 @@ def test_ignore_eos_generates_to_the_limit():
     r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--json", "--ignore-eos", "-n", "30")
     out = json.loads(r.stdout)
     assert out["finish_reason"] == "length" and out["completion_tokens"] == 30
-    assert out["text"].startswith("2 + 2 = 4.<｜end▁of▁sentence｜>")   # eos is just a token now
+    # eos is just a token now, and a special one: its text is left out unless --special asks
+    assert out["text"].startswith("2 + 2 = 4.") and "<｜" not in out["text"]
+    shown = json.loads(run(*["generate", "--chat", "What is 2 + 2?", "--temp", "0", "--json", "--ignore-eos",
+                             "-n", "30", "--special"]).stdout)
+    assert shown["text"].startswith("2 + 2 = 4.<｜end▁of▁sentence｜>")
+    specials = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")
+    hidden = shown["text"]
+    for text in specials:
+        hidden = hidden.replace(text, "")
+    assert hidden == out["text"] and shown["completion_tokens"] == 30
+    r = run("chat", "--temp", "0", "-n", "30", "--special", input="What is 2 + 2?\n")
+    assert r.exit_code == 0 and r.stdout == "2 + 2 = 4.\n"      # chat takes the flag; its reply ends at eos
 
 
 def verbose_prompt(stderr: str) -> tuple[str, list[int]]:
