@@ -49,11 +49,21 @@ def test_console_script_help_and_version():
     assert p.returncode == 0 and p.stdout.startswith("ds2, version ")
 
 
-def test_packed_lines_keep_within_the_width_and_unpack_to_one_line():
-    from ds2cli.wording import packed, unpacked
-    parts = ["[load 0.05s", "prefill 19 tok, 2419.2 tok/s", "decode 16 tok, 381.8 tok/s", "cache 34/275 tok, 65.3 kB]"]
-    text = packed(parts)
-    assert text.splitlines() == ["[load 0.05s | prefill 19 tok, 2419.2 tok/s | decode 16 tok, 381.8 tok/s",
-                                 "  | cache 34/275 tok, 65.3 kB]"]
-    assert unpacked(text) == " | ".join(parts) and packed(["a", "b"]) == "a | b"
-    assert all(len(line) <= 20 for line in packed(["x" * 10, "y" * 10, "z" * 15], width=20).splitlines())
+STARTS = """import sys
+sys.argv = {argv!r}
+from ds2cli.cli.main import main
+try:
+    main()
+except SystemExit:
+    pass
+print("ml_dtypes imported:", any(m.split(".")[0] == "ml_dtypes" for m in sys.modules), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["ds2", "--help"], ["ds2", "generate", "--chat", "What is 2 + 2?", "--temp", "0"]])
+def test_ml_dtypes_is_imported_only_where_a_format_needs_it(argv):
+    """ds2 --help, and a whole run on ds2-tiny (a bfloat16 checkpoint, read as uint16 bits and
+    widened), never import ml_dtypes; its import was most of every start."""
+    r = subprocess.run([sys.executable, "-c", STARTS.format(argv=argv)], capture_output=True, text=True, timeout=120)
+    assert r.stderr.splitlines()[-1] == "ml_dtypes imported: False", r.stderr
+

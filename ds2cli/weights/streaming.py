@@ -74,8 +74,8 @@ class ExpertCache:
         self.stacks = {}
         for kind, f in self.formats.items():
             q, s = self.where[first, kind]
-            self.stacks[kind] = f(shared_array((slots, *q.shape[1:]), checkpoint.NUMPY_DTYPES[q.dtype]),
-                                  shared_array((slots, *s.shape[1:]), checkpoint.NUMPY_DTYPES[s.dtype]))
+            self.stacks[kind] = f(shared_array((slots, *q.shape[1:]), checkpoint.numpy_dtype(q.dtype)),
+                                  shared_array((slots, *s.shape[1:]), checkpoint.numpy_dtype(s.dtype)))
         self.expert_bytes = sum((q.nbytes + s.nbytes) // E for q, s in (self.where[first, k] for k in KINDS))
         self.slot_of: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
         self.free = list(range(slots - 1, -1, -1))

@@ -409,3 +409,14 @@ def test_quantize_progress_counts_the_models_layers(tmp_path):
     bar = LoadProgress(label="quantizing", then="the embeddings and lm_head")
     assert bar.text(3, 6) == "3/6 layers"
     assert bar.text(6, 6) == "6/6 layers, now the embeddings and lm_head"
+
+
+def test_packed_lines_keep_within_the_width_and_unpack_to_one_line():
+    from ds2cli.wording import packed, unpacked
+    parts = ["[load 0.05s", "prefill 19 tok, 2419.2 tok/s", "decode 16 tok, 381.8 tok/s", "cache 34/275 tok, 65.3 kB]"]
+    text = packed(parts)
+    assert text.splitlines() == ["[load 0.05s | prefill 19 tok, 2419.2 tok/s | decode 16 tok, 381.8 tok/s",
+                                 "  | cache 34/275 tok, 65.3 kB]"]
+    assert unpacked(text) == " | ".join(parts) and packed(["a", "b"]) == "a | b"
+    assert all(len(line) <= 20 for line in packed(["x" * 10, "y" * 10, "z" * 15], width=20).splitlines())
+
