@@ -49,10 +49,11 @@ def read_bounded(path: Path | str, limit: int, what: str, option: str = "") -> b
         raise Ds2Error(f"{what} {path} is a directory") from None
     except OSError as e:
         raise Ds2Error(f"cannot read {what} {path}: {e.strerror}") from None
+    if stat.S_ISDIR(os.fstat(fd).st_mode):      # Linux opens a directory read-only; fdopen refuses it
+        os.close(fd)
+        raise Ds2Error(f"{what} {path} is a directory")
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise Ds2Error(f"{what} {path} is a directory")
         if stat.S_ISREG(st.st_mode):
             if st.st_size > limit:
                 raise TooLargeError(f"{what} {path} is {human_bytes(st.st_size)}; the limit is "

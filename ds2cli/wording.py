@@ -47,3 +47,29 @@ def _scaled(n: int | float, units: tuple[str, ...], sep: str) -> str:
     if unit == units[0] and float(n).is_integer():
         return f"{int(n)}{sep}{unit}"
     return f"{value:.3g}{sep}{unit}"
+
+
+def install_hint(extra: str, package: str) -> str:
+    """How to add one of ds2's extras, from an index or a clone alike: install_hint("grammar",
+    "llguidance") -> "pip install 'ds2cli[grammar]' (from a clone: pip install '.[grammar]'),
+    or pip install llguidance"."""
+    return f"pip install 'ds2cli[{extra}]' (from a clone: pip install '.[{extra}]'), or pip install {package}"
+
+
+def packed(parts: list[str], width: int = 80, sep: str = " | ", indent: str = "  ") -> str:
+    """`parts` joined by `sep` on lines of at most `width` columns where each part allows: a line
+    that would pass it breaks before a separator, and the next one starts `indent` + the
+    separator's text, so a reader (or a test) rejoins them by replacing "\\n" + indent + "|"
+    with " |". packed(["a" * 50, "b" * 40]) -> "aaa...a\\n  | bbb...b"."""
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(indent + sep.lstrip() + part)
+    return "\n".join(lines)
+
+
+def unpacked(text: str, sep: str = " | ", indent: str = "  ") -> str:
+    """packed's lines as the one line they continue."""
+    return text.replace("\n" + indent + sep.lstrip(), sep)

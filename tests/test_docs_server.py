@@ -98,7 +98,8 @@ def serving(args: list[str], cwd: Path):
         assert found, f"ds2 serve {shlex.join(args)} said {log[0]!r}"
         yield int(found.group(1)), log
         proc.send_signal(signal.SIGTERM)
-        log += proc.communicate(timeout=60)[1].splitlines()
+        proc.wait(timeout=60)       # then read through the text buffer: a start entry of several lines is in it
+        log += proc.stderr.read().splitlines()
         assert proc.returncode == 0, log
     finally:
         if proc.poll() is None:
@@ -183,4 +184,5 @@ def test_the_page_s_requests_get_the_page_s_replies(session, tmp_path):
                 printed = run_python(text.replace(f"127.0.0.1:{shown}/", f"127.0.0.1:{port}/"))
             compare(f"`{text[:70]}...`", printed.replace(f":{port}", f":{shown}"), expected)
     log = [line.replace(f":{port}", f":{shown}") for line in log]
+    assert max(map(len, log)) <= 80, log        # the start entry and the request lines, in 80 columns
     compare(f"ds2 serve {shlex.join(session.args)}", "\n".join(log[:len(session.log)]), session.log)

@@ -47,3 +47,23 @@ def test_console_script_help_and_version():
     assert p.returncode == 0 and all(c in p.stdout for c in ("generate", "chat", "inspect"))
     p = subprocess.run([sys.executable, "-m", "ds2cli", "--version"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.startswith("ds2, version ")
+
+
+STARTS = """import sys
+sys.argv = {argv!r}
+from ds2cli.cli.main import main
+try:
+    main()
+except SystemExit:
+    pass
+print("ml_dtypes imported:", any(m.split(".")[0] == "ml_dtypes" for m in sys.modules), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["ds2", "--help"], ["ds2", "generate", "--chat", "What is 2 + 2?", "--temp", "0"]])
+def test_ml_dtypes_is_imported_only_where_a_format_needs_it(argv):
+    """ds2 --help, and a whole run on ds2-tiny (a bfloat16 checkpoint, read as uint16 bits and
+    widened), never import ml_dtypes; its import was most of every start."""
+    r = subprocess.run([sys.executable, "-c", STARTS.format(argv=argv)], capture_output=True, text=True, timeout=120)
+    assert r.stderr.splitlines()[-1] == "ml_dtypes imported: False", r.stderr
+

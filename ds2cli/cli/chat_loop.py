@@ -320,7 +320,7 @@ class Repl:
             except Ds2Error as e:
                 console.error(str(e))
         elif name == "/save":
-            console.info("usage: /save PATH   (writes the conversation as JSON; ds2 chat --load PATH resumes it)")
+            console.info("usage: /save PATH  (the conversation as JSON; ds2 chat --load PATH resumes it)")
         elif name == "/help" and not arg:
             console.info(CHAT_HELP)
         else:

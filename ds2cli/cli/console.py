@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from ds2cli.model.cache import LatentCache
 from ds2cli.generation.generate import Chunk
 from ds2cli.text.reasoning import ReasoningSplitter, Split
-from ds2cli.wording import human_bytes
+from ds2cli.wording import human_bytes, packed
 
 
 def error(message: str) -> None:
@@ -51,18 +51,21 @@ def utf8_streams() -> None:
 def stats_line(load_s: float | None, last: Chunk, cache: LatentCache, run: dict | None = None) -> str:
     """The --stats line; chat shows the load time once at start, so it passes None. `run`: the
     executor's stats (a streamed run's experts: hits, bytes read, reads ahead used)."""
-    load = "" if load_s is None else f"load {load_s:.2f}s | "
-    return (f"[{load}prefill {last.prompt_tokens} tok, {last.prefill_tok_per_s:.1f} tok/s"
-            f" | decode {last.generated_tokens} tok, {last.decode_tok_per_s:.1f} tok/s"
-            + (f" | draft {last.drafted} tok, {last.accepted} accepted" if last.drafted else "")
-            + f" | cache {cache.length}/{cache.capacity} tok, {human_bytes(cache.length * cache.bytes_per_token)}"
-            + (experts_stats(run) if run and "hits" in run else "") + "]")
+    parts = ([] if load_s is None else [f"load {load_s:.2f}s"]) + [
+        f"prefill {last.prompt_tokens} tok, {last.prefill_tok_per_s:.1f} tok/s",
+        f"decode {last.generated_tokens} tok, {last.decode_tok_per_s:.1f} tok/s"]
+    if last.drafted:
+        parts.append(f"draft {last.drafted} tok, {last.accepted} accepted")
+    parts.append(f"cache {cache.length}/{cache.capacity} tok, {human_bytes(cache.length * cache.bytes_per_token)}")
+    if run and "hits" in run:
+        parts.append(experts_stats(run))
+    return packed([f"[{parts[0]}", *parts[1:-1], f"{parts[-1]}]"])     # within 80 columns
 
 
 def experts_stats(run: dict) -> str:
     asked = run["hits"] + run["misses"]
     ahead = run["read_ahead"]
-    return (f" | experts {run['slots']} slots, {100 * run['hits'] / max(1, asked):.0f}% hits, "
+    return (f"experts {run['slots']} slots, {100 * run['hits'] / max(1, asked):.0f}% hits, "
             f"{human_bytes(run['bytes_read'])} read in {run['read_seconds']:.1f}s"
             + (f", {100 * run['read_ahead_used'] / ahead:.0f}% of {ahead} read ahead used" if ahead else ""))
 

@@ -172,7 +172,7 @@ GENERATE_CTX_HELP = ("Cache capacity in tokens; more than the model's max_positi
 @click.argument("prompt", required=False)
 @model_option
 @click.option("-p", "--prompt", "prompt_option", metavar="TEXT", help="The prompt (instead of the PROMPT argument).")
-@click.option("-f", "--prompt-file", "--file", "prompt_file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+@click.option("-f", "--prompt-file", "--file", "prompt_file", type=click.Path(path_type=Path, allow_dash=True),
               help="Read the prompt from FILE (- for stdin).")
 @click.option("--encoding", default="utf-8", metavar="NAME",
               help="Encoding of the prompt file or stdin, and of the prompt and --system arguments where "
@@ -336,7 +336,7 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
     reading = console.PrefillProgress(len(ids) - keep)
     eos_ids = () if ignore_eos else (*model.eos_token_ids, *ends) if ends else None
     chunks = stream_generate(model, ids[keep:], cache, sampler, max_new, stops, eos_ids=eos_ids,
-                             context=ids[:keep], draft=opts["draft"], progress=reading)
+                             context=ids[:keep], draft=opts["draft"], progress=reading, special=opts["special"])
     if chat:
         chunks = lstrip_reply(chunks)
     pieces: list[Chunk] = []
@@ -421,7 +421,7 @@ CHAT_CTX_HELP = (f"Cache capacity in tokens, for the whole conversation; more th
 @model_option
 @click.option("--system", help="A system message.")
 @chat_template_option()
-@click.option("--load", "load_path", type=click.Path(path_type=Path, dir_okay=False),
+@click.option("--load", "load_path", type=click.Path(path_type=Path),
               help="Resume a conversation saved with /save (its transcript: it is read again).")
 @click.option("--session", "session_path", type=click.Path(path_type=Path), metavar="FILE",
               help="Keep the conversation in FILE: resumed from it at start without reading it again "
@@ -458,7 +458,7 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
                                         opts["ray"], opts["memory_budget"])
             capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
             session = ChatSession(model, capacity, warn=console.warn,
-                                  split_reasoning=opts["reasoning_format"] != "none")
+                                  split_reasoning=opts["reasoning_format"] != "none", special=opts["special"])
             repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                         [unescape(argument_text(s, "--stop argument")) for s in opts["stop"]], opts["stats"],
                         opts["draft"], opts["hide_reasoning"])

@@ -73,7 +73,7 @@ def model_option(f, default: str = "the bundled ds2-tiny"):
 
 
 def chat_template_option(extra: str = ""):
-    return click.option("--chat-template", "chat_template", type=click.Path(path_type=Path, dir_okay=False),
+    return click.option("--chat-template", "chat_template", type=click.Path(path_type=Path),
                         help=f"A Jinja chat template file to use instead of the checkpoint's{extra}.")
 
 
@@ -160,6 +160,9 @@ def generation_options(ctx_help: str):
                      help="Stop at this string (repeatable; not printed). Understands the escapes "
                           "\\n \\t \\r \\0 \\\\ \\\" \\' and \\xNN, as llama-cli does."),
         click.option("-c", "--ctx", "--ctx-size", type=click.IntRange(min=1), metavar="N", help=ctx_help),
+        click.option("--special", is_flag=True,
+                     help="Print the special tokens (bos, eos, pad) the model writes, as llama-cli's "
+                          "--special does; without it their text is left out."),
         max_prompt_bytes_option,
     ]
 
@@ -210,10 +213,7 @@ def tokenizer_of(source: Source, chat_template: Path | None = None):
         tokenizer = source.tokenizer
     if chat_template is not None:
         text = read_text_file(chat_template, "chat template", TEMPLATE_LIMIT)
-        try:
-            tokenizer.set_chat_template(text)
-        except Ds2Error as e:
-            raise type(e)(f"chat template {chat_template}: {e}") from None
+        tokenizer.set_chat_template(text, str(chat_template))
     return tokenizer
 
 

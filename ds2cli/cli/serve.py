@@ -21,7 +21,7 @@ from ds2cli.errors import Ds2Error
 from ds2cli.server.http_server import MAX_BODY_BYTES, Server, State
 from ds2cli.server.prompt_disk import DiskPool
 from ds2cli.text import reasoning
-from ds2cli.wording import human_bytes
+from ds2cli.wording import human_bytes, packed, plural
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
                             max_new_tokens_for, memory_options, model_option, open_source, sampling_options,
                             tokenizer_of,
@@ -85,8 +85,8 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
     # the log says which signal came, and what another one of either kind does: a process
     # manager's SIGTERM is answered in its own terms, not a Ctrl-C's
     cause = f" on {SIGNAL_NAMES.get(received[0], 'a signal')}" if received else ""
-    state.log(f"ds2 serve: stopping{cause}: the running requests finish, new ones get 503 (another SIGTERM "
-              f"or Ctrl-C ends the running ones at their next token)")
+    state.log(packed([f"ds2 serve: stopping{cause}: the running requests finish", "new ones get 503",
+                      "another SIGTERM or Ctrl-C ends the running ones at their next token"]), packed=True)
     state.scheduler.close()
     state.scheduler.wait_idle()
     state.scheduler.prompt_cache.flush()      # with --prompt-cache-dir: every conversation to disk
@@ -158,7 +158,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
     config = source.config
     check_ctx(config, ctx)
     ctx = ctx or min(config.max_position_embeddings, DEFAULT_CTX)
-    model_id = alias or (str(model_dir) if model_dir is not None else "ds2-tiny")
+    model_id = alias or served_name(model_dir)
     # the port first: a taken one is an error at once, not after minutes of loading; meanwhile
     # /health answers 503 "loading" and the API 503 with Retry-After
     state = State(None, model_id, None, api_key or None, cors_origins=cors_origins)
@@ -194,17 +194,27 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
         try:
             slots = scheduler.prompt_cache.slots
             cache_each = human_bytes(model.new_cache(1).bytes_per_token * ctx)
-            line = (f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)} | ctx {ctx} | {parallel} "
-                    f"request{'s' * (parallel != 1)} at once ({cache_each} of cache each) | prompt cache "
-                    f"{prompt_cache_mb} MB = {slots} conversation{'s' * (slots != 1)}, the running ones "
-                    f"included | queue {max_queue}")
-            serve_forever(server, state, thread, ready=lambda: state.log(line))
+            line = packed([f"ds2 serve: {model_id} (loaded in {load_s:.2f}s) on {url(server)}", f"ctx {ctx}",
+                           f"{plural(parallel, 'request')} at once ({cache_each} of cache each)",
+                           f"queue {max_queue}", f"prompt cache {prompt_cache_mb} MB = "
+                           f"{plural(slots, 'conversation')}, the running ones included"])
+            serve_forever(server, state, thread, ready=lambda: state.log(line, packed=True))
         finally:
             if warm is not None:
                 # llguidance's native code still running when the interpreter ends crashes the
                 # process (SIGSEGV, about 1 stop in 20 right after start): let it finish first
                 warm.join()
     state.log("ds2 serve: stopped")
+
+
+def served_name(model_dir: str | Path | None) -> str:
+    """The model id a client sees: a directory's or file's own name, as llama-server names a model
+    by its file's basename (not the whole path, which says where the user keeps it); a Hugging
+    Face id as written, since its owner is part of the name; ds2-tiny without -m."""
+    if model_dir is None:
+        return "ds2-tiny"
+    path = Path(model_dir).expanduser()
+    return path.resolve().name if path.exists() else str(model_dir)
 
 
 def check_origins(origins: tuple[str, ...]) -> tuple[str, ...]:

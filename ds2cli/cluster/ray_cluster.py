@@ -36,6 +36,7 @@ from ds2cli.cluster.placement import Node, Placement
 from ds2cli.errors import Ds2Error, UnavailableError
 from ds2cli.model.cache import LatentCache
 from ds2cli.model.executor import Executor
+from ds2cli.wording import install_hint
 
 CONNECT_TIMEOUT_S = 10         # an address that does not answer within this is an error
 PROBE_TIMEOUT_S = 60           # a node's probe (a short task there) must answer within this
@@ -57,7 +58,7 @@ def ray_module():
     try:
         import ray
     except ImportError:
-        raise Ds2Error("--ray needs Ray: pip install 'ds2[ray]' (or pip install ray)") from None
+        raise Ds2Error(f"--ray needs Ray: {install_hint('ray', 'ray')}") from None
     return ray
 
 

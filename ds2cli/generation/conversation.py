@@ -21,6 +21,7 @@ from ds2cli.generation.sampling import Sampler
 from ds2cli.model.cache import common_prefix
 from ds2cli.text import reasoning
 from ds2cli.user_files import read_bounded, write_atomic
+from ds2cli.wording import plural
 
 ROLES = ("system", "user", "assistant")
 TRANSCRIPT_LIMIT = 64 << 20     # a saved conversation's default limit: far beyond any context
@@ -60,10 +61,12 @@ def checked_messages(data, path: Path) -> list[dict]:
 
 class ChatSession:
     def __init__(self, model: Model, capacity: int, system: str | None = None,
-                 warn: Callable[[str], None] = lambda message: None, split_reasoning: bool = True):
+                 warn: Callable[[str], None] = lambda message: None, split_reasoning: bool = True,
+                 special: bool = False):
         self.model = model
         self.split_reasoning = split_reasoning      # False: a reply's <think>...</think> stays in its content
         self.opened = False                         # the last prompt opened <think> (R1's template does)
+        self.special = special                      # special tokens' text in replies (chat --special)
         self.cache = model.new_cache(capacity)
         self.cached_ids: list[int] = []      # the tokens whose latents the cache holds
         self.messages: list[dict] = []
@@ -111,7 +114,8 @@ class ChatSession:
 
     def _fit(self, reserve: int) -> list[int]:
         """Render the history with the generation prompt, dropping the oldest whole turns
-        (never the system message) until it leaves `reserve` free positions."""
+        (never the system message) until it leaves `reserve` free positions: room for the reply,
+        said in the warning, since a turn dropped at 48 of 100 tokens looks early otherwise."""
         tokenizer = self.model.tokenizer
         while True:
             text = tokenizer.render_chat(self.messages, add_generation_prompt=True)
@@ -126,11 +130,12 @@ class ChatSession:
             if nxt is None:
                 raise ContextFullError(f"this message ({len(ids)} tokens with the history that "
                                        f"cannot be dropped) does not fit in the context of "
-                                       f"{self.cache.capacity} tokens")
+                                       f"{self.cache.capacity} tokens with {reserve} kept for the reply")
             dropped = nxt + 1
             self.messages = self.messages[:first] + rest[nxt:]
-            self.warn(f"context full: dropped the oldest turn ({dropped} message"
-                      f"{'s' * (dropped > 1)}) to make room")
+            self.warn(f"context full: dropped the oldest turn ({plural(dropped, 'message')}): "
+                      f"{len(ids)} tokens of history + {reserve} kept for the reply (-n, at most half "
+                      f"the context) pass its {self.cache.capacity}")
 
     def reply(self, text: str, sampler: Sampler, max_new_tokens: int,
               stop: tuple[str, ...] = (), draft: int = 0,
@@ -152,7 +157,7 @@ class ChatSession:
         try:
             for chunk in lstrip_reply(stream_generate(self.model, ids[keep:], self.cache, sampler,
                                                       max_new_tokens, stop, context=ids[:keep], draft=draft,
-                                                      progress=progress)):
+                                                      progress=progress, special=self.special)):
                 pieces.append(chunk.text)
                 if chunk.finish_reason:
                     generated = chunk.tokens

@@ -179,12 +179,13 @@ class Generation:
                  max_new_tokens: int, stop: Sequence[str] = (), eos_ids: Sequence[int] | None = None,
                  context: Sequence[int] = (), draft: int = 0, drafts: DraftSource | None = None,
                  prompt_rows=None, prompt_rows_chunk: int = 256,
-                 finished: Callable[[], bool] | None = None):
+                 finished: Callable[[], bool] | None = None, special: bool = False):
         if len(prompt_ids) == 0:
             raise GenerationError("a generation needs at least one prompt token")
         self.cache, self.sampler, self.max_new_tokens = cache, sampler, max_new_tokens
         self.eos = set(model.eos_token_ids if eos_ids is None else eos_ids)
-        self.decoder, self.stops = model.tokenizer.stream_decoder(), StopMatcher(stop)
+        # special tokens (bos, eos under ignore_eos ...) add no text unless `special` asks for it
+        self.decoder, self.stops = model.tokenizer.stream_decoder(special), StopMatcher(stop)
         self.prompt = list(prompt_ids)
         self.pending = list(prompt_ids)             # prompt tokens not yet run
         self.fed = 0                                # how many of them the last step ran
@@ -322,11 +323,11 @@ def stream_generate(model: Model, prompt_ids: Sequence[int], cache: LatentCache,
                     context: Sequence[int] = (), draft: int = 0,
                     drafts: DraftSource | None = None,
                     finished: Callable[[], bool] | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> Iterator[Chunk]:
+                    progress: Callable[[int, int], None] | None = None, special: bool = False) -> Iterator[Chunk]:
     """One Generation (see there) run alone, as a generator of its chunks. The prompt is one
     step; the model reads a long one in passes of its memory chunk, telling `progress(done, total)`."""
     gen = Generation(model, prompt_ids, cache, sampler, max_new_tokens, stop, eos_ids, context,
-                     draft, drafts, finished=finished)
+                     draft, drafts, finished=finished, special=special)
     while not gen.done:
         step = gen.step()
         if gen.pending and progress is not None:      # the prompt, read in passes of the memory chunk

@@ -8,7 +8,7 @@ token mask it allows next.
     constraint.advance(token); constraint.rollback(n); constraint.is_accepting(); constraint.done
     constraint.valid_prefix(draft)  -> how many drafted tokens the grammar would take
 
-The library is llguidance (an optional extra: `pip install 'ds2cli[grammar]'`), chosen by
+The library is llguidance (an optional extra: `pip install 'ds2cli[grammar]'`, or `'.[grammar]'` from a clone), chosen by
 measurement against outlines-core (xgrammar is out: it needs torch; the figures, with
 examples/grammar_masks.py: docs/performance.md, "Why the constants are what they are").
 Both masks cost far less than a decode step, so the step time does not decide. What does:
@@ -32,8 +32,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ds2cli.errors import Ds2Error
+from ds2cli.wording import install_hint
 
-INSTALL_HINT = "constrained output needs llguidance: pip install 'ds2cli[grammar]' (or pip install llguidance)"
+INSTALL_HINT = f"constrained output needs llguidance: {install_hint('grammar', 'llguidance')}"
 
 
 class GrammarError(Ds2Error):

@@ -107,15 +107,28 @@ def float32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     2.5x faster than ml_dtypes' cast: 0.5 against 1.3 ms for a V2-Lite layer's w_uk and w_uv);
     any other dtype cast, float32 returned as it is."""
     if a.dtype.name == "bfloat16":
-        out = np.empty(a.shape, np.float32) if out is None else out
-        bits = out.view(np.uint32)
-        np.copyto(bits, a.view(np.uint16))
-        bits <<= 16
-        return out
+        return widen_bfloat16(a.view(np.uint16), out)
     if out is None:
         return np.asarray(a, np.float32)
     np.copyto(out, a, casting="unsafe")
     return out
+
+
+def widen_bfloat16(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bfloat16 values held as their uint16 bits -> float32 (into `out` when given): no bfloat16
+    dtype needed, so a checkpoint's BF16 tensors are read without importing ml_dtypes."""
+    out = np.empty(bits.shape, np.float32) if out is None else out
+    wide = out.view(np.uint32)
+    np.copyto(wide, bits)
+    wide <<= 16
+    return out
+
+
+def bfloat16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> the uint16 bits of the nearest bfloat16, ties to even as ml_dtypes rounds
+    (finite values), with no bfloat16 dtype."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
 
 
 class Heads:

@@ -498,7 +498,8 @@ def check_chars(text: str, tokenizer: Tokenizer, ctx: int, where: str, param: st
     return text
 
 
-def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None) -> grammars.Grammar | None:
+def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None,
+             max_tokens: int | None = None) -> grammars.Grammar | None:
     """The grammar the output must follow: response_format's, or a forced tool call's."""
     fmt = response_format(body)
     if toolset is not None and toolset.forced:
@@ -506,7 +507,7 @@ def _grammar(body: dict, tokenizer: Tokenizer, toolset: ToolSet | None) -> gramm
             raise ApiError(400, f"response_format cannot be combined with tool_choice {toolset.choice!r}: "
                                 f"the reply is a tool call", param="response_format")
         many = toolset.choice == "required" and toolset.parallel
-        fmt = _compile(lambda: tooling.call_grammar(toolset.forced, tokenizer, many), "tool_choice")
+        fmt = _compile(lambda: tooling.call_grammar(toolset.forced, tokenizer, many, max_tokens), "tool_choice")
     if fmt is not None and body.get("stop") not in (None, [], ""):
         raise ApiError(400, "stop cannot be combined with constrained output (response_format or a forced "
                             "tool call): the grammar decides where the reply ends", param="stop")
@@ -563,7 +564,7 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     stop, draft, logprobs = _stop(body), _draft(body), _logprobs(body, chat)
     ignore_eos = boolean(body, "ignore_eos")     # llama-server's: only max_tokens, stop or ctx end it
     split = chat and _reasoning_format(body, defaults) != "none"
-    grammar = _grammar(body, tokenizer, toolset)
+    grammar = _grammar(body, tokenizer, toolset, max_tokens)
     vocab = None
     if grammar is not None:
         vocab = grammars.vocabulary(tokenizer, vocab_size, defaults.eos_ids or tokenizer.eos_token_ids)

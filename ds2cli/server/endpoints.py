@@ -64,13 +64,13 @@ class Endpoints:
         self.send_json(200, tokenizer_info(model.tokenizer, model.path, self.server.state.defaults.ctx))
 
     def health(self) -> None:
-        """The probe: 200 while serving, 503 while stopping. `running` stays the boolean it
-        always was; `requests_running` and `requests_waiting` are the counts."""
+        """The probe: 200 while serving, 503 while stopping; `requests_running` and
+        `requests_waiting` are the counts docs/server.md names (one pair, no aliases)."""
         scheduler = self.server.state.scheduler
         if scheduler is None:
             self.extra_headers["Retry-After"] = "1"
-            self.send_json(503, {"status": "loading", "model": self.server.state.model_id, "running": False,
-                                 "waiting": 0, "requests_running": 0, "requests_waiting": 0})
+            self.send_json(503, {"status": "loading", "model": self.server.state.model_id,
+                                 "requests_running": 0, "requests_waiting": 0})
             return
         lost = scheduler.model.executor.health()       # a cluster that lost a node: degraded
         status = 503 if scheduler.closing or lost else 200
@@ -78,7 +78,6 @@ class Endpoints:
         self.send_json(status, {"status": "shutting down" if scheduler.closing else "degraded" if lost else "ok",
                                 **({"error": lost} if lost else {}),
                                 "model": self.server.state.model_id,
-                                "running": running > 0, "waiting": waiting,
                                 "requests_running": running, "requests_waiting": waiting,
                                 "slots": scheduler.parallel, "queue": scheduler.max_queue})
 
@@ -120,7 +119,9 @@ class Endpoints:
             state.log(f"{self.client_address[0]} ignored request fields: {', '.join(ignored)[:200]}")
         most = scheduler.max_queue + scheduler.parallel
         if len(jobs) > most:     # never admissible, however long the client waits: not a 503
-            raise ApiError(400, f"n is {len(jobs)} (with best_of), more choices than this server can ever hold "
+            n = 1 + max(j.sample for j in jobs)
+            asked = f"n = {n} is" if n == len(jobs) else f"{len(jobs) // n} prompts x n = {n} is {len(jobs)} choices,"
+            raise ApiError(400, f"{asked} more than this server can ever hold "
                                 f"at once ({scheduler.parallel} running + {scheduler.max_queue} waiting: "
                                 f"--parallel and --queue)", param="n")
         prompt = sum(len(j.ids) for j in jobs if j.sample == 0)

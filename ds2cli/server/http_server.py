@@ -30,6 +30,7 @@ from ds2cli.server.scheduler import ClientGone, Scheduler, Refused
 from ds2cli.errors import Ds2Error, UnavailableError
 from ds2cli.generation.grammar import GrammarError
 from ds2cli.server.metrics import Metrics
+from ds2cli.wording import packed
 
 IDLE_TIMEOUT_S = 120                # a connection that sends nothing for this long is closed
 CORS_MAX_AGE_S = 600                # how long a browser may reuse a preflight's answer
@@ -41,6 +42,11 @@ OPEN_PATHS = ("/health", "/", "/favicon.ico")       # no API key needed: the pro
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
              "/infill", "/tokenize", "/detokenize", "/tokenizer_info")
 
+
+def printable(text: str) -> str:
+    """Request paths and error messages come from clients: no control character (a line break
+    included) reaches a terminal or splits a log entry."""
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 class State:
     """What every handler thread shares: the scheduler and the server's settings. `scheduler`
@@ -64,9 +70,11 @@ class State:
             while self.active > 0:
                 self.active_cond.wait(0.2)
 
-    def log(self, line: str) -> None:
-        # request paths and error messages come from clients: no control characters reach a terminal
-        line = "".join(c if c.isprintable() else "?" for c in line)
+    def log(self, line: str, packed: bool = False) -> None:
+        """One entry on stderr, or to the sink: one line, or wording.packed's lines when `packed`
+        (whose parts went through printable() already)."""
+        if not packed:
+            line = printable(line)
         with self.log_lock:
             if self.sink is not None:
                 self.sink(line)
@@ -280,9 +288,9 @@ class Handler(Endpoints, BodyIO, BaseHTTPRequestHandler):
     # ---- logging: one line per request, ours only ----
     def log_line(self, method: str, path: str) -> None:
         seconds = time.perf_counter() - self.t0
-        note = f" | {self.note}" if self.note else ""
-        self.server.state.log(f"{self.client_address[0]} \"{method} {path[:200]}\" {self.status}{note}"
-                              f" | {seconds:.2f}s")
+        parts = [f"{self.client_address[0]} \"{method} {path[:200]}\" {self.status}",
+                 *self.note.split(" | "), f"{seconds:.2f}s"]
+        self.server.state.log(packed([printable(p) for p in parts if p]), packed=True)     # within 80 columns
 
     def version_string(self) -> str:
         return self.server_version

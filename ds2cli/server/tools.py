@@ -40,6 +40,11 @@ CALL_RE = re.compile(re.escape(CALL_BEGIN) + r"\s*(?P<type>[A-Za-z_]*)\s*" + re.
                      + re.escape(CALL_END), re.S)
 
 
+# the last call of a block cut short: named in full (its line ended), its arguments begun
+PARTIAL_RE = re.compile(re.escape(CALL_BEGIN) + r"\s*[A-Za-z_]*\s*" + re.escape(SEP)
+                        + r"\s*(?P<name>[^\n]*?)\s*\n```(?:json)?\n(?P<args>.*)", re.S)
+
+
 class ToolError(Ds2Error):
     """A tool field of the request that cannot be used; `param` names it."""
 
@@ -220,9 +225,10 @@ def with_tools(messages: list[dict], toolset: ToolSet, source: str) -> tuple[lis
 
 
 # ---- forcing a call ----
-def call_grammar(tools: tuple[Tool, ...], tokenizer, many: bool) -> grammars.Grammar:
+def call_grammar(tools: tuple[Tool, ...], tokenizer, many: bool, max_tokens: int | None = None) -> grammars.Grammar:
     """Output that is a block of calls (one, or with `many` one or more) of `tools`, each with
-    arguments valid under that tool's schema, in the template's syntax."""
+    arguments valid under that tool's schema, in the template's syntax; with `max_tokens`, the
+    numbers the schemas leave unbounded are bounded to fit it (bounded)."""
     def mark(text: str) -> str:   # a special token by id (llguidance's <[id]>), else the text
         token = grammars.special_token_id(tokenizer, text)
         return f"<[{token}]>" if token is not None else grammars.lark_literal(text)
@@ -234,7 +240,7 @@ def call_grammar(tools: tuple[Tool, ...], tokenizer, many: bool) -> grammars.Gra
     for i, t in enumerate(tools):
         rules += [f"fn_{i}: {grammars.lark_literal(t.name + chr(10) + '```json' + chr(10))} args_{i} "
                   f"{grammars.lark_literal(chr(10) + '```')} {mark(CALL_END)}",
-                  f"args_{i}: {grammars.lark_json(closed(t.parameters))}"]
+                  f"args_{i}: {grammars.lark_json(bounded(closed(t.parameters), max_tokens))}"]
     return grammars.lark_grammar("\n".join(rules))
 
 
@@ -254,6 +260,40 @@ def closed(schema: Any) -> Any:
     return out
 
 
+MAX_DIGITS = 15          # what a float64 holds exactly: no unbounded number is written longer
+MAX_DECIMALS = 6
+TOKENS_A_DIGIT = 4      # DeepSeek's tokenizers write a digit a token: a quarter of max_tokens for one number
+
+
+def number_digits(max_tokens: int | None) -> int:
+    """How many digits an unbounded number of a forced call may have before its point."""
+    return MAX_DIGITS if max_tokens is None else max(1, min(MAX_DIGITS, max_tokens // TOKENS_A_DIGIT))
+
+
+def bounded(schema: Any, max_tokens: int | None) -> Any:
+    """`schema` with every integer or number it leaves unbounded held to number_digits(max_tokens)
+    digits (minimum/maximum) and a number to MAX_DECIMALS decimals (multipleOf): JSON's numbers
+    have no end of their own, so a forced call whose model keeps writing digits would reach
+    max_tokens inside one and never close. Bounds the schema sets itself are kept."""
+    if isinstance(schema, list):
+        return [bounded(s, max_tokens) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded(v, max_tokens) if isinstance(v, (dict, list)) and k not in ("enum", "const", "default",
+                                                                                  "examples", "required")
+           else v for k, v in schema.items()}
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if ("integer" in kinds or "number" in kinds) and "enum" not in out and "const" not in out:
+        top = 10 ** number_digits(max_tokens) - 1
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -top
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = top
+        if "number" in kinds and "multipleOf" not in out:
+            out["multipleOf"] = 10.0 ** -MAX_DECIMALS
+    return out
+
+
 # ---- the output ----
 def parse_calls(text: str) -> tuple[str, list[dict] | None, bool]:
     """The reply split into (content, tool_calls in OpenAI's shape, whether the block of calls is
@@ -264,10 +304,16 @@ def parse_calls(text: str) -> tuple[str, list[dict] | None, bool]:
         return text, None, True
     end = text.find(CALLS_END, start)
     block = text[start + len(CALLS_BEGIN): end if end >= 0 else len(text)]
-    calls = [m for m in CALL_RE.finditer(block)]
+    calls = [(m["name"], m["args"]) for m in CALL_RE.finditer(block)]
     complete = bool(calls) and (end >= 0 or block.rstrip().endswith(CALL_END))
+    cut = None if complete else PARTIAL_RE.search(block, max((m.end() for m in CALL_RE.finditer(block)), default=0))
+    if cut is not None:     # a call max_tokens cut short: its name and the arguments so far, as OpenAI
+        args = cut["args"].split("```")[0]
+        if args != cut["args"] or re.search(r"\n`{1,2}\Z", args):     # the closing fence, begun: no argument
+            args = args.rstrip("`").rstrip()
+        calls.append((cut["name"], args))
     out = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": m["name"], "arguments": m["args"]}} for m in calls]
+            "function": {"name": name, "arguments": args}} for name, args in calls]
     return text[:start].rstrip(), out or None, complete
 
 

@@ -123,8 +123,9 @@ def _checked_filter(f):
     return run
 
 
-def compile_template(source: str) -> jinja2.Template:
-    """Compile once at load, in the same sandboxed environment Hugging Face uses, with the budget."""
+def compile_template(source: str, name: str = "chat template") -> jinja2.Template:
+    """Compile once at load, in the same sandboxed environment Hugging Face uses, with the budget.
+    `name` starts every error about it ("chat template bad.jinja" for a user's file)."""
     env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
                               optimized=False)
     env.filters = {name: _checked_filter(f) for name, f in env.filters.items()}
@@ -133,7 +134,7 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise TokenizerError(f"chat template line {exc.lineno}: {one_line(exc.message or '')}") from exc
+        raise TokenizerError(f"{name} line {exc.lineno}: {one_line(exc.message or '')}") from exc
 
 
 class _Steps:
@@ -156,7 +157,7 @@ class _Steps:
         return self.line
 
 
-def render(template: jinja2.Template, variables: dict[str, Any]) -> str:
+def render(template: jinja2.Template, variables: dict[str, Any], name: str = "chat template") -> str:
     before = sys.gettrace()
     sys.settrace(_Steps())
     try:
@@ -169,7 +170,7 @@ def render(template: jinja2.Template, variables: dict[str, Any]) -> str:
         return "".join(out)
     except Exception as exc:  # a template is user code: any failure in it is a template error
         line = _template_line(exc)
-        where = f"chat template line {line}" if line is not None else "chat template"
+        where = f"{name} line {line}" if line is not None else name
         raise TokenizerError(f"{where}: {one_line(str(exc)) or type(exc).__name__}") from exc
     finally:
         sys.settrace(before)

@@ -66,6 +66,11 @@ class Tokenizer:
         # Whether encode() starts with bos: the config asks for it, or tokenizer.json adds it itself.
         self._add_bos = self._bos_id is not None and (add_bos_token or self._post_processor_adds_bos())
         self._template = compile_template(chat_template or FALLBACK_CHAT_TEMPLATE)
+        self._template_name = "chat template"      # what its errors start with
+        # bos, eos, pad, <|EOT|>: tokens the tokenizer marks special, which generated text leaves
+        # out (as Hugging Face's skip_special_tokens, llama-cli without --special); DeepSeek's
+        # tool-call, FIM and <think> tokens are added but not special, so replies keep them
+        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         # Byte-level BPE (GPT-2 style, as DeepSeek's): each token is a run of raw bytes.
         self.byte_level = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
         self._alphabet = byte_level_alphabet() if self.byte_level else {}
@@ -200,20 +205,23 @@ class Tokenizer:
             variables["bos_token"] = self.bos_token
         if self.eos_token is not None:
             variables["eos_token"] = self.eos_token
-        return render(self._template, variables)
+        return render(self._template, variables, self._template_name)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
         """Render, then encode without special tokens: the template writes bos itself."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
-    def set_chat_template(self, source: str) -> None:
-        """Replace the checkpoint's chat template (compiled now, so a syntax error shows at once)."""
-        self._template = compile_template(source)
+    def set_chat_template(self, source: str, file: str | None = None) -> None:
+        """Replace the checkpoint's chat template (compiled now, so a syntax error shows at once);
+        its errors, now and when it renders, name `file` when it came from one."""
+        name = "chat template" if file is None else f"chat template {file}"
+        self._template = compile_template(source, name)
+        self._template_name = name
         self.chat_template = source
 
-    def stream_decoder(self) -> "StreamDecoder":
-        return StreamDecoder(self)
+    def stream_decoder(self, special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, special)
 
 
 class StreamDecoder:
@@ -229,15 +237,19 @@ class StreamDecoder:
     emitting the text beyond what that context produced, and waiting while it ends in '\\ufffd'.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, special: bool = False):
         self._tokenizer = tokenizer
+        self._hidden = frozenset() if special else tokenizer.special_ids     # ids whose text is left out
         self._token_bytes = tokenizer.token_bytes if tokenizer.byte_level else None
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._window: list[int] = []    # fallback: ids from the previous emit's start
         self._read = 0                  # fallback: window[:_read] is context already printed
 
     def push(self, token_id: int) -> str:
-        """Add one id; return the newly completed text (possibly "")."""
+        """Add one id; return the newly completed text (possibly ""): none for a special token
+        unless the decoder was made with `special`."""
+        if token_id in self._hidden:
+            return ""
         if self._token_bytes is not None:
             return self._utf8.decode(self._token_bytes(int(token_id)))
         self._window.append(int(token_id))

@@ -282,7 +282,7 @@ def compensate(work: np.ndarray, f: quant.Format, u: np.ndarray, diag: np.ndarra
     else:
         g = f.group_size
         G = -(-out // g)
-        found = np.empty((E, G, inp), quant.BF16)
+        found = np.empty((E, G, inp), quant.bfloat16_dtype())
     for b0 in range(0, inp, BLOCK):
         b1 = min(inp, b0 + BLOCK)
         block = work[:, :, b0:b1]                                           # (E, out, B), a view

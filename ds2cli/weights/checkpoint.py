@@ -12,17 +12,16 @@ import functools
 import itertools
 import json
 import math
-import mmap
 import struct
 from pathlib import Path
 from typing import BinaryIO, Iterator, Protocol
 
-import ml_dtypes  # registers bfloat16 with NumPy (so safetensors can return it); float8_e4m3fn
 import numpy as np
 from safetensors import safe_open
 
 from ds2cli.json_files import JSON_ERRORS
 from ds2cli.model.config import DeepseekV2Config
+from ds2cli.model.linear import widen_bfloat16
 from ds2cli.errors import CheckpointError
 from ds2cli.wording import plural
 
@@ -31,10 +30,9 @@ DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
                "BOOL": 1}
 LOADABLE_DTYPES = ("F32", "F16", "BF16")
-# safetensors dtype name -> NumPy dtype, for the dtypes ds2 maps straight from the file
-NUMPY_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-                "BF16": np.dtype(ml_dtypes.bfloat16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
-                "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+# safetensors dtype name -> NumPy's, for the dtypes ds2 maps straight from the file (numpy_dtype)
+MAPPED_DTYPES = {"F32": "float32", "F16": "float16", "I8": "int8", "U8": "uint8", "BF16": "bfloat16",
+                 "F8_E4M3": "float8_e4m3fn"}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit ("header too large")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -409,7 +407,9 @@ def iter_tensors(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[t
     """Yield (name, array in its stored dtype) for `names`, one tensor at a time: the files are
     memory-mapped, so only the tensor being handed out is ever held in memory. An F8_E4M3
     weight comes out dequantized to float32 with its weight_scale_inv (see dequantize_fp8):
-    no fp8 array leaves this module, so every reader gets the weight's real values."""
+    no fp8 array leaves this module, so every reader gets the weight's real values. A BF16
+    tensor comes out as float32 (read_bfloat16), exactly its values, which every reader widens
+    to anyway."""
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(tensors[name].file, []).append(name)
@@ -419,6 +419,8 @@ def iter_tensors(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[t
                 for name in group:
                     if tensors[name].dtype in FP8_DTYPES:
                         yield name, dequantize_fp8(read_fp8(tensors[name]), read_scale(tensors, name, f), name)
+                    elif tensors[name].dtype == "BF16":
+                        yield name, read_bfloat16(tensors[name])
                     else:
                         yield name, f.get_tensor(name)
         except CheckpointError:
@@ -427,13 +429,29 @@ def iter_tensors(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[t
             raise CheckpointError(f"{path.name}: cannot read tensors: {e}") from None
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """One of MAPPED_DTYPES as a NumPy dtype. bfloat16 and float8_e4m3fn are ml_dtypes' types,
+    imported here, where a tensor of them is mapped or an fp8 one read, not at every start."""
+    if name in ("BF16", "F8_E4M3"):
+        import ml_dtypes  # noqa: F401 - registers its types with NumPy by name
+    return np.dtype(MAPPED_DTYPES[name])
+
+
+def read_bfloat16(info: TensorInfo) -> np.ndarray:
+    """A BF16 tensor as float32, widened from its uint16 bits (linear.widen_bfloat16): no
+    bfloat16 dtype, so reading a float checkpoint never imports ml_dtypes. read_header has
+    bounds-checked the offsets."""
+    bits = np.memmap(info.file, dtype=np.uint16, mode="r", offset=info.offset, shape=info.shape)
+    return widen_bfloat16(bits)                                             # shape -> float32
+
+
 def read_fp8(info: TensorInfo) -> np.ndarray:
     """An F8_E4M3 tensor's bytes as ml_dtypes.float8_e4m3fn (safetensors' NumPy reader has no
     fp8 type); read_header has bounds-checked the offsets."""
     raw = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
     if raw.size != info.nbytes:
         raise CheckpointError(f"{info.file.name}: tensor {info.name} is truncated")
-    return raw.view(ml_dtypes.float8_e4m3fn).reshape(info.shape)
+    return raw.view(numpy_dtype("F8_E4M3")).reshape(info.shape)
 
 
 def read_scale(tensors: dict[str, TensorInfo], name: str, f) -> np.ndarray:
@@ -452,7 +470,7 @@ def fp8_values() -> np.ndarray:
     """The float32 value of each of the 256 float8_e4m3fn codes, as ml_dtypes converts them.
     Indexing this table is faster than ml_dtypes' own astype(float32) and gives the same
     values, NaN codes included."""
-    return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)  # (256,)
+    return np.arange(256, dtype=np.uint8).view(numpy_dtype("F8_E4M3")).astype(np.float32)  # (256,)
 
 
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, name: str = "weight",
@@ -477,24 +495,3 @@ def iter_float32(tensors: dict[str, TensorInfo], names: list[str]) -> Iterator[t
     for name, array in iter_tensors(tensors, names):
         yield name, np.ascontiguousarray(array, dtype=np.float32)
 
-
-class Mapped:
-    """Tensors as read-only views of memory-mapped files: nothing is copied or converted, and a
-    page is read from disk (or the page cache) only when the engine first touches it. The maps
-    stay open as long as any view of them lives (each array holds its map)."""
-
-    def __init__(self):
-        self.maps: dict[Path, mmap.mmap] = {}
-
-    def array(self, info: TensorInfo) -> np.ndarray:
-        if info.dtype not in NUMPY_DTYPES:
-            raise CheckpointError(f"tensor {info.name} has dtype {info.dtype}, which ds2 cannot map")
-        if info.file not in self.maps:
-            try:
-                with open(info.file, "rb") as f:
-                    self.maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:
-                raise CheckpointError(f"cannot map {info.file}: {getattr(e, 'strerror', None) or e}") from None
-        dtype = NUMPY_DTYPES[info.dtype]
-        return np.frombuffer(self.maps[info.file], dtype=dtype, count=info.numel,
-                             offset=info.offset).reshape(info.shape)

@@ -3,9 +3,9 @@
 An id is resolved from the local Hugging Face cache with no network, following huggingface_hub's
 own layout (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`; then
 `models--org--name/refs/<rev>` names the commit and `snapshots/<commit>/` holds the files).
-Only when it is not cached, or cached without its safetensors shards, and only if the optional
-`huggingface_hub` package is installed (`pip install "ds2cli[hub]"`), is it downloaded, with
-huggingface_hub's progress bars. A local directory of the same name always wins.
+Only when it is not cached, or cached without its safetensors shards, is it downloaded, by
+`huggingface_hub` with its progress bars (installed with `tokenizers`, which requires it; the
+`hub` extra asks for a version that ships the `hf` command). A local directory of the same name always wins.
 
 `ds2 inspect` reads headers only, so it downloads a Hub id's small files and no shard: it reads
 the first bytes of each shard (8 + the header) by HTTP Range requests, and keeps them in the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ds2cli.errors import ConfigError, Ds2Error
 from ds2cli.json_files import JSON_ERRORS
-from ds2cli.wording import human_bytes
+from ds2cli.wording import human_bytes, install_hint
 
 # org/name as the Hub spells repository ids, with an optional @revision (branch, tag or commit).
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?")
@@ -155,8 +155,8 @@ def download(repo: str, revision: str, cache_dir: Path, patterns: list[str], whe
     try:
         import huggingface_hub
     except ImportError:
-        raise ConfigError(f"{where}; to download it, install the hub extra (pip install \"ds2cli[hub]\") or run"
-                          f" `hf download {repo}`") from None
+        raise ConfigError(f"{where}; to download it, {install_hint('hub', 'huggingface_hub')};"
+                          f" or run `hf download {repo}`") from None
     try:
         path = huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=cache_dir,
                                                  allow_patterns=patterns)

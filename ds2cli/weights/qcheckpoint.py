@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Callable, Iterator
@@ -42,6 +43,7 @@ from ds2cli.model.layers import Layer, new_part
 from ds2cli.model.linear import Heads
 from ds2cli.weights.formats import Dense
 from ds2cli.weights.formats import FORMATS, QuantError, QuantMatrix
+from ds2cli.errors import CheckpointError
 
 QUANT_METHOD = "ds2"
 VERSION = 2                      # 2: q8 scales per row (1 had groups of 32 rows)
@@ -218,8 +220,8 @@ def stored_tensors(name: str, shape: tuple[int, ...], f: quant.Format | None,
     if f is None:
         yield name + ".weight", shape, dtype
     else:
-        yield name + ".qweight", f.qweight_shape(shape), SAFETENSORS_DTYPES[f.qweight_dtype]
-        yield name + ".scales", f.scales_shape(shape), SAFETENSORS_DTYPES[f.scale_dtype]
+        yield name + ".qweight", f.qweight_shape(shape), SAFETENSORS_DTYPES[f.qweight_dtype.name]
+        yield name + ".scales", f.scales_shape(shape), SAFETENSORS_DTYPES[f.scale_dtype.name]
 
 
 def stored_kind(name: str, tensors: dict[str, checkpoint.TensorInfo]) -> tuple[str, int]:
@@ -233,7 +235,7 @@ def stored_kind(name: str, tensors: dict[str, checkpoint.TensorInfo]) -> tuple[s
     if suffix in ("qweight", "scales") and qweight is not None and scale is not None:
         for f in FORMATS.values():
             shape = (*qweight.shape[:-1], qweight.shape[-1] * f.per_element)
-            if (qweight.dtype, scale.dtype) == (SAFETENSORS_DTYPES[f.qweight_dtype], SAFETENSORS_DTYPES[f.scale_dtype]) \
+            if (qweight.dtype, scale.dtype) == (SAFETENSORS_DTYPES[f.qweight_dtype.name], SAFETENSORS_DTYPES[f.scale_dtype.name]) \
                     and f.scales_shape(shape) == tuple(scale.shape):
                 if suffix == "scales":
                     return f"{f.name} scales ({t.dtype})", 0
@@ -282,7 +284,7 @@ def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress
                  layers: range | None = None) -> dict:
     """The stored weights memory-mapped; with `layers`, only those decoder layers (the others
     None) and only the top weights they need (top_needed)."""
-    mapped = checkpoint.Mapped()
+    mapped = Mapped()
     layers_wanted = range(cfg.num_hidden_layers) if layers is None else layers
     needed = top_needed(cfg, layers_wanted)
 
@@ -403,7 +405,7 @@ def quantize_layer(layer: Layer, qc: QuantConfig, stats: dict | None = None) -> 
                 weights[key] = quantize_weight(w, format_for(qc, part, key, w.shape), h)
             elif qc.float_dtype(part, key) == "BF16":
                 a = w.w if isinstance(w, Heads) else w
-                weights[key] = as_stored_weight(part, key, a.astype(quant.BF16))   # rounded to nearest even
+                weights[key] = as_stored_weight(part, key, a.astype(quant.bfloat16_dtype()))   # rounded to nearest even
     return layer
 
 
@@ -422,13 +424,13 @@ def layer_arrays(layer: Layer | dict, i: int | None) -> Iterator[tuple[str, np.n
             yield name + ".scales", w.scales
         else:
             w = w.w if isinstance(w, (Dense, Heads)) else w
-            yield name + ".weight", np.ascontiguousarray(w if w.dtype == quant.BF16 else w.astype(np.float32, copy=False))
+            yield name + ".weight", np.ascontiguousarray(w if w.dtype.name == "bfloat16" else w.astype(np.float32, copy=False))
 
 
 # ---- writing ----
 
-SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8",
-                      quant.BF16: "BF16"}
+# by NumPy's dtype name, so no bfloat16 dtype (ml_dtypes) is needed to build it
+SAFETENSORS_DTYPES = {"float32": "F32", "int8": "I8", "uint8": "U8", "bfloat16": "BF16"}
 
 
 def write_safetensors(path: Path, arrays: list[tuple[str, np.ndarray]]) -> int:
@@ -438,7 +440,7 @@ def write_safetensors(path: Path, arrays: list[tuple[str, np.ndarray]]) -> int:
     arrays = sorted(arrays, key=lambda a: (-a[1].nbytes, a[0]))
     header, offset = {}, 0
     for name, a in arrays:
-        header[name] = {"dtype": SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape),
+        header[name] = {"dtype": SAFETENSORS_DTYPES[a.dtype.name], "shape": list(a.shape),
                         "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -451,3 +453,25 @@ def write_safetensors(path: Path, arrays: list[tuple[str, np.ndarray]]) -> int:
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(raw) + offset
+
+
+class Mapped:
+    """Tensors as read-only views of memory-mapped files: nothing is copied or converted, and a
+    page is read from disk (or the page cache) only when the engine first touches it. The maps
+    stay open as long as any view of them lives (each array holds its map)."""
+
+    def __init__(self):
+        self.maps: dict[Path, mmap.mmap] = {}
+
+    def array(self, info: checkpoint.TensorInfo) -> np.ndarray:
+        if info.dtype not in checkpoint.MAPPED_DTYPES:
+            raise CheckpointError(f"tensor {info.name} has dtype {info.dtype}, which ds2 cannot map")
+        if info.file not in self.maps:
+            try:
+                with open(info.file, "rb") as f:
+                    self.maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"cannot map {info.file}: {getattr(e, 'strerror', None) or e}") from None
+        dtype = checkpoint.numpy_dtype(info.dtype)
+        return np.frombuffer(self.maps[info.file], dtype=dtype, count=info.numel,
+                             offset=info.offset).reshape(info.shape)

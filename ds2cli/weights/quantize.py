@@ -29,11 +29,42 @@ from ds2cli.errors import ConfigError, Ds2Error
 from ds2cli.weights.loader import load_layer, load_top, names_by_layer
 from ds2cli.weights.source import check_model_dir, read_quant_config
 from ds2cli.text.tokenizer import Tokenizer
+from ds2cli.wording import human_bytes
+from ds2cli import __version__
 
 # Weight files of other frameworks are never copied; everything else at the top level of the
 # source (tokenizer, generation config, license, README, remote code) is.
 SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 DISK_MARGIN = 64 << 20
+# A copy's README says what the copy is; its source's (which may say "stored in bfloat16") is kept
+# beside it under another name, and its YAML front matter (license, tags) carried over.
+README, SOURCE_README = "README.md", "README.source.md"
+FRONT_MATTER_LIMIT = 64 << 10
+FORMAT_WORDS = {"q8": "int8, a float32 scale a row", "q8b": "int8, a scale a block of 32 inputs",
+                "q4": "4-bit, a bfloat16 scale a group of 32", "bf16": "bfloat16", "f32": "float32"}
+
+
+def copy_readme(src: Path, qc: qcheckpoint.QuantConfig, total: int, card: Path | None, gguf: bool) -> str:
+    """The copy's README.md: its format, role by role, and where it came from; the front matter
+    of the source's card (`card`), if it opens with one within FRONT_MATTER_LIMIT bytes."""
+    front = ""
+    if card is not None:
+        with open(card, "rb") as f:
+            text = f.read(FRONT_MATTER_LIMIT).decode("utf-8", errors="replace")
+        if text.startswith("---\n") and "\n---\n" in text[4:]:
+            front = text[:text.index("\n---\n", 4) + 5]
+    roles = "".join(f"- {role}: {FORMAT_WORDS.get(name, name)}\n" for role, name in qc.formats.items())
+    kept = (f"- w_uk, w_uv and the router gate: {FORMAT_WORDS.get(qc.unquantized, qc.unquantized)}; "
+            f"the norms float32\n")
+    origin = (f"Its source's README, which describes the source (its storage included), is "
+              f"{SOURCE_README} beside this file.\n" if card is not None else
+              "Its tokenizer files were written from the GGUF file's metadata.\n" if gguf else
+              "Its source had no README.\n")
+    return (f"{front}# {src.name}, {qc.bits}-bit (ds2)\n\n"
+            f"A ds2 low-bit copy of `{src.name}`, written by `ds2 quantize --bits {qc.bits}` (ds2 "
+            f"{__version__}): {human_bytes(total)} of weights in ds2's own layout "
+            f"(config.json's quantization_config), which only ds2 loads.\n\n"
+            f"Formats, by role:\n\n{roles}{kept}\n{origin}")
 
 
 class QuantizeError(Ds2Error):
@@ -140,9 +171,13 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
     if gguf:
         gguf.write_tokenizer_files(out)
     for path in ([] if gguf else sorted(src.iterdir())):
-        if (path.is_file() and path.name not in ("config.json", checkpoint.INDEX_NAME)
+        if (path.is_file() and path.name not in ("config.json", checkpoint.INDEX_NAME, README, SOURCE_README)
                 and not path.name.endswith(SKIPPED_SUFFIXES) and not path.name.startswith(".")):
             shutil.copy2(path, out / path.name)
+    card = None if gguf or not (src / README).is_file() else src / README
+    if card is not None:
+        shutil.copy2(card, out / SOURCE_README)            # the model card, as its authors wrote it
+    (out / README).write_text(copy_readme(src, qc, total, card, bool(gguf)), encoding="utf-8")
     # config.json last: until it exists the directory is not a checkpoint
     config = {**raw, "quantization_config": qc.to_json()}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

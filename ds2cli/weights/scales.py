@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds2cli.parallel.cores import split_rows, workers
-from ds2cli.weights.formats import BF16, Format, QuantMatrix, to_panels
+from ds2cli.weights.formats import Format, QuantMatrix, bfloat16_dtype, to_panels
 
 # The candidate scales tried per row or group, as multiples of the round-to-nearest inverse scale
 # (nmax / max |w|): llama.cpp's make_qx_quants tries (nmax + 0.1 k) / max for k = -9..9 and
@@ -48,7 +48,7 @@ def quantize(w: np.ndarray, f: Format, importance: np.ndarray | None = None,
     if f.name not in SEARCHED:
         return f.quantize(w)             # a format of its own: its own rounding to nearest
     if f.bits == 16:
-        return w.astype(BF16), np.ones(w.shape[0], np.float32)
+        return w.astype(bfloat16_dtype()), np.ones(w.shape[0], np.float32)
     if f.group_size is None:
         # a q8 row is one block of `in` values; a q8b row is in/32 blocks, each scaled alone
         size = f.block or w.shape[1]
@@ -98,7 +98,7 @@ def quantize_q4(w: np.ndarray, f: Format, search: bool) -> tuple[np.ndarray, np.
     if pad:  # zero rows change neither a group's maximum nor its error; dropped again below
         w = np.concatenate([w, np.zeros((pad, inp), np.float32)], axis=-2)
     groups = w.reshape(-1, g, inp)                                          # (G, g, in)
-    scales = np.empty((len(groups), inp), BF16)
+    scales = np.empty((len(groups), inp), bfloat16_dtype())
     q = np.empty(groups.shape, np.uint8)
     block = max(1, SEARCH_BLOCK_BYTES // (4 * g * inp))
     for g0 in range(0, len(groups), block):
@@ -115,7 +115,7 @@ def search_q4(groups: np.ndarray) -> np.ndarray:
     """The searched bfloat16 scales (G, in) of groups (G, g, in): the search runs in float32 and
     its scale is rounded to the nearest bfloat16; a group keeps the round-to-nearest scale
     (nearest_q4) wherever that measures no worse after the rounding."""
-    found = search_scales(groups, -8, 7, Q4_STEPS, None, axis=-2).astype(BF16)
+    found = search_scales(groups, -8, 7, Q4_STEPS, None, axis=-2).astype(bfloat16_dtype())
     return keep_better(groups, found, nearest_q4(groups), -8, 7, -2)
 
 
@@ -195,7 +195,7 @@ def bf16_up(x: np.ndarray) -> np.ndarray:
     up = (bits.astype(np.uint64) + 0xFFFF).clip(max=0xFFFFFFFF).astype(np.uint32)
     # a finite value never rounds past the largest bfloat16 into inf/nan
     up = np.where((up & 0x7F800000) == 0x7F800000, bits, up)
-    return (up >> 16).astype(np.uint16).view(BF16)
+    return (up >> 16).astype(np.uint16).view(bfloat16_dtype())
 
 
 def quantize_matrix(w: np.ndarray, f: Format) -> QuantMatrix:

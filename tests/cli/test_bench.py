@@ -335,8 +335,27 @@ def test_not_enough_disk_is_an_error(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_default_target_is_the_synthetic_lite_slice(tmp_path, monkeypatch):
-    """Without --model, bench synthesises into DS2_BENCH_DIR once, then reuses it."""
+@pytest.mark.slow
+def test_without_model_bench_runs_ds2_tiny_and_writes_nothing(tmp_path, monkeypatch):
+    """A bare `ds2 bench` (the README's first runs) benches the bundled ds2-tiny, as every command
+    runs it without -m: it synthesises nothing and writes nothing into DS2_BENCH_DIR."""
+    monkeypatch.setattr(synthetic, "synthesise", lambda *a: pytest.fail("bench synthesised a model"))
+    small_probes(monkeypatch)
+    result = CliRunner().invoke(bench, TINY_ARGS, env={"DS2_BENCH_DIR": str(tmp_path / "bench")})
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["model"]["path"] == str(bundled_model_dir()) and not report["model"]["synthetic"]
+    assert not (tmp_path / "bench").exists()
+
+
+@pytest.mark.parametrize("layers, words", [(1, "1 layer, "), (2, "2 layers, ")])
+def test_the_model_line_counts_layers_in_words(layers, words):
+    m = {"num_hidden_layers": layers, "params": 7_900_000}
+    assert report_module.model_line(m, 31_600_000, "float32").startswith(words)
+
+
+def test_layers_target_the_synthetic_lite_slice(tmp_path, monkeypatch):
+    """With --layers N, bench synthesises the slice into DS2_BENCH_DIR once, then reuses it."""
     made = []
 
     def fake_synthesise(target, config):

@@ -58,7 +58,7 @@ def test_system_without_argument_shows_it_and_save_without_argument_shows_usage(
     assert r.exit_code == 0 and r.stdout == ""
     assert r.stderr.splitlines() == [
         "(system message: Be brief.)", "(system message set)", "(system message: Be kind.)",
-        "usage: /save PATH   (writes the conversation as JSON; ds2 chat --load PATH resumes it)",
+        "usage: /save PATH  (the conversation as JSON; ds2 chat --load PATH resumes it)",
         "(new conversation)", "(system message: Be kind.)"]
     r = chat(input="/system\n")
     assert r.stderr == "(no system message)\n"

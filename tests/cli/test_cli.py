@@ -14,7 +14,7 @@ from ds2cli.cli.console import LoadProgress
 from ds2cli.generation.generate import stream_generate
 from ds2cli.weights.source import bundled_model_dir
 from ds2cli.weights.quantize import quantize_checkpoint
-from ds2cli.wording import human_bytes
+from ds2cli.wording import human_bytes, unpacked
 
 STATS = re.compile(r"^\[(?:load \d+\.\d\ds \| )?prefill (\d+) tok, [\d.]+ tok/s \| decode (\d+) tok, [\d.]+ tok/s"
                    r" \| cache (\d+)/(\d+) tok, ([\d.]+ k?M?G?B)\]$")
@@ -34,7 +34,8 @@ def test_chat_scripted_greedy_answers_and_prefills_only_new_tokens():
         "4, 5, 6, 7, 8.",
         "I am ds2-tiny, a small DeepSeek-V2 model. I can add and subtract numbers, count, and babble like Shakespeare.",
     ]
-    lines = r.stderr.splitlines()
+    assert max(map(len, r.stderr.splitlines())) <= 80        # the stats lines wrapped within 80 columns
+    lines = unpacked(r.stderr).splitlines()
     assert re.fullmatch(r"\[load \d+\.\d\ds\]", lines[0])            # the load time, once
     stats = [STATS.match(line) for line in lines[1:]]
     assert all(stats) and len(stats) == 3 and not any("load" in line for line in lines[1:])
@@ -63,6 +64,8 @@ def test_chat_commands_save_clear_and_load(tmp_path):
                         {"role": "user", "content": "What is 2 + 3?"},
                         {"role": "assistant", "content": "2 + 3 = 5."}]
     assert "/save PATH" in r.stderr and "unknown or incomplete command '/bogus'" in r.stderr
+    r = run("chat", "--temperature", "0", "--stats", input="What is 2 + 3?\n/save\n/help\n/system\n/clear\n")
+    assert "usage: /save PATH" in r.stderr and max(map(len, r.stderr.splitlines())) <= 80, r.stderr
     r = run("chat", "--temperature", "0", "--load", str(saved), input="What is 30 + 12?\n")
     assert r.exit_code == 0 and r.stdout.splitlines() == ["30 + 12 = 42."]
 
@@ -74,7 +77,10 @@ def test_chat_drops_oldest_turns_when_the_context_is_full():
             input="\n".join(questions) + "\n")
     assert r.exit_code == 0, r.stderr
     assert r.stdout.splitlines() == ["11 + 22 = 33.", "33 + 44 = 77.", "15 + 16 = 31.", "21 + 30 = 51."]
-    assert "warning: context full: dropped the oldest turn" in r.stderr
+    # the warning says the room kept for the reply (-n 16, at most half of 64): why a turn goes early
+    said = re.findall(r"warning: context full: dropped the oldest turn \((\d+) messages\): (\d+) tokens of history "
+                      r"\+ (\d+) kept for the reply \(-n, at most half the context\) pass its (\d+)", r.stderr)
+    assert said and all(m == "2" and rest == ["16", "64"] and int(t) + 16 > 64 >= int(t) for m, t, *rest in said)
 
 
 def test_generate_json_fields():
@@ -114,7 +120,8 @@ def test_generate_seed_reproducible_and_stdin_prompt():
 def test_generate_stats_line_on_stderr_only():
     r = run("generate", "--chat", "What is 2 + 2?", "--temperature", "0", "--stats")
     assert r.stdout == "2 + 2 = 4.\n"
-    m = STATS.match(r.stderr.strip())
+    assert max(map(len, r.stderr.splitlines())) <= 80 < len(unpacked(r.stderr).strip())
+    m = STATS.match(unpacked(r.stderr).strip())
     model = ds2cli.load()
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
     assert m and int(m.group(1)) == len(prompt) and int(m.group(3)) == len(prompt) + int(m.group(2)) - 1
@@ -204,7 +211,18 @@ def test_ignore_eos_generates_to_the_limit():
     r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--json", "--ignore-eos", "-n", "30")
     out = json.loads(r.stdout)
     assert out["finish_reason"] == "length" and out["completion_tokens"] == 30
-    assert out["text"].startswith("2 + 2 = 4.<｜end▁of▁sentence｜>")   # eos is just a token now
+    # eos is just a token now, and a special one: its text is left out unless --special asks
+    assert out["text"].startswith("2 + 2 = 4.") and "<｜" not in out["text"]
+    shown = json.loads(run(*["generate", "--chat", "What is 2 + 2?", "--temp", "0", "--json", "--ignore-eos",
+                             "-n", "30", "--special"]).stdout)
+    assert shown["text"].startswith("2 + 2 = 4.<｜end▁of▁sentence｜>")
+    specials = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")
+    hidden = shown["text"]
+    for text in specials:
+        hidden = hidden.replace(text, "")
+    assert hidden == out["text"] and shown["completion_tokens"] == 30
+    r = run("chat", "--temp", "0", "-n", "30", "--special", input="What is 2 + 2?\n")
+    assert r.exit_code == 0 and r.stdout == "2 + 2 = 4.\n"      # chat takes the flag; its reply ends at eos
 
 
 def verbose_prompt(stderr: str) -> tuple[str, list[int]]:
@@ -237,7 +255,12 @@ def test_chat_template_file_replaces_the_checkpoints(tmp_path):
     assert r.exit_code == 0 and r.stdout.strip()
     template.write_text("{% for %}")
     r = run("generate", "hi", "--chat-template", str(template))
-    assert r.exit_code == 1 and r.stderr.startswith(f"error: chat template {template}: chat template line 1")
+    assert r.exit_code == 1 and r.stderr.startswith(f"error: chat template {template} line 1: ")
+    template.write_text("{{ raise_exception('no system here') }}")       # fails when it renders, not before
+    r = run("generate", "hi", "--chat-template", str(template))
+    assert r.exit_code == 1 and r.stderr == f"error: chat template {template} line 1: no system here\n"
+    r = run("chat", "--chat-template", str(template), input="hi\n")
+    assert f"chat template {template} line 1: no system here" in r.stderr
     r = run("generate", "hi", "--chat-template", str(tmp_path / "none.jinja"))
     assert r.exit_code == 1 and "cannot read chat template" in r.stderr
 
@@ -324,7 +347,7 @@ def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(monkeypatch, a
     args = ["generate", "--chat", "Count from 3 to 9.", "--temp", "0", "--stats", "--ignore-eos", "-n", "50"]
     r = run(*args, *(["--json"] if as_json else []))
     assert r.exit_code == 130
-    stats = [line for line in r.stderr.splitlines() if line.startswith("[load")]
+    stats = [line for line in unpacked(r.stderr).splitlines() if line.startswith("[load")]
     assert len(stats) == 1
     prefill, decode = re.search(r"prefill \d+ tok, ([\d.]+) tok/s \| decode 6 tok, ([\d.]+) tok/s", stats[0]).groups()
     assert float(prefill) > 0 and float(decode) > 0
@@ -386,3 +409,14 @@ def test_quantize_progress_counts_the_models_layers(tmp_path):
     bar = LoadProgress(label="quantizing", then="the embeddings and lm_head")
     assert bar.text(3, 6) == "3/6 layers"
     assert bar.text(6, 6) == "6/6 layers, now the embeddings and lm_head"
+
+
+def test_packed_lines_keep_within_the_width_and_unpack_to_one_line():
+    from ds2cli.wording import packed, unpacked
+    parts = ["[load 0.05s", "prefill 19 tok, 2419.2 tok/s", "decode 16 tok, 381.8 tok/s", "cache 34/275 tok, 65.3 kB]"]
+    text = packed(parts)
+    assert text.splitlines() == ["[load 0.05s | prefill 19 tok, 2419.2 tok/s | decode 16 tok, 381.8 tok/s",
+                                 "  | cache 34/275 tok, 65.3 kB]"]
+    assert unpacked(text) == " | ".join(parts) and packed(["a", "b"]) == "a | b"
+    assert all(len(line) <= 20 for line in packed(["x" * 10, "y" * 10, "z" * 15], width=20).splitlines())
+

@@ -999,3 +999,20 @@ def test_json_interrupted_by_ctrl_c_is_one_valid_object(checkpoint_copy, tmp_pat
     assert report["finish_reason"] == "interrupted"
     assert 0 < report["completion_tokens"] < 1000 and report["prompt_tokens"] == 6
     assert report["text"] and isinstance(report["timings"]["load_s"], float)
+
+
+@pytest.mark.parametrize("args, what", [
+    (["generate", "--prompt-file", "{}", "-n", "1"], "prompt file"),
+    (["generate", "-f", "{}", "-n", "1"], "prompt file"),
+    (["generate", "--chat-template", "{}", "hi", "-n", "1"], "chat template"),
+    (["chat", "--load", "{}"], "conversation file"),
+])
+def test_a_directory_or_a_missing_file_as_an_input_file_exit_alike(args, what, monkeypatch, tmp_path):
+    """A file option given a directory fails as one given a missing file does: exit 1, one line
+    naming the file, found before any weight loads."""
+    monkeypatch.setattr("ds2cli.weights.loader.load", lambda *a, **k: pytest.fail("weights loaded"))
+    missing, directory = tmp_path / "missing.txt", tmp_path / "dir"
+    directory.mkdir()
+    for path, says in ((directory, f"{what} {directory} is a directory"), (missing, str(missing))):
+        result = cli(*[str(path) if a == "{}" else a for a in args], input="")
+        assert_one_error_line(result, (what, says), exit_code=1)

@@ -11,7 +11,7 @@ import pytest
 
 import ds2cli
 from ds2cli.weights.source import bundled_model_dir
-from ds2cli.wording import human_bytes
+from ds2cli.wording import human_bytes, unpacked
 
 pytestmark = pytest.mark.slow      # left out of `pytest -m "not slow"` (docs/internals.md, Tests)
 
@@ -92,12 +92,14 @@ def test_sigterm_stops_serve_and_the_log_says_so_in_its_units(run):
         first = p.stderr.readline()              # written once the model has loaded
         assert first.startswith("ds2 serve: ds2-tiny"), first
         p.send_signal(signal.SIGTERM)
-        rest = p.communicate(timeout=60)[1]
+        p.wait(timeout=60)
+        rest = p.stderr.read()      # through the text buffer, which holds the start entry's other lines
     finally:
         p.kill()
     assert p.returncode == 0, rest
     cache_each = human_bytes(1024 * ds2cli.load().new_cache(1).bytes_per_token)
-    assert f"({cache_each} of cache each)" in first and "prompt cache 1024 MB" in first
+    start = unpacked(first + rest).splitlines()[0]     # the start entry, within 80 columns, as one line
+    assert f"({cache_each} of cache each)" in start and "prompt cache 1024 MB" in start
     lines = [line for line in rest.splitlines() if line.startswith("ds2 serve: ")]
     assert lines[0].startswith("ds2 serve: stopping on SIGTERM: the running requests finish"), lines
     assert "second Ctrl-C" not in rest and "Traceback" not in rest

@@ -146,8 +146,16 @@ def test_the_last_slot_is_kept_for_a_short_prompt(model):
 def test_ignore_eos_runs_to_max_tokens(model):
     scheduler = Scheduler(model, 256, 64 << 20, max_queue=4)
     with scheduler.admit([job(model, max_tokens=40, ignore_eos=True)], lambda: False) as admitted:
-        last = [c for _, c in admitted.chunks][-1]
+        chunks = list(admitted.chunks)
+        last = chunks[-1][1]
     assert last.finish_reason == "length" and last.generated_tokens == 40
+    # past eos, the special tokens it writes add no text: what comes out is decode's text of the
+    # tokens without the special ones' (eos, bos, pad)
+    tok = model.tokenizer
+    text, shown = "".join(c.text for _, c in chunks), tok.decode(last.tokens)
+    for special in tok.special_ids:
+        shown = shown.replace(tok.decode([special]), "")
+    assert set(last.tokens) & tok.special_ids and text.lstrip() == shown.lstrip() and "<｜" not in text
     with scheduler.admit([job(model, max_tokens=40)], lambda: False) as admitted:
         assert [c for _, c in admitted.chunks][-1].finish_reason == "eos"     # it answers in fewer
     scheduler.close()

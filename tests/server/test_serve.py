@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
+from ds2cli.wording import unpacked
 from ds2cli.server import scheduler as engine_module
 from ds2cli.cli import serve as serve_module
 from ds2cli.server.api import Defaults, Job
@@ -371,6 +372,39 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("slash", ["", "/"])
+def test_a_model_is_served_under_its_directory_name_not_its_path(monkeypatch, tmp_path, slash):
+    """-m PATH: /v1/models, a response's `model` and the start line say the directory's name, as
+    llama-server says its file's basename."""
+    import shutil
+    from ds2cli.weights.source import bundled_model_dir
+    target = tmp_path / "models" / "my-tiny"
+    shutil.copytree(bundled_model_dir(), target)
+    seen = {}
+
+    def serve_forever(server, state, thread=None, ready=None):
+        ready()
+        port = server.server_address[1]
+        seen["models"] = request(port, "GET", "/v1/models")[1]
+        seen["reply"] = request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})[1]
+        server.shutdown()
+        server.server_close()
+
+    monkeypatch.setattr(serve_module, "serve_forever", serve_forever)
+    r = CliRunner().invoke(main, ["serve", "--port", "0", "-m", str(target) + slash])
+    assert r.exit_code == 0, r.stderr
+    assert [m["id"] for m in seen["models"]["data"]] == ["my-tiny"] and seen["reply"]["model"] == "my-tiny"
+    assert r.stderr.startswith("ds2 serve: my-tiny (loaded in")
+
+
+def test_the_served_name_of_an_id_a_path_and_no_model(tmp_path):
+    (tmp_path / "V2-Lite-q4").mkdir()
+    assert serve_module.served_name(tmp_path / "V2-Lite-q4") == "V2-Lite-q4"
+    assert serve_module.served_name("deepseek-ai/DeepSeek-V2-Lite-Chat") == "deepseek-ai/DeepSeek-V2-Lite-Chat"
+    assert serve_module.served_name(None) == "ds2-tiny"
+
+
+@pytest.mark.slow
 def test_system_default_goes_before_chats_that_bring_none(model):
     system = "You are terse."
     with running(model, system=system) as (port, _, _):
@@ -479,7 +513,7 @@ def test_internal_errors_are_one_line_without_traceback(server, monkeypatch):
 def logged(lines, text, timeout=60):
     """Whether a log line containing `text` appears (it is written just after the response)."""
     deadline = time.monotonic() + timeout
-    while not any(text in line for line in lines):
+    while not any(text in unpacked(line) for line in lines):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
@@ -589,7 +623,7 @@ def test_sigterm_stops_accepting_finishes_the_running_request_and_exits_0():
             socket.create_connection(("127.0.0.1", port), timeout=5)
         log = proc.stderr.read()
     assert "stopping" in log and "stopped" in log and "Traceback" not in log
-    assert re.search(r'"POST /v1/completions" 200 \| prompt \d+ tok, 0 cached \| gen 200 tok', log)
+    assert re.search(r'"POST /v1/completions" 200 \| prompt \d+ tok, 0 cached \| gen 200 tok', unpacked(log))
 
 
 @pytest.mark.slow
@@ -605,7 +639,7 @@ def test_a_second_sigint_ends_the_running_stream_properly_and_still_exits_0():
             assert seen[-1], f"ds2 serve ended before stopping: {seen}"
         # still listening while the request runs: to say so
         status, body, _ = request(port, "GET", "/health")
-        assert status == 503 and body["status"] == "shutting down" and body["running"] is True
+        assert status == 503 and body["status"] == "shutting down" and body["requests_running"] == 1
         status, body, _ = request(port, "POST", "/v1/completions", {"prompt": "hi"})
         assert status == 503 and body["error"]["code"] == "shutting_down"
         proc.send_signal(signal.SIGINT)
@@ -616,7 +650,7 @@ def test_a_second_sigint_ends_the_running_stream_properly_and_still_exits_0():
     final, usage = json.loads(events[-3][6:]), json.loads(events[-2][6:])["usage"]
     assert final["choices"][0]["finish_reason"] == "length" and usage["completion_tokens"] < 1000
     assert re.search(r'"POST /v1/completions" 200 \| prompt \d+ tok, 0 cached \| gen \d+ tok, [\d.]+ tok/s \| aborted',
-                     log), log
+                     unpacked(log)), log
     assert "client gone" not in log and "stopped" in log and "Traceback" not in log
 
 

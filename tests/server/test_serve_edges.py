@@ -64,8 +64,8 @@ def test_the_favicon_is_a_png_without_a_key(server):
 
 def test_health_counts_are_typed(server):
     status, body, _ = request(server[0], "GET", "/health")
-    assert status == 200 and body["running"] is False
-    assert body["requests_running"] == 0 and body["requests_waiting"] == 0
+    assert status == 200 and body["requests_running"] == 0 and body["requests_waiting"] == 0
+    assert "running" not in body and "waiting" not in body       # one pair of counts, the documented one
     assert (body["slots"], body["queue"]) == (2, 3)
 
 
@@ -73,7 +73,10 @@ def test_n_beyond_what_the_server_can_ever_hold_is_a_400_naming_n(server):
     status, body, r = request(server[0], "POST", "/v1/completions",
                               {"prompt": "hi", "max_tokens": 1, "n": 6})
     assert status == 400 and body["error"]["param"] == "n" and "--parallel" in body["error"]["message"]
+    assert body["error"]["message"].startswith("n = 6 is more than this server can ever hold") and "best_of" not in body["error"]["message"]
     assert r.getheader("Retry-After") is None
+    status, body, _ = request(server[0], "POST", "/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 1, "n": 2})
+    assert status == 400 and body["error"]["message"].startswith("3 prompts x n = 2 is 6 choices, more than")
     status, body, _ = request(server[0], "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "n": 5})
     assert status == 200 and len(body["choices"]) == 5
 

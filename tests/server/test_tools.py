@@ -3,6 +3,7 @@ the server gets one the way --chat-template gives it (DeepSeek-V2.5's own, from
 tests/data/tokenizers, and a small one in DeepSeek's syntax that reads `tools`)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -116,9 +117,11 @@ def test_parse_calls_and_the_stream_hold_back():
     assert content == "Let me look." and [c["function"]["arguments"] for c in calls] == ['{"zone": 2}'] * 2
     assert complete
     # cut short by max_tokens inside the second call: no markers in the content, the first call
-    # (complete) kept, and the block marked incomplete, so finish_reason stays "length"
+    # kept, the second as far as it got (as OpenAI returns a cut call), and the block marked
+    # incomplete, so finish_reason stays "length"
     content, calls, complete = tooling.parse_calls(text[:-30])
-    assert content == "Let me look." and len(calls) == 1 and not complete
+    assert content == "Let me look." and [c["function"]["arguments"] for c in calls] == ['{"zone": 2}'] * 2
+    assert not complete
     content, calls, complete = tooling.parse_calls(text[:len("Let me look.") + 40])     # inside the first
     assert content == "Let me look." and calls is None and not complete
     stream, sent = tooling.CallStream(), []
@@ -185,3 +188,65 @@ def test_forced_calls_close_objects_that_do_not_say_otherwise():
     assert tooling.closed({"type": "object", "additionalProperties": True}) == {"type": "object",
                                                                                "additionalProperties": True}
     assert "additionalProperties" not in schema                # the request's own schema is untouched
+
+
+# ---- a forced call cut by max_tokens, and numbers without bounds ----
+COUNT = {"type": "function", "function": {
+    "name": "count", "parameters": {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}}}
+
+
+def test_a_call_cut_short_comes_back_partial_as_openai_returns_it():
+    head = f"{tooling.CALLS_BEGIN}{tooling.CALL_BEGIN}function{tooling.SEP}count\n```json\n"
+    content, calls, complete = tooling.parse_calls(head + '{"n": 1234567')
+    assert content == "" and not complete
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("count", '{"n": 1234567')]
+    _, calls, complete = tooling.parse_calls(head + '{"n": 12}\n``')          # the fence begun: not arguments
+    assert calls[0]["function"]["arguments"] == '{"n": 12}' and not complete
+    assert tooling.parse_calls(head[:-12]) == ("", None, False)                # its name not yet whole
+
+
+@pytest.mark.parametrize("max_tokens, digits", [(None, 15), (8, 2), (30, 7), (1000, 15), (1, 1)])
+def test_unbounded_numbers_are_bounded_by_max_tokens(max_tokens, digits):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": ["number", "null"]},
+                                               "k": {"type": "integer", "maximum": 5}, "e": {"enum": [10 ** 20]},
+                                               "xs": {"type": "array", "items": {"type": "number"}}}}
+    got = tooling.bounded(schema, max_tokens)["properties"]
+    top = 10 ** digits - 1
+    assert (got["n"]["minimum"], got["n"]["maximum"]) == (-top, top) and "multipleOf" not in got["n"]
+    assert (got["x"]["minimum"], got["x"]["maximum"], got["x"]["multipleOf"]) == (-top, top, 1e-6)
+    assert (got["k"]["minimum"], got["k"]["maximum"]) == (-top, 5)           # its own bound kept
+    assert got["e"] == {"enum": [10 ** 20]} and got["xs"]["items"]["maximum"] == top
+    assert "minimum" not in schema["properties"]["n"]                          # the request's own schema untouched
+
+
+def test_a_bounded_number_ends_where_its_digits_do(model):
+    from ds2cli.generation import grammar as grammars
+    schema = tooling.bounded({"type": "integer"}, 30)                         # 7 digits
+    for text, ok in (("9999999", True), ("10000000", False), ("-9999999", True), ("1.5", False)):
+        c = grammars.Constraint.for_model(grammars.json_schema_grammar(schema), model)
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+        assert (c.valid_prefix(ids) == len(ids)) == ok, text
+    x = tooling.bounded({"type": "number"}, 30)
+    c = grammars.Constraint.for_model(grammars.json_schema_grammar(x), model)
+    ids = model.tokenizer.encode("1.0000001", add_special_tokens=False)       # a seventh decimal: refused
+    assert c.valid_prefix(ids) < len(ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [55, 200])
+def test_a_forced_call_with_an_unbounded_integer_returns_a_call(client, max_tokens):
+    """ds2-tiny writes digits as long as it may: the number is bounded to fit, and a call that
+    max_tokens still cuts (ds2-tiny spells DeepSeek's markers in 49 tokens before the first
+    digit, so 55 cuts it among them) comes back as far as it got, with finish_reason length."""
+    for seed in range(3):
+        r = client.chat.completions.create(model="ds2-tiny", messages=ASK, tools=[COUNT], tool_choice="required",
+                                           seed=seed, max_tokens=max_tokens, temperature=1.0)
+        choice = r.choices[0]
+        assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "count"
+        args = choice.message.tool_calls[0].function.arguments
+        if choice.finish_reason == "tool_calls":
+            n = json.loads(args)["n"]
+            assert abs(n) < 10 ** tooling.number_digits(max_tokens)
+        else:
+            assert choice.finish_reason == "length" and r.usage.completion_tokens == max_tokens
+            assert re.fullmatch(r'\{"n": ?-?\d*', args)

@@ -311,9 +311,11 @@ def test_streaming_the_converted_tokenizer_never_splits_a_character(full_vocab):
     text = "月之暗面 🚀👨‍👩‍👧 café<|im_end|>ok"
     ids = tok.encode(text, add_special_tokens=False)
     assert any("\ufffd" in tok.token_text(i) for i in ids)              # some character spans tokens
-    stream = tok.stream_decoder()
+    stream = tok.stream_decoder(special=True)
     pieces = [stream.push(i) for i in ids] + [stream.flush()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    stream = tok.stream_decoder()          # <|im_end|> is special: generated text leaves it out
+    assert "".join([stream.push(i) for i in ids] + [stream.flush()]) == text.replace("<|im_end|>", "")
 
 
 # ---- inputs at a bounded cost ----

@@ -73,10 +73,24 @@ def v2_config(**changes):
     return {k: v for k, v in config.items() if v is not ...}
 
 
-def stream(tokenizer, ids):
-    decoder = tokenizer.stream_decoder()
+def stream(tokenizer, ids, special=True):
+    """A stream decoder's pieces and flush; with `special`, which `decode` equals (specials kept)."""
+    decoder = tokenizer.stream_decoder(special)
     pieces = [decoder.push(i) for i in ids]
     return pieces, decoder.flush()
+
+
+def test_a_stream_leaves_special_tokens_out_unless_asked(v25):
+    """bos, eos and <|EOT|> are special in V2.5's tokenizer and add no text to a stream; its
+    tool-call and FIM tokens are not, and stay (the server parses tool calls from the text)."""
+    eos, eot = v25.encode("<｜end▁of▁sentence｜>", add_special_tokens=False), v25.encode("<|EOT|>", add_special_tokens=False)
+    calls = v25.encode("<｜tool▁calls▁begin｜><｜fim▁hole｜>", add_special_tokens=False)
+    ids = v25.encode("Hi", add_special_tokens=False) + eos + eot + calls + v25.encode(" there", add_special_tokens=False)
+    assert set(eos + eot) <= v25.special_ids and not set(calls) & v25.special_ids
+    pieces, rest = stream(v25, ids, special=False)
+    assert "".join(pieces) + rest == "Hi<｜tool▁calls▁begin｜><｜fim▁hole｜> there"
+    decoder = v25.stream_decoder(special=True)
+    assert "".join(decoder.push(i) for i in ids) + decoder.flush() == v25.decode(ids)
 
 
 def raises_one_line(match, fn, *args, **kwargs):
@@ -200,7 +214,7 @@ V2_HIGH_BYTES = sorted(b for b in v2_byte_tokens() if b >= 0x80)
 def assert_streams_like_decode(tokenizer, ids):
     """After every id, the streamed text equals decode() of the ids so far whenever that decode
     does not end in an unfinished character, and is always a prefix of the final decode."""
-    decoder, streamed = tokenizer.stream_decoder(), ""
+    decoder, streamed = tokenizer.stream_decoder(special=True), ""      # decode() keeps special tokens
     final = tokenizer.decode(ids)
     for k, token in enumerate(ids, 1):
         streamed += decoder.push(token)

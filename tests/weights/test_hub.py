@@ -76,7 +76,22 @@ def test_not_cached_without_huggingface_hub_says_how_to_get_it(hf_env, tmp_path)
     r = CliRunner().invoke(main, ["generate", "-m", "org/missing", "hi"])
     assert r.exit_code == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: org/missing is neither a local directory")
-    assert 'pip install "ds2cli[hub]"' in r.stderr and "hf download org/missing" in r.stderr
+    assert "pip install 'ds2cli[hub]' (from a clone: pip install '.[hub]')" in r.stderr
+    assert "hf download org/missing" in r.stderr
+
+
+def test_install_hints_work_from_an_index_and_from_a_clone():
+    from ds2cli.generation.grammar import INSTALL_HINT
+    from ds2cli.wording import install_hint
+    assert install_hint("grammar", "llguidance") == \
+        "pip install 'ds2cli[grammar]' (from a clone: pip install '.[grammar]'), or pip install llguidance"
+    assert INSTALL_HINT.endswith(install_hint("grammar", "llguidance"))
+
+
+def test_huggingface_hub_comes_with_tokenizers_as_the_docs_say():
+    """README and docs/models.md say downloads need no extra: tokenizers requires huggingface_hub."""
+    from importlib.metadata import requires
+    assert any(r.replace("_", "-").startswith("huggingface-hub") for r in requires("tokenizers"))
 
 
 def test_a_snapshot_without_config_counts_as_not_cached(hf_env, tmp_path):

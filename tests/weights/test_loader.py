@@ -54,3 +54,20 @@ def test_every_layer_finds_its_tensors_in_one_pass():
 def test_loading_the_same_checkpoint_twice_gives_the_same_weights():
     a, b = ds2cli.load(bundled_model_dir()), ds2cli.load(bundled_model_dir())
     np.testing.assert_array_equal(a.layers[0].self_attn.o_proj.w, b.layers[0].self_attn.o_proj.w)
+
+
+def test_bfloat16_read_from_bits_equals_ml_dtypes_values(tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    from ds2cli.model.linear import bfloat16_bits
+    from ds2cli.weights import checkpoint
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((33, 70)) * np.exp(rng.uniform(-30, 30, (33, 70)))).astype(np.float32)
+    x[0, :4] = [0.0, -0.0, 1e-40, 3.3895314e38]                          # zeros, a subnormal, near max
+    stored = x.astype(ml_dtypes.bfloat16)
+    save_file({"w": stored, "b": np.ones(3, np.float32)}, str(tmp_path / "model.safetensors"))
+    tensors = checkpoint.read_header(tmp_path / "model.safetensors")
+    got = dict(checkpoint.iter_tensors(tensors, ["w", "b"]))
+    assert got["w"].dtype == np.float32 and np.array_equal(got["w"], stored.astype(np.float32))
+    assert np.array_equal(got["b"], np.ones(3, np.float32))
+    assert np.array_equal(bfloat16_bits(x), stored.view(np.uint16))     # rounds as ml_dtypes does

@@ -178,6 +178,35 @@ def test_quantized_checkpoint_is_self_describing(quantized):
         assert len(shards) == 7 and not list(path.parent.glob(".*partial*"))
 
 
+@pytest.mark.slow
+def test_a_copy_s_readme_says_its_format_and_its_source(quantized):
+    """ds2-tiny's README says "stored in bfloat16": the copy's README.md says what the copy is,
+    role by role from its config, and keeps the source's card, unchanged, under another name."""
+    source = (bundled_model_dir() / "README.md").read_bytes()
+    words = {"q8": "int8, a float32 scale a row", "q4": "4-bit, a bfloat16 scale a group of 32", "bf16": "bfloat16"}
+    for bits, path in quantized.items():
+        readme = (path / "README.md").read_text(encoding="utf-8")
+        formats = json.loads((path / "config.json").read_text())["quantization_config"]["formats"]
+        assert readme.startswith(f"# ds2-tiny, {bits}-bit (ds2)\n") and f"ds2 quantize --bits {bits}" in readme
+        assert "stored in bfloat16" not in readme and "README.source.md" in readme
+        for role, name in formats.items():
+            assert f"- {role}: {words[name]}\n" in readme
+        assert (path / "README.source.md").read_bytes() == source
+
+
+@pytest.mark.slow
+def test_a_copy_s_readme_carries_the_source_card_s_front_matter(tmp_path):
+    import shutil
+    from ds2cli.weights.quantize import quantize_checkpoint
+    src = tmp_path / "src"
+    shutil.copytree(bundled_model_dir(), src)
+    (src / "README.md").write_text("---\nlicense: mit\ntags: [tiny]\n---\n# a card\nstored in bfloat16\n")
+    quantize_checkpoint(src, tmp_path / "q8", 8)
+    readme = (tmp_path / "q8" / "README.md").read_text()
+    assert readme.startswith("---\nlicense: mit\ntags: [tiny]\n---\n# src, 8-bit (ds2)\n")
+    assert "stored in bfloat16" not in readme
+
+
 def test_the_unquantized_matrices_are_stored_bfloat16(quantized):
     """w_uk, w_uv and the router gate, which no recipe quantizes, are stored bfloat16 (from a
     float32 source, rounded to nearest); ds2-tiny is a bfloat16 checkpoint, so they hold its

@@ -49,7 +49,7 @@ def rewrite_shard(model_dir, tensor, change):
     index = json.loads((model_dir / checkpoint.INDEX_NAME).read_text())
     path = model_dir / index["weight_map"][tensor]
     infos = checkpoint.read_header(path)
-    mapped = checkpoint.Mapped()
+    mapped = qcheckpoint.Mapped()
     arrays = {name: np.array(mapped.array(info)) for name, info in infos.items()}
     del mapped
     change(arrays)

@@ -17,6 +17,7 @@ from ds2cli.cli.bench.timing import seconds, summary
 from ds2cli.cluster import driver
 from ds2cli.weights import memory
 from ds2cli.weights.source import Source
+from ds2cli.wording import plural
 
 
 def run_cluster_bench(source: Source, address: str, repeats: int, prompt_lengths: list[int],
@@ -60,7 +61,7 @@ def run_cluster_bench(source: Source, address: str, repeats: int, prompt_lengths
 
 def render_cluster(report: dict, console_) -> None:
     m, stages = report["model"], report["cluster"]["placement"]
-    t = bench_table(f"ds2 bench over {len(stages)} nodes: {m['num_hidden_layers']} layers, {m['format']}",
+    t = bench_table(f"ds2 bench over {plural(len(stages), 'node')}: {plural(m['num_hidden_layers'], 'layer')}, {m['format']}",
                     "per token: the actor calls a decode step makes, the bytes of hidden states and logits "
                     "they move, and the seconds the driver waits for them (the whole step)")
     for column in ("test", "tok/s min", "median", "max", "calls", "bytes", "wait s"):

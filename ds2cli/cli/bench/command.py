@@ -19,7 +19,7 @@ from ds2cli.cli.bench.report import render, render_formats, stdout_console
 from ds2cli.cli.bench.settings import BenchError, cache_tokens, check_settings, clip_counts
 from ds2cli.cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.weights.source import open_model
+from ds2cli.weights.source import bundled_model_dir, open_model
 from ds2cli.cli.options import budget_size, model_option, ray_option, thread_limits, threads_option
 from ds2cli.weights.qcheckpoint import QuantConfig
 
@@ -68,9 +68,11 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
 
 
 @click.command("bench")
-@functools.partial(model_option, default="the synthetic DeepSeek-V2-Lite slice, see --layers")
+@functools.partial(model_option, default="the bundled ds2-tiny, as every command; --layers: a V2-Lite slice")
 @click.option("--layers", type=click.IntRange(1, LITE_LAYERS), metavar="N",
-              help=f"Layers of the synthetic DeepSeek-V2-Lite slice; not with -m (default: {DEFAULT_LAYERS}).")
+              help=f"Bench a synthetic DeepSeek-V2-Lite slice this many layers deep instead, written once "
+                   f"(about 1.1 GB of disk a layer; {DEFAULT_LAYERS} is the slice the docs' figures use); not "
+                   f"with -m.")
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), envvar="DS2_BENCH_DIR",
               show_envvar=True, metavar="DIR", help="Where the synthetic checkpoints and the quantized copies of "
                                                     "--formats are kept (default: ~/.cache/ds2/bench).")
@@ -114,9 +116,10 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
     """Measure load, prefill and decode speed, and compare them with what this machine's memory
     bandwidth and float32 GEMM can do.
 
-    Without --model, the first run synthesises a checkpoint with DeepSeek-V2-Lite's exact layer
-    shapes, --layers deep, with random bf16 weights (about 1.1 GB of disk a layer), and later
-    runs reuse it. Progress goes to stderr; the table (or --json) to stdout."""
+    Without --model it benches the bundled ds2-tiny, as every command runs it. --layers N
+    instead synthesises, on its first run, a checkpoint with DeepSeek-V2-Lite's exact layer
+    shapes, N layers deep, with random bf16 weights (about 1.1 GB of disk a layer), which later
+    runs reuse. Progress goes to stderr; the table (or --json) to stdout."""
     if model_dir is not None and layers is not None:
         raise BenchError("--layers sets the depth of the synthetic checkpoint; it cannot be used with --model")
     if formats and (quantize or compare_hf):
@@ -125,8 +128,10 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
         raise click.UsageError("--ray times prefill and decode over the cluster; it cannot be combined with "
                                "--formats, --compare-hf or --profile")
     gguf_default = None
+    if model_dir is None and layers is None:
+        model_dir = bundled_model_dir()     # like every command: a first run writes nothing
     if model_dir is None:
-        cfg = DeepseekV2Config.from_dict(lite_config(layers or DEFAULT_LAYERS))
+        cfg = DeepseekV2Config.from_dict(lite_config(layers))
     else:
         source = open_model(model_dir)      # its config (a GGUF's from its metadata), nothing loaded
         model_dir, cfg, gguf = source.path, source.config, source.gguf
@@ -143,7 +148,7 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
         memory.check(cfg, model_dir or synthetic_path(bench_dir, cfg.num_hidden_layers),
                      stored or (QuantConfig.recipe(bits) if bits and formats else None),
                      None if formats else bits, context, recipe=gguf_default[1] if gguf_default and not formats else None)
-    path = model_dir or synthetic_model(bench_dir, layers or DEFAULT_LAYERS)
+    path = model_dir or synthetic_model(bench_dir, layers)
     with thread_limits(threads):
         if ray is not None:
             report = run_cluster_bench(source if model_dir is not None else open_model(path), ray, repeats,

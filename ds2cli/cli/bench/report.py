@@ -11,7 +11,7 @@ from rich import box
 from ds2cli.cli import console
 from rich.table import Table
 
-from ds2cli.wording import human_bytes, human_count
+from ds2cli.wording import human_bytes, human_count, plural
 
 PIPED_WIDTH = 1000          # columns for a table on a pipe or in a file: past any row's width
 
@@ -54,7 +54,7 @@ def bench_table(title: str, caption: str | None = None) -> Table:
 
 
 def model_line(m: dict, weight_bytes: int, form: str) -> str:
-    return (f"{m['num_hidden_layers']} layers, {human_count(m['params'])} params, "
+    return (f"{plural(m['num_hidden_layers'], 'layer')}, {human_count(m['params'])} params, "
             f"{human_bytes(weight_bytes)} as {form}")
 
 

@@ -11,7 +11,6 @@ import time
 import zlib
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from ds2cli.weights import checkpoint
@@ -19,6 +18,7 @@ from ds2cli.cli import console
 from ds2cli.weights import staging as files
 from ds2cli.cli.bench.settings import BenchError
 from ds2cli.model.config import DeepseekV2Config
+from ds2cli.model.linear import bfloat16_bits
 from ds2cli.weights.source import bundled_model_dir
 from ds2cli.wording import article
 
@@ -66,7 +66,7 @@ def random_blocks(name: str, shape: tuple[int, ...], seed: int):
             block = rng.random(size, dtype=np.float32)                       # U[0, 1): std 1/sqrt(12)
             block -= np.float32(0.5)
             block *= np.float32(INIT_STD * math.sqrt(12))
-        yield block.astype(ml_dtypes.bfloat16)
+        yield bfloat16_bits(block)                                          # rounded to nearest even
 
 
 def write_shard(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> None:
@@ -82,7 +82,7 @@ def write_shard(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> No
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name, shape in shapes.items():
             for block in random_blocks(name, shape, seed):
-                f.write(block.view(np.uint16).data)
+                f.write(block.data)
 
 
 def plan_shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int) -> list[list[str]]:

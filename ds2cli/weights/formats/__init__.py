@@ -12,7 +12,7 @@ Bottom-up:
     q4         4-bit with a bfloat16 scale a group of 32 rows of a column
 """
 
-from ds2cli.weights.formats.base import BF16, FORMATS, QuantError, QuantMatrix, dequantize, register
+from ds2cli.weights.formats.base import FORMATS, QuantError, QuantMatrix, bfloat16_dtype, dequantize, register
 from ds2cli.weights.formats.float32 import Dense, as_weight
 from ds2cli.weights.formats.q8 import Q8
 from ds2cli.weights.formats.bfloat16 import BFloat16
@@ -21,8 +21,16 @@ from ds2cli.weights.formats.q4 import Q4, Q4_GROUP
 
 Format = QuantMatrix    # a format is its class
 
-__all__ = ["BF16", "FORMATS", "QuantError", "QuantMatrix", "Format", "dequantize", "register", "Dense", "as_weight",
+__all__ = ["bfloat16_dtype", "FORMATS", "QuantError", "QuantMatrix", "Format", "dequantize", "register", "Dense", "as_weight",
            "Q8", "BFloat16", "Q8b", "Q4", "Q4_GROUP", "panel_width", "to_panels"]
+
+
+
+def __getattr__(name: str):
+    if name == "BF16":              # bfloat16_dtype(), imported when first read (base.bfloat16)
+        return bfloat16_dtype()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 for _name in ("q8", "q4", "q8b", "bf16"):     # the order files and reports list them in
     FORMATS[_name] = FORMATS.pop(_name)

@@ -16,13 +16,34 @@ runs the usual GEMM.
 
 from __future__ import annotations
 
-import ml_dtypes
+import functools
+
 import numpy as np
 
 from ds2cli.errors import Ds2Error
 from ds2cli.model.linear import FEW_TOKENS, Rows, scratch
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+
+@functools.cache
+def bfloat16_dtype() -> np.dtype:
+    """ml_dtypes' bfloat16 dtype, imported when a format first holds bfloat16 values: ml_dtypes'
+    import costs more than the rest of ds2's start, which `ds2 --help`, a tokenizer or a float
+    checkpoint (read as uint16 bits, linear.widen_bfloat16) never need."""
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class BFloat16Dtype:
+    """A format's qweight_dtype or scale_dtype that is bfloat16_dtype(), looked up when it is read."""
+
+    def __get__(self, obj, owner=None) -> np.dtype:
+        return bfloat16_dtype()
+
+
+def __getattr__(name: str):
+    if name == "BF16":              # the module attribute, as it was before it was looked up late
+        return bfloat16_dtype()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 ROW_ALIGN = 8                 # row blocks and spans start at multiples of this (q4: its group)
 L2_BLOCK_BYTES = 1 << 20      # a decode row block's float32 buffer: fits one core's L2

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from ds2cli.model.linear import float32
-from ds2cli.weights.formats.base import BF16, register
+from ds2cli.weights.formats.base import BFloat16Dtype, bfloat16_dtype, register
 from ds2cli.weights.formats.q8 import Q8
 
 
 @register
 class BFloat16(Q8):
     name, bits = "bf16", 16
-    qweight_dtype = BF16
+    qweight_dtype = BFloat16Dtype()
     scale_dtype = np.dtype(np.float32)
     output_scales = False
 
@@ -25,7 +25,7 @@ class BFloat16(Q8):
 
     @classmethod
     def quantize(cls, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(w, np.float32).astype(BF16), np.ones(w.shape[0], np.float32)
+        return np.asarray(w, np.float32).astype(bfloat16_dtype()), np.ones(w.shape[0], np.float32)
 
     @classmethod
     def unpack(cls, qweight: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -34,7 +34,7 @@ class BFloat16(Q8):
         if out is not None and not out.flags.c_contiguous:
             np.copyto(out, qweight, casting="unsafe")
             return out
-        return float32(qweight.view(BF16), out)
+        return float32(qweight.view(bfloat16_dtype()), out)
 
     @classmethod
     def unpack_chunk(cls, qweight: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds2cli.model.linear import float32, scratch
-from ds2cli.weights.formats.base import BF16, QuantMatrix, register, row_block
+from ds2cli.weights.formats.base import BFloat16Dtype, QuantMatrix, register, row_block
 
 Q4_GROUP = 32                 # output rows per scale
 NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
@@ -53,7 +53,7 @@ def split_nibbles(qweight: np.ndarray, scratch_buf: np.ndarray, signed: bool) ->
 class Q4(QuantMatrix):
     name, bits, group_size = "q4", 4, Q4_GROUP
     qweight_dtype = np.dtype(np.uint8)
-    scale_dtype = BF16
+    scale_dtype = BFloat16Dtype()
     per_element = 2
     ROW_ALIGN = Q4_GROUP      # a block holds whole groups, so each group meets one scaled activation
 
