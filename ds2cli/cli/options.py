@@ -81,7 +81,7 @@ def threads_option(f):
     return click.option("-t", "--threads", type=click.IntRange(min=1), metavar="N",
                         help="Threads for the matrix products, BLAS's and the low-bit kernels' (default: "
                              "what the BLAS library picks, usually one per core; the kernels one per core, "
-                             "at most 8).")(f)
+                             "at most 8, fewer while other programs keep cores busy).")(f)
 
 
 def sampling_options(f):
