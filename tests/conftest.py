@@ -40,15 +40,22 @@ def sigint_as_it_was():
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture
+def all_cores(monkeypatch):
+    """Every allowed core counts as free, whatever else the machine runs at the time
+    (parallel/load.py): for tests of how work is shared between this process, its threads and
+    its helper processes."""
+    from ds2cli.parallel import cores
+    monkeypatch.setattr(cores.workers().load, "free", lambda most, own_pids=(): most)
+
+
 @pytest.fixture(autouse=True)
-def every_core_free(monkeypatch, request):
-    """tests/parallel checks how work is shared between this process, its threads and its helper
-    processes: there every allowed core counts as free, whatever else the machine runs at the
-    time (parallel/load.py; test_load.py gives it a machine of its own, or the real one)."""
+def every_core_free_in_parallel_tests(request):
+    """tests/parallel checks how work is shared: all_cores there (but in test_load.py, which
+    gives the load a machine of its own, or the real one)."""
     path = request.node.path
     if path.parent.name == "parallel" and path.name != "test_load.py":
-        from ds2cli.parallel import cores
-        monkeypatch.setattr(cores.workers().load, "free", lambda most, own_pids=(): most)
+        request.getfixturevalue("all_cores")
     yield
 
 

@@ -544,7 +544,7 @@ def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
     row, and the rows still sum to the step."""
     from ds2cli.parallel import processes
     from ds2cli.weights import formats as quant
-    originals = (quant.QuantMatrix.span, processes.Helpers.send, processes.Helpers.collect)
+    originals = (quant.QuantMatrix.span, processes.Helpers.send, processes.Helpers.finish)
     monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)        # ds2-tiny's matrices split, as V2-Lite's do
     small_probes(monkeypatch)
     result = run_bench(*TINY_ARGS, "--quantize", "8", "--profile")
@@ -558,7 +558,7 @@ def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
         coordination = rows["coordination: plans sent, helpers awaited"]
         # fewer plans than products: a plan carries several (q with kv, the experts)
         assert 0 < coordination["calls_per_step"] < sum(r["calls_per_step"] for r in products)
-    assert (quant.QuantMatrix.span, processes.Helpers.send, processes.Helpers.collect) == originals
+    assert (quant.QuantMatrix.span, processes.Helpers.send, processes.Helpers.finish) == originals
 
 
 def test_the_ceiling_probes_team_of_several_ends_whole():

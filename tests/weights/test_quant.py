@@ -370,7 +370,7 @@ def test_quality_against_float32(reference, bits, max_kl, min_top1, min_addition
 
 @pytest.mark.slow
 @pytest.mark.skipif(cores.workers().n < 2, reason="needs two cores")
-def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch):
+def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch, all_cores):
     model = ds2cli.load(quantize=8)
     ids = list(range(0, 800, 10))      # more than cores.FEW_TOKENS: a prefill, not a few-token pass
     assert len(ids) > cores.FEW_TOKENS

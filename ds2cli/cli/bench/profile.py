@@ -1,7 +1,7 @@
 """`ds2 bench --profile`: where a decode step's time goes. Decode steps run with timers around
 the products (by storage format: this process's part of their rows, in the call or in the units
 of a plan it takes), the coordination with the helpers (writing a plan and its inputs, taking
-each unit from the claims pipe, waiting for their answer and reading their rows back),
+each unit from the claims pipe, waiting for the units they took and reading their rows back),
 attention and the router, each counted exclusive of what it calls; the rest of the step is the
 Python between them. The sum is the step's measured time. Each product row also gives the rate
 of ds2's own kernels, the weights its products multiplied a second (G w/s, all cores: the
@@ -10,7 +10,7 @@ the units go to whoever is free, so one process's part of a format is not its sh
 cores), to set beside the ceiling probe's.
 
 The timers wrap the classes' methods (Dense.matmul, QuantMatrix.matmul and .span, the helpers'
-send, claim and collect) and the model module's functions for the duration of the profile only, so
+send, claim and finish) and the model module's functions for the duration of the profile only, so
 the engine carries no instrumentation."""
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def span_label(w, *_) -> str:
 def span_values(m, x, y, a: int, b: int) -> float:
     """A row span's weights x tokens, times the processes that run a plan's units meanwhile:
     this process's rate on its own units while every core works, scaled to all the cores."""
-    return (b - a) * (x.size // x.shape[-1]) * m.shape[-1] * cores.workers().n
+    pool = cores.workers()
+    return (b - a) * (x.size // x.shape[-1]) * m.shape[-1] * min(pool.n, pool.using)
 
 
 COORDINATION = "coordination: plans sent, helpers awaited"
@@ -101,7 +102,7 @@ def instrumented(clock: Clock):
                (linear.Heads, "span", span_label, None, False, span_values),
                (AbsorbedQuery, "span", span_label, None, False, None),   # its parts' spans: theirs
                (processes.Helpers, "send", lambda *a: COORDINATION, None, True, None),
-               (processes.Helpers, "collect", lambda *a: COORDINATION, None, False, None),  # a plan: send's
+               (processes.Helpers, "finish", lambda *a: COORDINATION, None, False, None),   # a plan: send's
                (processes.Helpers, "claim", lambda *a: COORDINATION, None, False, None),    # each unit taken
                (transformer, "mla", lambda *a: "attention (latent cache, heads)", None, True, None),
                (moe, "route", lambda *a: "router", None, True, None)]
