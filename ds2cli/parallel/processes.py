@@ -217,9 +217,14 @@ class Helpers:
             p.spans = []
         for j, a, b in units:
             plan[j].spans.append((a, b))
+        ready = self.send(plan, units, cores.workers().using - 1)
+        if not ready:                    # no helper takes part: the same units, here, in order
+            for j, a, b in units:
+                plan[j].span(a, b)
+            self.settled = self.seq
+            return
         sizes = np.array([(b - a) * plan[j].row_values for j, a, b in units])
         mine = np.zeros(len(units), bool)
-        ready = self.send(plan, units, cores.workers().using - 1)
         self.take(plan, units, sizes, mine)
         self.finish(plan, units, sizes, mine, ready)
 
@@ -304,7 +309,7 @@ class Helpers:
         n, seq = len(units), self.seq
         done = mine.copy()
         deadline = None
-        while ready:
+        while True:
             for h in ready:
                 done |= h.finished[:n] == seq
             if done.all():
@@ -322,9 +327,6 @@ class Helpers:
                     self.taken_back += 1
                 break
             os.sched_yield()
-        if not ready:
-            for u in np.flatnonzero(~mine).tolist():    # (tokens a Ctrl-C left, or no helper)
-                self.run_unit(plan, units, u, mine)
         for h in ready:
             got = np.flatnonzero((h.finished[:n] == seq) & ~mine).tolist()
             fence()                                      # the marks read before the rows
