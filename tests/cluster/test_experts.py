@@ -1,0 +1,70 @@
+"""A model spread over a real Ray cluster by experts (conftest.py's local cluster, loopback only):
+every reference case over two and three nodes equals one process within float rounding (one
+pass, chunks then decode steps, a batched pass), the placement printed before loading names each
+node's experts, and a decode step makes at most one expert call a MoE layer and other node."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from support.ray_local import ADDRESS, CALL_TIMEOUT
+from ds2cli.model.config import DeepseekV2Config
+from ds2cli.weights.source import bundled_model_dir
+
+pytestmark = pytest.mark.slow
+
+DATA = Path(__file__).parents[1] / "data"
+CASES = sorted(p for root in ("reference", "reference_v3") for p in (DATA / root).iterdir() if (p / "ref.npz").is_file())
+TOL = 1e-3        # the references' READMEs: above 1e-3 is a bug
+DRIVE = Path(__file__).with_name("drive.py")
+
+
+def config_of(case: Path) -> DeepseekV2Config:
+    d = case / "model" if (case / "model").is_dir() else case if (case / "config.json").is_file() else bundled_model_dir()
+    return DeepseekV2Config.from_dict(json.loads((d / "config.json").read_text()))
+
+
+def parity_by_experts(cluster, tmp_path: Path, nodes: int) -> None:
+    out = tmp_path / f"experts-{nodes}.npz"
+    r = cluster.run([sys.executable, str(DRIVE), "--spread=experts", ADDRESS, str(out), *map(str, CASES)],
+                    timeout=2 * CALL_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    z = np.load(out)
+    for case in CASES:
+        cfg = config_of(case)
+        ref = np.load(case / "ref.npz")
+        logits, half = ref["logits"], len(ref["ids"]) // 2
+        for key, want in [("all_at_once", logits), ("two_chunks_then_decode", logits),
+                          ("batch_a", logits[:half]), ("batch_b", logits)]:
+            got = z[f"{case.name}/{key}"]
+            assert got.shape == want.shape, (case.name, key)
+            diff = np.abs(got - want).max()
+            assert diff <= TOL, f"{case.name}/{key} by experts over {nodes} nodes differs by {diff:.2e}"
+        # every node holds a share of the experts, in order, and the shares cover them once
+        lines = str(z[f"{case.name}/placement"]).splitlines()
+        assert lines[0].endswith(f"over {nodes} nodes by experts:"), lines
+        ranges = [line.split("experts ")[1].split(" of each")[0] for line in lines[1:]]
+        bounds = [tuple(map(int, r.split("-"))) for r in ranges]
+        assert bounds[0][0] == 0 and bounds[-1][1] == cfg.n_routed_experts - 1, lines
+        assert all(b[0] == a[1] + 1 for a, b in zip(bounds, bounds[1:])), lines
+        passes, calls, expert_calls, expert_bytes = z[f"{case.name}/step"]
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        assert passes == 1 and calls <= nodes
+        # one token: at most one call a MoE layer and other node, each its row and their outputs
+        assert 1 <= expert_calls <= moe_layers * (nodes - 1), (case.name, expert_calls)
+        row = cfg.hidden_size * 4
+        assert expert_calls * 2 * row <= expert_bytes <= expert_calls * (1 + cfg.num_experts_per_tok) * row
+
+
+def test_reference_parity_by_experts_over_two_and_three_nodes(cluster, tmp_path):
+    parity_by_experts(cluster, tmp_path, 2)
+    node = cluster.add_node()
+    try:
+        parity_by_experts(cluster, tmp_path, 3)
+    finally:
+        cluster.remove(node)
