@@ -34,7 +34,7 @@ def main(address: str, out: str, cases: list[str], spread: str = "layers") -> No
         results[f"{name}/batch_a"], results[f"{name}/batch_b"] = la, lb
         # one more decode step, and the expert calls, bytes and passes it made
         before = dict(model.executor.traffic)
-        model.forward(ids[-1:], b)
+        model.forward(ids[half:half + 1], a)
         results[f"{name}/step"] = np.array([model.executor.traffic[k] - before[k]
                                             for k in ("passes", "calls", "expert_calls", "expert_bytes")])
         results[f"{name}/placement"] = np.array("\n".join(driver.describe(model_source(case), model.executor.placement)))
