@@ -54,3 +54,36 @@ def test_every_layer_finds_its_tensors_in_one_pass():
 def test_loading_the_same_checkpoint_twice_gives_the_same_weights():
     a, b = ds2cli.load(bundled_model_dir()), ds2cli.load(bundled_model_dir())
     np.testing.assert_array_equal(a.layers[0].self_attn.o_proj.w, b.layers[0].self_attn.o_proj.w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["float", "quantized at load", "q4"])
+def test_a_range_of_experts_loads_those_experts_of_every_moe_layer_alone(where, q4):
+    """load(experts=...): a node of a cluster spread by experts holds those routed experts of
+    every MoE layer (stacked from 0, the same values as the whole model's), and of the layers
+    outside its range nothing else."""
+    path = q4 if where == "q4" else bundled_model_dir()
+    quantize = 8 if where == "quantized at load" else None
+    whole = ds2cli.load(path, quantize=quantize, memory_check=False)
+    cfg = whole.config
+    E = cfg.n_routed_experts
+    part = ds2cli.load(path, quantize=quantize, memory_check=False, layers=range(0, 1), experts=range(E // 2, E))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, cfg.hidden_size)).astype(np.float32)
+    for i in range(cfg.num_hidden_layers):
+        layer = part.layers[i]
+        if not cfg.is_moe_layer(i):
+            assert layer is None or i == 0
+            continue
+        mlp = layer.mlp
+        assert len(mlp.experts_down) == E - E // 2
+        for e in (E // 2, E - 1):
+            got = mlp.experts_gate_up[e - E // 2].matmul(x)
+            assert np.array_equal(got, whole.layers[i].mlp.experts_gate_up[e].matmul(x))
+        if i != 0:
+            assert not layer.self_attn.keys() and mlp.gate is None and mlp.shared_gate_up is None
+    # no experts at all: the layers' other weights alone
+    bare = ds2cli.load(path, quantize=quantize, memory_check=False, layers=range(0, 2), experts=range(0))
+    assert all(layer.mlp.experts_gate_up is None and layer.self_attn.keys() for layer in bare.layers[:2]
+               if layer.is_moe)
+    assert all(layer is None for layer in bare.layers[2:])
