@@ -81,8 +81,9 @@ class Executor:
     def spread(self, fn: Callable, items) -> list:
         return [fn(item) for item in items]
 
-    def experts(self, w, ids, xs: list[np.ndarray], shared: np.ndarray | None, ffn: Callable) -> list[np.ndarray]:
-        """MoE layer w's routed experts `ids`, each over its tokens xs[j], then its shared
+    def experts(self, w, ids, xs, shared: np.ndarray | None, ffn: Callable) -> list[np.ndarray]:
+        """MoE layer w's routed experts `ids`, each over its tokens xs[j] (a sequence of arrays;
+        moe.Routed also says which rows of the layer's input they are), then its shared
         experts over `shared` (None: none): ffn(self, [(x, gate_up, down), ...]) computes a list
         of such MLPs. Where each expert runs is the executor's: here, all of them, at once."""
         tasks = [(x, w.experts_gate_up[e], w.experts_down[e]) for e, x in zip(ids, xs)]

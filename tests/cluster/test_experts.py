@@ -68,3 +68,34 @@ def test_reference_parity_by_experts_over_two_and_three_nodes(cluster, tmp_path)
         parity_by_experts(cluster, tmp_path, 3)
     finally:
         cluster.remove(node)
+
+
+QUESTION = "What is 451 - 123?"
+
+
+def test_generate_by_experts_prints_the_plan_and_one_process_text_and_bench_counts_expert_calls(cluster):
+    import subprocess
+    alone = subprocess.run([sys.executable, "-m", "ds2cli", "generate", "--chat", QUESTION, "--temperature", "0"],
+                           capture_output=True, text=True, timeout=CALL_TIMEOUT)
+    r = cluster.ds2("generate", "--chat", QUESTION, "--temperature", "0", "--ray", ADDRESS, "--ray-spread", "experts")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == alone.stdout and r.stdout.strip() == "451 - 123 = 328."
+    lines = r.stderr.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("placement of ds2-tiny"))
+    assert lines[at].endswith("over 2 nodes by experts:")
+    assert "experts 0-3 of each MoE layer" in lines[at + 1] and "experts 4-7 of each MoE layer" in lines[at + 2]
+
+    b = cluster.ds2("bench", "--ray", ADDRESS, "--ray-spread", "experts", "-m", str(bundled_model_dir()),
+                    "-r", "1", "-p", "8", "-c", "16", "-n", "4", "--json")
+    assert b.returncode == 0, b.stderr[-2000:]
+    report = json.loads(b.stdout)
+    cfg = config_of(DATA / "reference" / "ds2_tiny_chat")
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    sent = report["decode"][0]["per_token"]
+    assert report["cluster"]["spread"] == "experts" and sent["calls"] == 2
+    assert 0 < sent["expert_calls"] <= moe_layers and sent["expert_bytes"] >= sent["expert_calls"] * 2 * cfg.hidden_size * 4
+    assert sent["expert_seconds"] >= 0 and report["decode"][0]["tok_per_s"]["median"] > 0
+
+    table = cluster.ds2("bench", "--ray", ADDRESS, "--ray-spread", "experts", "-m", str(bundled_model_dir()),
+                        "-r", "1", "-p", "8", "-c", "16", "-n", "2")
+    assert table.returncode == 0 and "by experts" in table.stdout and "expert calls" in table.stdout, table.stdout
