@@ -99,3 +99,18 @@ def test_generate_by_experts_prints_the_plan_and_one_process_text_and_bench_coun
     table = cluster.ds2("bench", "--ray", ADDRESS, "--ray-spread", "experts", "-m", str(bundled_model_dir()),
                         "-r", "1", "-p", "8", "-c", "16", "-n", "2")
     assert table.returncode == 0 and "by experts" in table.stdout and "expert calls" in table.stdout, table.stdout
+
+
+def test_serve_by_experts_answers_two_requests_at_once(cluster):
+    import subprocess
+    from test_cluster import CLIENT
+    port = 8766
+    server = cluster.popen([sys.executable, "-m", "ds2cli", "serve", "--ray", ADDRESS, "--ray-spread", "experts",
+                            "--port", str(port), "--parallel", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        r = cluster.run([sys.executable, "-c", CLIENT % {"port": port}], timeout=CALL_TIMEOUT)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == ["451 - 123 = 328.", "451 - 123 = 328."]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
