@@ -348,12 +348,26 @@ class RayExecutor(Executor):
         return ClusterCache(self, cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def run_pass(self, model, p):
+        return self.start_pass(model, p)()
+
+    def pipeline_depth(self) -> int:
+        """By layers, as many passes as stages may be under way: each stage runs the passes in
+        the order they were sent, and a later pass's first stages work while an earlier one is
+        on the last. By experts one: a stage answering expert calls is not also computing."""
+        return len(self.computing()) if self.placement.spread == "layers" else 1
+
+    def start_pass(self, model, p):
+        """Every stage's call for pass p sent (each hands its hidden state to the next as an
+        object reference); the call returned waits for the logits."""
         wire = p.with_caches([c.ref for c in p.caches], [] if p.trace is not None else None)
         x, infos = None, []
         stages = self.computing()
         for a in stages:
             x, info = a.compute.options(num_returns=2).remote(wire, x)
             infos.append(info)
+        return lambda: self.finish_pass(model, p, stages, infos, x)
+
+    def finish_pass(self, model, p, stages: list, infos: list, x):
         t0 = time.perf_counter()
         *infos, logits = self.get(infos + [x])
         n, D = int(sum(p.lengths)), model.config.hidden_size
