@@ -283,9 +283,9 @@ def budget_size(ctx, param, value):
 
 ray_spread_option = click.option(
     "--ray-spread", "ray_spread", type=click.Choice(["layers", "experts"]), default=None,
-    help="With --ray, how the model is spread: layers (default) gives each node a range of layers, and a "
+    help="With --ray, how the model is spread: layers gives each node a range of layers, and a "
          "token visits the nodes in turn; experts also gives each node a share of every MoE layer's "
-         "routed experts, computed at once on the nodes holding them (docs/cluster.md).")
+         "routed experts, computed at once on the nodes holding them, docs/cluster.md (default: layers).")
 
 ray_option = click.option(
     "--ray", "ray", metavar="ADDRESS",
