@@ -33,6 +33,7 @@ from ds2cli.model.transformer import Model
 from ds2cli.cli.options import (argument_text, budget_size, chat_template_option, check_ctx, cluster_plan, draft_option,
                             generation_options, load_model, max_new_tokens_for, memory_options, model_from_env,
                             model_option, naming_ds2_model, open_source, prompt_bytes_limit, ray_option,
+                            ray_spread_option, check_spread,
                             reasoning_options, sampler_for, stats_option, strip_bom, thread_limits, threads_option, tokenizer_of, unescape)
 from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.cli.chat_loop import CHAT_HELP, Repl
@@ -212,6 +213,7 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
     if prompt is not None and prompt_option is not None:
         raise click.UsageError("give the prompt as an argument or with -p/--prompt, not both")
     check_reasoning_options(opts)
+    check_spread(opts["ray"], opts["ray_spread"])
     system = argument_text(system, "--system argument", encoding)
     chat = chat or system is not None or chat_template is not None
     if from_bos and chat:
@@ -252,7 +254,8 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
                                                   if opts["ctx"] and len(ids) <= max_positions else ""))
         context = opts["ctx"] or min(len(ids) + max_new_tokens_for(source.generation_config, opts["max_new_tokens"]),
                                      limit)
-        model, load_s = load_model(source, quantize, context, not no_memory_check, opts["ray"], opts["memory_budget"])
+        model, load_s = load_model(source, quantize, context, not no_memory_check, opts["ray"], opts["memory_budget"],
+                                   opts["ray_spread"])
         run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts, prompt_cache,
                      ends=fim_tokens.ends if fill else ())
 
@@ -441,6 +444,7 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
     failed. A reply's reasoning (<think>...</think>) is shown dimmed on stderr, apart from
     its answer, and kept in the conversation (/save, --session) but never sent back to the model."""
     check_reasoning_options(opts)
+    check_spread(opts["ray"], opts["ray_spread"])
     system = argument_text(system, "--system argument")
     source = open_source(model_dir)
     check_ctx(source.config, opts["ctx"])
@@ -455,7 +459,8 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
         with thread_limits(opts["threads"]), leaving_on_signals() as left:
             tokenizer_of(source, chat_template)
             model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
-                                        opts["ray"], opts["memory_budget"])
+                                        opts["ray"], opts["memory_budget"],
+                                   opts["ray_spread"])
             capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
             session = ChatSession(model, capacity, warn=console.warn,
                                   split_reasoning=opts["reasoning_format"] != "none", special=opts["special"])
@@ -495,6 +500,7 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
 @click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data: a Hugging "
                                             "Face id's shards are downloaded first, as generate does).")
 @ray_option
+@ray_spread_option
 @click.option("--ctx", type=click.IntRange(min=1), metavar="N",
               help="With --ray: the context each node's part of the cache is counted at (default: the model's, "
                    "at most 4096).")
@@ -502,13 +508,14 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
               help="Size the expert cache that --memory-budget SIZE would hold; the report always gives the "
                    "least budget that runs the model (default: the memory available now).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def inspect(directory, model_dir, as_json, check, ray, ctx, memory_budget):
+def inspect(directory, model_dir, as_json, check, ray, ray_spread, ctx, memory_budget):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics.
 
     A Hugging Face id whose shards are not cached is read without them: its small files are
     downloaded, its shards' headers read over HTTP."""
     if directory is not None and model_dir is not None and not model_from_env():
         raise click.UsageError("give the checkpoint as DIRECTORY or with -m/--model, not both")
+    spread = check_spread(ray, ray_spread)
     with naming_ds2_model() if directory is None else contextlib.nullcontext():
         target = directory or model_dir or bundled_model_dir()
         # headers only, unless --check, which reads every weight (and so downloads a Hub id whole)
@@ -522,7 +529,7 @@ def inspect(directory, model_dir, as_json, check, ray, ctx, memory_budget):
                      "generate and chat download them)")
     if check and report.get("format") == "gguf":
         report["warnings"].append("--check scans a safetensors checkpoint's values; this GGUF file's were not read")
-    placement = None if ray is None else cluster_plan(path, ray, ctx)      # (JSON, lines), nothing loaded
+    placement = None if ray is None else cluster_plan(path, ray, ctx, spread)      # (JSON, lines), nothing loaded
     if placement is not None:
         report["placement"] = placement[0]
     if as_json:

@@ -247,6 +247,7 @@ def memory_options(f):
         click.option("--no-memory-check", is_flag=True,
                      help="Load even when the model looks too big for the memory available."),
         ray_option,
+        ray_spread_option,
         click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
                      help="Run a low-bit checkpoint or a Q8_0 GGUF larger than memory: everything but the routed experts "
                           "stays resident, the experts are read from disk into a cache that fills the rest of "
@@ -258,13 +259,13 @@ def memory_options(f):
     return f
 
 
-def cluster_plan(path: Path, ray: str, ctx: int | None) -> tuple[list, list[str]]:
+def cluster_plan(path: Path, ray: str, ctx: int | None, spread: str = "layers") -> tuple[list, list[str]]:
     """`inspect --ray`: the placement over the cluster as JSON and as lines, loading nothing
     (the checkpoint's headers here, and each node's probe)."""
     from ds2cli.cluster import driver
     source = open_source(path)
     check_ctx(source.config, ctx)
-    placement = driver.plan(source, ray, None, ctx)[1]
+    placement = driver.plan(source, ray, None, ctx, spread=spread)[1]
     return placement.to_json(), driver.describe(source, placement)
 
 
@@ -280,6 +281,12 @@ def budget_size(ctx, param, value):
     return size
 
 
+ray_spread_option = click.option(
+    "--ray-spread", "ray_spread", type=click.Choice(["layers", "experts"]), default=None,
+    help="With --ray, how the model is spread: layers gives each node a range of layers, and a "
+         "token visits the nodes in turn; experts also gives each node a share of every MoE layer's "
+         "routed experts, computed at once on the nodes holding them, docs/cluster.md (default: layers).")
+
 ray_option = click.option(
     "--ray", "ray", metavar="ADDRESS",
     help="Spread the model over the nodes of a Ray cluster by ranges of layers: the head's HOST:PORT "
@@ -287,15 +294,24 @@ ray_option = click.option(
          "the same path on its own disk; the placement is printed before anything loads (docs/cluster.md).")
 
 
+def check_spread(ray: str | None, spread: str | None) -> str:
+    """--ray-spread's value ("layers" unless given), refused without --ray."""
+    if spread is not None and ray is None:
+        raise click.UsageError("--ray-spread says how a model spreads over a Ray cluster: give --ray too")
+    return spread or "layers"
+
+
 def load_model(source: Source, quantize: str | None = None, context: int | None = None,
                memory_check: bool = True, ray: str | None = None,
-               memory_budget: int | None = None) -> tuple[Model, float]:
+               memory_budget: int | None = None, spread: str | None = None) -> tuple[Model, float]:
     """Load the opened model with a progress bar; `quantize` as --quantize gives it ("8", "4",
     "auto", "exact" or None). A command reads its tokenizer and prompt from `source` first
     (tokenizer_of), so it can refuse a prompt too long for its context and name the context the
     memory check counts before any weight loads. `ray`: --ray's address, the model placed over
-    that cluster's nodes (the placement printed first) instead of loaded here."""
+    that cluster's nodes (the placement printed first) instead of loaded here; `spread`:
+    --ray-spread's "layers" or "experts"."""
     t0 = time.perf_counter()
+    spread = check_spread(ray, spread)
     bits = quantize if quantize in (None, "auto", "exact") else int(quantize)
     if ray is not None:
         if memory_budget is not None:
@@ -303,7 +319,8 @@ def load_model(source: Source, quantize: str | None = None, context: int | None 
                                    "holds its layers whole")
         from ds2cli.cluster import driver
         with naming_ds2_model():
-            model = driver.load(source, ray, bits, context, show=console.info, memory_check=memory_check)
+            model = driver.load(source, ray, bits, context, show=console.info, memory_check=memory_check,
+                                spread=spread)
         return model, time.perf_counter() - t0
     progress = console.LoadProgress()
     try:

@@ -23,7 +23,7 @@ from ds2cli.server.prompt_disk import DiskPool
 from ds2cli.text import reasoning
 from ds2cli.wording import human_bytes, packed, plural
 from ds2cli.cli.options import (argument_text, chat_template_option, check_ctx, draft_option, load_model,
-                            max_new_tokens_for, memory_options, model_option, open_source, sampling_options,
+                            max_new_tokens_for, memory_options, model_option, check_spread, open_source, sampling_options,
                             tokenizer_of,
                             sampling_params, thread_limits, threads_option)
 
@@ -154,6 +154,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
     weights; more wait in the queue. Ctrl-C (or SIGTERM) stops gracefully: the running requests
     finish (a second one ends them at their next token)."""
     system = argument_text(system, "--system argument", hint="give it in UTF-8") or None
+    check_spread(opts["ray"], opts["ray_spread"])
     source = open_source(model_dir)                 # its config only: --ctx is checked before any load
     config = source.config
     check_ctx(config, ctx)
@@ -171,7 +172,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
             # the memory check counts the --parallel caches the running requests use at once
             tokenizer_of(source, chat_template)
             model, load_s = load_model(source, quantize, ctx * parallel, not no_memory_check, opts["ray"],
-                                       opts["memory_budget"])
+                                       opts["memory_budget"], opts["ray_spread"])
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                                 ctx, system, tuple(model.eos_token_ids), reasoning_format)
             model.tokenizer.longest_token     # a prompt's limit in characters (api.check_chars), found once

@@ -16,10 +16,12 @@ from ds2cli.weights import loader, memory
 from ds2cli.weights.source import Source
 
 
-def plan(source: Source, address: str, quantize=None, context: int | None = None, memory_check: bool = True):
+def plan(source: Source, address: str, quantize=None, context: int | None = None, memory_check: bool = True,
+         spread: str = "layers"):
     """(ray, placement, bits, formats) for loading `source` over the cluster at `address`: every
     node probed (its memory, its ds2 and Ray, the checkpoint at the same path), the layers placed
-    (without memory_check: as if every node's memory were unlimited, by their order alone)."""
+    (without memory_check: as if every node's memory were unlimited, by their order alone);
+    `spread` "experts": each MoE layer's routed experts shared out among the nodes too."""
     ray = ray_cluster.connect(address)
     bits, recipe = loader.load_form(source, None if quantize == "auto" else quantize, context)
     qc = loader.formats_of(source, bits, recipe)
@@ -27,23 +29,25 @@ def plan(source: Source, address: str, quantize=None, context: int | None = None
     placing.check_nodes(nodes, ray_cluster.ds2cli.__version__, ray.__version__)
     if not memory_check:
         nodes = [dataclasses.replace(n, available=None) for n in nodes]
-    placement = placing.plan(source.config, qc, context, nodes, quantize_at_load=source.stored is None and bits is not None,
-                             name=memory.model_name(source.config, source.path))
+    how = placing.plan_experts if spread == "experts" else placing.plan
+    placement = how(source.config, qc, context, nodes, quantize_at_load=source.stored is None and bits is not None,
+                    name=memory.model_name(source.config, source.path))
     return ray, placement, bits, qc
 
 
 def describe(source: Source, placement: placing.Placement) -> list[str]:
     cfg = source.config
+    by = " by experts" if placement.spread == "experts" else ""
     return [f"placement of {memory.model_name(cfg, source.path)} over {len(placement.stages)} "
-            f"node{'s' if len(placement.stages) != 1 else ''}:"] + ["  " + line for line in placement.lines(cfg.num_hidden_layers)]
+            f"node{'s' if len(placement.stages) != 1 else ''}{by}:"] + ["  " + line for line in placement.lines(cfg.num_hidden_layers)]
 
 
 def load(source: Source, address: str, quantize=None, context: int | None = None,
-         show: Callable[[str], None] | None = None, memory_check: bool = True) -> Model:
+         show: Callable[[str], None] | None = None, memory_check: bool = True, spread: str = "layers") -> Model:
     """The model at `source` over the cluster at `address`: the placement (shown line by line
     with `show` before any weight loads), a stage on each node that loads its own range from its
-    own disk, and the driver's Model over them."""
-    ray, placement, bits, qc = plan(source, address, quantize, context, memory_check)
+    own disk, and the driver's Model over them; `spread` as plan's."""
+    ray, placement, bits, qc = plan(source, address, quantize, context, memory_check, spread)
     for line in describe(source, placement) if show else ():
         show(line)
     cfg = source.config

@@ -32,6 +32,7 @@ import weakref
 import numpy as np
 
 import ds2cli
+from ds2cli.cluster import experts as spread
 from ds2cli.cluster.placement import Node, Placement
 from ds2cli.errors import Ds2Error, UnavailableError
 from ds2cli.model.cache import LatentCache
@@ -188,13 +189,24 @@ class StageActor:
     """A node's range of layers: its weights, loaded from its own disk, and its part of every
     cache (by the driver's cache number). Made a Ray actor by RayExecutor."""
 
-    def __init__(self, path: str, first: int, stop: int, quantize, threads: int):
+    def __init__(self, path: str, first: int, stop: int, quantize, threads: int, experts: tuple | None = None):
         from ds2cli.parallel import cores
         from ds2cli.weights.loader import load
         cores.use_workers(cores.Workers(threads))
         self.layers = range(first, stop)
-        self.model = load(path, quantize=quantize, memory_check=False, layers=self.layers)
+        # spread by experts: its routed experts of every MoE layer too, computed where asked
+        own = None if experts is None else range(*experts)
+        executor = None if own is None else spread.ExpertsExecutor(own)
+        self.model = load(path, quantize=quantize, memory_check=False, layers=self.layers, experts=own,
+                          executor=executor)
         self.caches: dict[int, LatentCache] = {}
+
+    def connect(self, peers: list) -> None:
+        """Spread by experts: the other stages, [(first expert, stop, actor)], asked for theirs."""
+        self.model.executor.connect([(range(a, b), actor) for a, b, actor in peers])
+
+    def experts(self, layer: int, ids, rows, where):
+        return spread.compute_experts(self.model, layer, ids, rows, where)
 
     def ready(self) -> int:
         return os.getpid()
@@ -211,7 +223,8 @@ class StageActor:
         trace = [] if p.trace is not None else None
         with self.model.executor.forward_pass(int(sum(p.lengths))):
             out = self.model.compute(p.with_caches(caches, trace), self.layers, x)
-        return out, trace
+        sent = self.model.executor.take_traffic() if hasattr(self.model.executor, "take_traffic") else {}
+        return out, (trace, sent)
 
     def prefix(self, number: int, capacity: int, n: int):
         return self.cache(number, capacity).prefix(n)
@@ -301,18 +314,27 @@ class RayExecutor(Executor):
         self.lost: str | None = None          # why the cluster is degraded, once a node is lost
         # what the passes sent, for bench: actor calls, bytes of hidden states and logits moved
         # between processes (the pass's description aside), seconds the driver waited
-        self.traffic = {"passes": 0, "tokens": 0, "calls": 0, "bytes": 0, "seconds": 0.0}
+        # spread by experts also the stages' calls for experts (cluster/experts.py), their bytes
+        # of hidden rows and outputs, and the seconds the stages waited for them
+        self.traffic = {"passes": 0, "tokens": 0, "calls": 0, "bytes": 0, "seconds": 0.0, **spread.empty_traffic()}
 
     def start(self, model) -> None:
         """Create a stage on each node of the placement and wait until every one has loaded."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         actor = self.ray.remote(StageActor)
+        by_experts = self.placement.spread == "experts"
         for s in self.placement.stages:
+            # spread by experts a stage answers other stages' calls for its experts while its own
+            # pass waits on theirs: two threads (a pass visits one stage at a time)
             self.stages.append(actor.options(
-                num_cpus=s.node.cpus, max_restarts=0, max_task_retries=0, max_concurrency=1,
+                num_cpus=s.node.cpus, max_restarts=0, max_task_retries=0, max_concurrency=2 if by_experts else 1,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(s.node.node_id, soft=False),
-            ).remote(self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus))
+            ).remote(self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus,
+                     (s.experts.start, s.experts.stop) if s.experts is not None else None))
         self.get([a.ready.remote() for a in self.stages])
+        if by_experts:
+            peers = [(s.experts.start, s.experts.stop, a) for s, a in zip(self.placement.stages, self.stages)]
+            self.get([a.connect.remote([p for p in peers if p[2] is not a]) for a in self.stages])
 
     def stop(self) -> None:
         for a in self.stages:
@@ -327,27 +349,52 @@ class RayExecutor(Executor):
         return ClusterCache(self, cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def run_pass(self, model, p):
+        return self.start_pass(model, p)()
+
+    def pipeline_depth(self) -> int:
+        """By layers, as many passes as stages may be under way: each stage runs the passes in
+        the order they were sent, and a later pass's first stages work while an earlier one is
+        on the last. By experts one: a stage answering expert calls is not also computing."""
+        return len(self.computing()) if self.placement.spread == "layers" else 1
+
+    def start_pass(self, model, p):
+        """Every stage's call for pass p sent (each hands its hidden state to the next as an
+        object reference); the call returned waits for the logits."""
         wire = p.with_caches([c.ref for c in p.caches], [] if p.trace is not None else None)
-        x, traces = None, []
-        for a in self.stages:
-            x, trace = a.compute.options(num_returns=2).remote(wire, x)
-            traces.append(trace)
+        x, infos = None, []
+        stages = self.computing()
+        for a in stages:
+            x, info = a.compute.options(num_returns=2).remote(wire, x)
+            infos.append(info)
+        return lambda: self.finish_pass(model, p, stages, infos, x)
+
+    def finish_pass(self, model, p, stages: list, infos: list, x):
         t0 = time.perf_counter()
-        *traces, logits = self.get(traces + [x])
+        *infos, logits = self.get(infos + [x])
         n, D = int(sum(p.lengths)), model.config.hidden_size
         t = self.traffic
-        t["passes"], t["tokens"], t["calls"] = t["passes"] + 1, t["tokens"] + n, t["calls"] + len(self.stages)
-        t["bytes"] += (len(self.stages) - 1) * n * D * 4 + (0 if logits is None else logits.nbytes)
+        t["passes"], t["tokens"], t["calls"] = t["passes"] + 1, t["tokens"] + n, t["calls"] + len(stages)
+        t["bytes"] += (len(stages) - 1) * n * D * 4 + (0 if logits is None else logits.nbytes)
         t["seconds"] += time.perf_counter() - t0
+        for _, sent in infos:
+            for k, v in sent.items():
+                t[k] += v
         if p.trace is not None:
-            for t in traces:
-                p.trace.extend(t)
+            for trace, _ in infos:
+                p.trace.extend(trace)
         return logits
+
+    def computing(self) -> list:
+        """The stages a pass visits, in order: those holding layers (spread by experts, a node
+        may hold experts alone)."""
+        return [a for s, a in zip(self.placement.stages, self.stages) if len(s.layers)]
 
     def each(self, method: str, *args, split=None) -> list:
         """`method` on every stage, all at once; `split`: arrays (L, ...) each stage gets its rows of."""
         refs = []
         for s, a in zip(self.placement.stages, self.stages):
+            if not len(s.layers):
+                continue        # experts alone: no part of any cache
             part = () if split is None else tuple(arr[s.layers.start:s.layers.stop] for arr in split)
             refs.append(getattr(a, method).remote(*args, *part))
         return self.get(refs)

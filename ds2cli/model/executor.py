@@ -10,6 +10,9 @@ attention.py, moe.py and transformer.py are handed an executor (the Model's) and
   experts(w, ...)        one MoE layer's routed experts (and shared ones) over their tokens
   run_pass(model, p)     one forward pass (transformer.Pass): its layers where they live,
                          model.compute(p, layers, x) for each range; `after_layer(i, x)` after each
+  start_pass(model, p)   run_pass begun: a call that waits for its logits; pipeline_depth()
+                         passes may be under way at once (a cluster's stages, each busy with
+                         another pass), 1 where run_pass is all there is
   new_cache(model, n)    a latent cache of n positions, held where the layers are
   forward_pass(tokens)   the context one pass of `tokens` tokens runs in
 and know nothing of threads, processes, machines or where a weight lives. This class is the
@@ -81,8 +84,9 @@ class Executor:
     def spread(self, fn: Callable, items) -> list:
         return [fn(item) for item in items]
 
-    def experts(self, w, ids, xs: list[np.ndarray], shared: np.ndarray | None, ffn: Callable) -> list[np.ndarray]:
-        """MoE layer w's routed experts `ids`, each over its tokens xs[j], then its shared
+    def experts(self, w, ids, xs, shared: np.ndarray | None, ffn: Callable) -> list[np.ndarray]:
+        """MoE layer w's routed experts `ids`, each over its tokens xs[j] (a sequence of arrays;
+        moe.Routed also says which rows of the layer's input they are), then its shared
         experts over `shared` (None: none): ffn(self, [(x, gate_up, down), ...]) computes a list
         of such MLPs. Where each expert runs is the executor's: here, all of them, at once."""
         tasks = [(x, w.experts_gate_up[e], w.experts_down[e]) for e, x in zip(ids, xs)]
@@ -93,6 +97,16 @@ class Executor:
     def run_pass(self, model, p) -> np.ndarray | None:
         """Pass p through every layer, here: the picked rows' logits (M, V), or None."""
         return model.compute(p, range(model.config.num_hidden_layers))
+
+    def pipeline_depth(self) -> int:
+        """How many passes may be under way at once (start_pass): one here."""
+        return 1
+
+    def start_pass(self, model, p) -> Callable[[], np.ndarray | None]:
+        """Pass p begun; the call returned waits for it and gives run_pass's logits. Here it
+        runs at once."""
+        logits = self.run_pass(model, p)
+        return lambda: logits
 
     def new_cache(self, model, capacity: int):
         cfg = model.config

@@ -99,6 +99,23 @@ def route_noaux_tc(x: np.ndarray, gate: np.ndarray, bias: np.ndarray,
     return idx, (weight * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
 
 
+class Routed:
+    """Each routed expert's input rows, x[tokens[j]] for expert j, made when read: an executor
+    that sends them elsewhere (cluster/experts.py) sends each token's row once from `x`."""
+
+    def __init__(self, x: np.ndarray, tokens: list[np.ndarray]):
+        self.x, self.tokens = x, tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, j: int) -> np.ndarray:
+        return self.x[self.tokens[j]]
+
+    def __iter__(self):
+        return (self.x[t] for t in self.tokens)
+
+
 def moe(ex: Executor, x: np.ndarray, w: MoE, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
     """Run only the experts the gate selected, each once over the tokens routed to it; the
     chosen expert ids (T, k) are appended to `trace` when one is given."""
@@ -108,14 +125,14 @@ def moe(ex: Executor, x: np.ndarray, w: MoE, cfg: DeepseekV2Config, trace: list 
     k = idx.shape[1]
     flat = idx.ravel()
     order = np.argsort(flat, kind="stable")                                 # (T*k,) grouped by expert
-    counts = np.bincount(flat, minlength=len(w.experts_down))              # (E,) tokens per expert
+    counts = np.bincount(flat, minlength=cfg.n_routed_experts)              # (E,) tokens per expert
     bounds = np.cumsum(counts)
     experts = np.flatnonzero(counts)
     picks = [order[bounds[e] - counts[e]:bounds[e]] for e in experts]       # each expert's (token, slot)s
 
     # the experts are independent, the shared ones (over every token) too: the executor runs them
     shared = x if w.shared_gate_up is not None else None
-    outs = ex.experts(w, experts, [x[p // k] for p in picks], shared, swiglu_all)
+    outs = ex.experts(w, experts, Routed(x, [p // k for p in picks]), shared, swiglu_all)
     y = np.zeros_like(x)                                                    # (T, D)
     for j in range(len(experts)):                # summed in expert order, then the shared experts
         y[picks[j] // k] += outs[j] * weight.ravel()[picks[j]][:, None]

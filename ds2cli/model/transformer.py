@@ -155,9 +155,33 @@ class Model:
             raise Ds2Error(f"token id out of range [0, {V}): {int(ids.max() if ids.max() >= V else ids.min())}")
         return ids
 
+    def start_batch(self, steps: Sequence[Step]) -> Callable[[], list[np.ndarray | None]]:
+        """forward_batch(steps) begun: the call returned waits for it and gives its logits.
+        Where the executor runs passes on several machines at once (a cluster's stages by
+        layers: pipeline_depth() > 1), this pass's stages run while an earlier pass is still
+        on later stages, so stages are kept busy with different sequences; until the call, no
+        other pass may use these steps' caches. Elsewhere, or for more than PREFILL_CHUNK
+        tokens, it is forward_batch, run at once."""
+        ids = [self._check_ids(s.ids) for s in steps]
+        if self.executor.pipeline_depth() < 2 or sum(map(len, ids)) > PREFILL_CHUNK:
+            out = self.forward_batch(steps)
+            return lambda: out
+        if len({id(s.cache) for s in steps}) < len(steps):
+            raise Ds2Error("a forward pass got the same cache twice")
+        for s, t in zip(steps, ids):
+            if s.logits not in ("last", "all", "none"):
+                raise Ds2Error(f"a step's logits must be 'last', 'all' or 'none', not {s.logits!r}")
+            s.cache.check_room(len(t))
+        p = Pass.of(ids, steps, None)
+        wait = self.executor.start_pass(self, p)
+        return lambda: self._take(ids, steps, p, wait())
+
     def _forward(self, ids: list[np.ndarray], steps: Sequence[Step], trace: list | None) -> list:
         p = Pass.of(ids, steps, trace)
-        logits = self.executor.run_pass(self, p)                            # (M, V) or None
+        return self._take(ids, steps, p, self.executor.run_pass(self, p))  # (M, V) or None
+
+    def _take(self, ids: list[np.ndarray], steps: Sequence[Step], p: "Pass", logits) -> list:
+        """Each step's logits out of a pass's, its cache now holding the pass's tokens."""
         for s, t, start in zip(steps, ids, p.starts):
             s.cache.length = start + len(t)
         out, at = [], 0

@@ -22,6 +22,12 @@ is full (a client reading slowly) sits out passes until it drains. The n samples
 share its prefill: the later ones wait until the first has read the prompt, then copy its latents. A request
 leaves the batch at once when it ends, fails, or its client leaves.
 
+Over a cluster spread by layers (the model's executor says pipeline_depth() > 1) the running
+requests go in as many micro-batches as there are stages, and a micro-batch's next pass is sent
+as soon as its last one's tokens are taken, while the others' are still on their stages: each
+stage works on a different micro-batch at once (model.start_batch). A request is in one pass
+at a time; one cancelled meanwhile leaves once its pass is back.
+
 No HTTP here (http_server.py and endpoints.py do that) and no request parsing (api.py).
 """
 
@@ -112,6 +118,10 @@ class Scheduler:
         self.closing = False
         self.aborting = threading.Event()
         self.steps = 0                              # passes run (the tests count them)
+        # passes under way at once: more than one over a cluster's stages (model.start_batch)
+        self.depth = max(1, model.executor.pipeline_depth())
+        self.flying: list[tuple[list[Request], Callable]] = []    # (its requests, wait for its logits)
+        self.most_flying = 0                        # the most passes under way at once (the tests look)
         self.chunks_run = 0                         # prompt chunks planned (which prompt: plan)
         self.thread = threading.Thread(target=self.run, name="ds2-scheduler", daemon=True)
         self.thread.start()
@@ -239,26 +249,37 @@ class Scheduler:
 
     # ---- the scheduler's side ----
     def run(self) -> None:
-        """The scheduler: admit, run one pass, deliver; forever (a daemon thread)."""
+        """The scheduler: admit, run one pass, deliver; forever (a daemon thread). Pipelined
+        (depth > 1): send a micro-batch's pass while fewer than `depth` are under way, else
+        take the oldest's tokens."""
         while True:
             try:
                 with self.cond:
-                    if self.closing and not self.batch and not self.waiting_line:
+                    if self.closing and not self.batch and not self.waiting_line and not self.flying:
                         return                      # closed and idle: nothing can come any more
                     self.admit_waiting()
                     self.drop_cancelled()
                     if self.aborting.is_set():
-                        for request in list(self.batch):
+                        for request in [r for r in self.batch if not self.in_flight(r)]:
                             self.deliver(request, request.gen.finish([], ABORTED))
                     plan = self.plan()
-                    if not plan:
+                    if not plan and not self.flying:
                         self.cond.wait(0.25 if not self.batch else 0.01)
                         continue
-                self.run_pass(plan)
+                if self.depth == 1:
+                    self.run_pass(plan)
+                elif plan and len(self.flying) < self.depth:
+                    self.start_pass(plan)
+                else:
+                    self.finish_pass(*self.flying.pop(0))
             except Exception as e:  # a bug of the scheduler's own: no request may wait forever on it
                 with self.cond:
+                    self.flying.clear()
                     for request in list(self.batch):
                         self.fail(request, e)
+
+    def in_flight(self, request: Request) -> bool:
+        return any(request in plan for plan, _ in self.flying)
 
     def admit_waiting(self) -> None:
         """Give free slots to waiting requests, first come first served (closing: send them away)."""
@@ -347,7 +368,7 @@ class Scheduler:
                 request.outcome.cached = n
 
     def drop_cancelled(self) -> None:
-        for request in [r for r in self.batch if r.cancelled]:
+        for request in [r for r in self.batch if r.cancelled and not self.in_flight(r)]:
             self.leave(request)
 
     def plan(self) -> list[Request]:
@@ -356,8 +377,11 @@ class Scheduler:
         comes after at most one chunk of any long prompt), except every STARVE_EVERY-th chunk,
         which goes to the prompt that has waited longest (a stream of short prompts never
         starves a long one)."""
-        decoding = [r for r in self.batch if not r.gen.pending and r.backlog() < BACKLOG]
-        prefilling = [r for r in self.batch if r.gen.pending]
+        ready = [r for r in self.batch if not self.in_flight(r)] if self.flying else self.batch
+        decoding = [r for r in ready if not r.gen.pending and r.backlog() < BACKLOG]
+        prefilling = [r for r in ready if r.gen.pending]
+        if self.depth > 1:          # a micro-batch: the running requests shared among the stages
+            decoding = decoding[:-(-len(self.batch) // self.depth)]
         if not prefilling:
             return decoding
         self.chunks_run += 1
@@ -382,6 +406,36 @@ class Scheduler:
                 for r in plan:
                     self.fail(r, e)
             return
+        self.take(plan, logits)
+
+    def start_pass(self, plan: list[Request]) -> None:
+        """A micro-batch's pass sent, not waited for (pipelined); a chunk as run_pass's, counted
+        by the requests running rather than this micro-batch's."""
+        chunk = self.prefill_chunk if len(self.batch) > 1 else max(self.prefill_chunk, ALONE_CHUNK)
+        steps = [r.gen.step(chunk if r.gen.pending else None) for r in plan]
+        try:
+            wait = self.model.start_batch(steps)
+        except Exception as e:
+            with self.cond:
+                for r in plan:
+                    self.fail(r, e)
+            return
+        self.flying.append((plan, wait))
+        self.most_flying = max(self.most_flying, len(self.flying))
+
+    def finish_pass(self, plan: list[Request], wait: Callable) -> None:
+        """The oldest pass under way waited for, and its tokens delivered."""
+        try:
+            with np.errstate(all="ignore"):
+                logits = wait()
+        except Exception as e:
+            with self.cond:
+                for r in plan:
+                    self.fail(r, e)
+            return
+        self.take(plan, logits)
+
+    def take(self, plan: list[Request], logits: list) -> None:
         self.steps += 1
         with self.cond:
             for r, rows in zip(plan, logits):

@@ -91,7 +91,7 @@ def prepare_attention(t: dict, cfg: DeepseekV2Config) -> dict:
 
 
 def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None = None,
-              routed: bool = True) -> tuple[dict, dict]:
+              experts: range | None = None) -> tuple[dict, dict]:
     """Layer i's fused MLP arrays, preallocated, and where each checkpoint tensor goes in them.
 
     gate_proj fills the first half of a (2I, D) gate_up matrix and up_proj the second, so one
@@ -99,8 +99,8 @@ def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None 
     tensor is converted to float32 straight into its slot: no per-layer float32 copy of the
     experts exists beside the stacked arrays, which keeps the load's peak memory near the
     weights' own size. With qc, the routed experts' stacks are qcheckpoint.ExpertStacks, which
-    quantize each expert once it is read: their float32 stacks never exist. Without `routed`,
-    the routed experts have no slots (streamed from the file instead: weights/streaming.py)."""
+    quantize each expert once it is read: their float32 stacks never exist. `experts`: only those
+    routed experts, stacked from 0 (a node of a cluster spread by experts; empty: none)."""
     D, w, slots = cfg.hidden_size, {}, {}
 
     def stack(key: str, shape: tuple[int, int, int]):
@@ -117,12 +117,13 @@ def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None 
         w.update(gate_up=np.empty((2 * inter, D), np.float32), down_proj=np.empty((D, inter), np.float32))
         fuse("", "gate_up", "down_proj", inter)
         return w, slots
-    E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-    if routed:
+    experts = range(cfg.n_routed_experts) if experts is None else experts
+    E, inter = len(experts), cfg.moe_intermediate_size
+    if E:
         w.update(experts_gate_up=stack("experts_gate_up", (E, 2 * inter, D)),
                  experts_down=stack("experts_down", (E, D, inter)))
-        for e in range(E):
-            fuse(f"experts.{e}.", "experts_gate_up", "experts_down", inter, (e,))
+    for e in experts:
+        fuse(f"experts.{e}.", "experts_gate_up", "experts_down", inter, (e - experts.start,))
     if cfg.n_shared_experts:
         shared = inter * cfg.n_shared_experts
         w.update(shared_gate_up=np.empty((2 * shared, D), np.float32),
@@ -163,14 +164,42 @@ def expert_of(name: str, prefix: str) -> int:
     return -1
 
 
-def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
-               qc: qcheckpoint.QuantConfig | None = None, routed: bool = True) -> Layer:
-    """Layer i, prepared, in float32; with qc its routed experts already in qc's formats (the
-    rest is for qcheckpoint.quantize_layer); without `routed`, without its routed experts."""
+def kept_names(names: list[str], i: int, experts: range | None, only_experts: bool = False) -> list[str]:
+    """Layer i's tensor names but the routed experts outside `experts` (None: all of them);
+    `only_experts`: the routed experts in `experts` alone."""
     prefix = f"model.layers.{i}."
-    mlp, slots = mlp_slots(cfg, i, qc, routed)
-    if not routed:
-        names = [n for n in names if expert_of(n, prefix) < 0]
+    if experts is None and not only_experts:
+        return names
+    out = []
+    for n in names:
+        e = expert_of(n, prefix)
+        if (e >= 0 and (experts is None or e in experts)) or (e < 0 and not only_experts):
+            out.append(n)
+    return out
+
+
+def load_routed(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
+                qc: qcheckpoint.QuantConfig | None, experts: range) -> Layer:
+    """Only MoE layer i's routed experts `experts` (stacked from 0), in qc's formats: what a node
+    of a cluster spread by experts holds of a layer outside its range."""
+    mlp, slots = mlp_slots(cfg, i, qc, experts)
+    prefix = f"model.layers.{i}."
+    for name, array in read_tensors(tensors, sorted(kept_names(names, i, experts, True),
+                                                    key=lambda n: expert_of(n, prefix))):
+        dst, index = slots[strip(name, prefix)]
+        dst[index] = array
+    mlp = {k: w.finish() if isinstance(w, qcheckpoint.ExpertStack) else w for k, w in mlp.items()
+           if k.startswith("experts_")}
+    return Layer(None, Attention(), None, MoE(**{k: qcheckpoint.as_stored_weight("mlp", k, w) for k, w in mlp.items()}))
+
+
+def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
+               qc: qcheckpoint.QuantConfig | None = None, experts: range | None = None) -> Layer:
+    """Layer i, prepared, in float32; with qc its routed experts already in qc's formats (the
+    rest is for qcheckpoint.quantize_layer). `experts`: only those routed experts (mlp_slots)."""
+    prefix = f"model.layers.{i}."
+    mlp, slots = mlp_slots(cfg, i, qc, experts)
+    names = kept_names(names, i, experts)
     t = {}
     # an expert's tensors together, so each one is complete (and quantized) soon after it starts
     # (a GGUF lists all experts' gate slabs, then all up slabs)
@@ -214,20 +243,22 @@ def load_top(tensors, cfg: DeepseekV2Config, qc: qcheckpoint.QuantConfig | None 
 
 def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | None = None,
                  qc: qcheckpoint.QuantConfig | None = None, tensors: dict | None = None,
-                 layers: range | None = None, routed: bool = True) -> dict:
+                 layers: range | None = None, experts: range | None = None) -> dict:
     """A Hugging Face checkpoint's weights, prepared; with qc, each layer is quantized as soon as
     it is loaded, so only one layer ever exists in float32. `tensors`: the validated headers.
     With `layers`, only those decoder layers (the others None) and the top weights they need;
-    without `routed`, no routed experts (a streamed GGUF's: weights/streaming.py)."""
+    with `experts`, only those routed experts of every MoE layer, which the layers outside
+    `layers` then hold alone (a node of a cluster spread by experts)."""
     tensors = checkpoint.validate(cfg, model_dir) if tensors is None else tensors
     wanted = range(cfg.num_hidden_layers) if layers is None else layers
     top = load_top(tensors, cfg, qc, qcheckpoint.top_needed(cfg, wanted))
     layers = []
     for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
         if i not in wanted:
-            layers.append(None)
+            routed = experts is not None and len(experts) and cfg.is_moe_layer(i)
+            layers.append(load_routed(tensors, names, cfg, i, qc, experts) if routed else None)
             continue
-        layer = load_layer(tensors, names, cfg, i, qc, routed)
+        layer = load_layer(tensors, names, cfg, i, qc, experts)
         layers.append(qcheckpoint.quantize_layer(layer, qc) if qc else layer)
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
@@ -237,7 +268,7 @@ def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | No
 def load(path: str | Path | Source | None = None, progress: Progress | None = None,
          quantize: int | str | None = None, context: int | None = None, memory_check: bool = True,
          executor: Executor | None = None, layers: range | None = None,
-         memory_budget: int | None = None) -> Model:
+         memory_budget: int | None = None, experts: range | None = None) -> Model:
     """Load a model (default: the bundled ds2-tiny): a path, or a Source that source.open_model
     opened (a command reads its config, tokenizer and prompt from that first, then loads from
     the same object). Config, weights with MLA absorption precomputed, tokenizer and
@@ -253,6 +284,8 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     helper processes (parallel/executor.py), which the Model starts once its weights exist.
     `layers`: only that range of decoder layers, and the top weights it needs (a node of a
     cluster computes its range with Model.compute; the memory check is the placement's).
+    `experts`: only those routed experts of every MoE layer, stacked from 0, the layers outside
+    `layers` holding nothing else (a node of a cluster spread by experts: cluster/experts.py).
     `memory_budget` (bytes): the routed experts of a low-bit checkpoint or a Q8_0 GGUF streamed
     from disk into a cache that, with everything else, fits the budget (weights/streaming.py)."""
     source = open_model(path)
@@ -270,9 +303,9 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
         streamable = source.gguf is not None and source.gguf.stream_problem(qc) is None
         memory.check(cfg, model_dir, stored, quantize, context, recipe=recipe, streamable=streamable)
     if stored is not None:
-        weights = qcheckpoint.load_weights(cfg, stored, tensors, progress, layers)
-    else:
-        weights = load_weights(model_dir, cfg, progress, qc, tensors, layers, routed=plan is None)
+        weights = qcheckpoint.load_weights(cfg, stored, tensors, progress, layers, experts)
+    else:      # a streamed GGUF's routed experts are read from the file as they are needed
+        weights = load_weights(model_dir, cfg, progress, qc, tensors, layers, experts if plan is None else range(0))
     if plan is not None:
         experts = source.gguf.streamed_experts(qc) if source.gguf else streaming.StoredExperts(cfg, stored, tensors)
         executor = streaming.StreamingExecutor(streaming.streamed_weights(weights, cfg, experts, plan["slots"]))

@@ -101,12 +101,16 @@ def staging_bytes(cfg: DeepseekV2Config, i: int, qc: QuantConfig | None) -> int:
 
 
 def required(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None,
-             quantize_at_load: bool = False, layers: range | None = None) -> dict:
+             quantize_at_load: bool = False, layers: range | None = None, experts: range | None = None) -> dict:
     """The bytes a loaded model holds, by part; with `layers`, the bytes a process holding only
-    that range of decoder layers holds (a node of a cluster: cluster/placement.py)."""
+    that range of decoder layers holds (a node of a cluster: cluster/placement.py); with
+    `experts`, of the routed experts only those of every MoE layer, whatever `layers` is (a node
+    of a cluster spread by experts)."""
     context = min(cfg.max_position_embeddings, DEFAULT_CONTEXT) if context is None else context
     layers = range(cfg.num_hidden_layers) if layers is None else layers
     weights = weight_bytes(cfg, qc, layers)
+    if experts is not None:
+        weights += routed_share(cfg, qc, experts) - sum(routed_bytes(cfg, qc, range(i, i + 1)) for i in layers)
     staging = max((staging_bytes(cfg, i, qc) for i in layers), default=0) if quantize_at_load else 0
     margin = WORKING_MARGIN_BYTES + int(WORKING_MARGIN_FRACTION * weights) + staging
     cache = cache_bytes(cfg, context, len(layers))
@@ -115,14 +119,20 @@ def required(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None,
             "total": weights + cache + working + margin}
 
 
-def routed_bytes(cfg: DeepseekV2Config, qc: QuantConfig | None) -> int:
-    """Bytes of every MoE layer's routed experts: what --memory-budget streams from disk."""
+def routed_bytes(cfg: DeepseekV2Config, qc: QuantConfig | None, layers: range | None = None) -> int:
+    """Bytes of every MoE layer's routed experts (of those in `layers`): what --memory-budget
+    streams from disk."""
     total = 0
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers) if layers is None else layers:
         if cfg.is_moe_layer(i):
             shapes = qcheckpoint.layer_shapes(cfg, i)
             total += sum(matrix_bytes(qc, "mlp", k, shapes["mlp", k]) for k in ("experts_gate_up", "experts_down"))
     return total
+
+
+def routed_share(cfg: DeepseekV2Config, qc: QuantConfig | None, experts: range) -> int:
+    """Bytes of the routed experts `experts` of every MoE layer (every expert is the same size)."""
+    return routed_bytes(cfg, qc) * len(experts) // max(1, cfg.n_routed_experts or 1)
 
 
 def streamed(cfg: DeepseekV2Config, qc: QuantConfig, context: int | None, budget: int) -> dict:

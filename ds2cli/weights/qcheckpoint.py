@@ -281,30 +281,37 @@ def problems(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict[str, checkpoi
 # ---- loading: views of the mapped files ----
 
 def load_weights(cfg: DeepseekV2Config, qc: QuantConfig, tensors: dict, progress: Callable | None = None,
-                 layers: range | None = None) -> dict:
+                 layers: range | None = None, experts: range | None = None) -> dict:
     """The stored weights memory-mapped; with `layers`, only those decoder layers (the others
-    None) and only the top weights they need (top_needed)."""
+    None) and only the top weights they need (top_needed); with `experts`, only those routed
+    experts of every MoE layer (views of their rows, stacked from 0), which the layers outside
+    `layers` then hold alone (a node of a cluster spread by experts)."""
     mapped = Mapped()
     layers_wanted = range(cfg.num_hidden_layers) if layers is None else layers
     needed = top_needed(cfg, layers_wanted)
+    routed = ("experts_gate_up", "experts_down")
 
     def build(layer: int | None, part: str, key: str, shape: tuple[int, ...]):
         name = stored_name(layer, part, key)
         f = format_for(qc, part, key, shape)
+        rows = slice(experts.start, experts.stop) if experts is not None and key in routed else slice(None)
         if f is not None:
-            return f(mapped.array(tensors[name + ".qweight"]), mapped.array(tensors[name + ".scales"]))
-        return as_stored_weight(part, key, mapped.array(tensors[name + ".weight"]))
+            return f(mapped.array(tensors[name + ".qweight"])[rows], mapped.array(tensors[name + ".scales"])[rows])
+        return as_stored_weight(part, key, mapped.array(tensors[name + ".weight"])[rows])
 
     top = {key: build(None, part, key, shape) for (part, key), shape in top_shapes(cfg).items() if key in needed}
     layers = []
     for i in range(cfg.num_hidden_layers):
-        if i not in layers_wanted:
+        own = i in layers_wanted
+        if not own and not (experts is not None and len(experts) and cfg.is_moe_layer(i)):
             layers.append(None)
             continue
         parts = {"attn": new_part("attn", cfg.is_moe_layer(i)), "mlp": new_part("mlp", cfg.is_moe_layer(i)), "": {}}
         for (part, key), shape in layer_shapes(cfg, i).items():
+            if key in routed and experts is not None and not len(experts) or not own and key not in routed:
+                continue
             parts[part][key] = build(i, part, key, shape)
-        layers.append(Layer(parts[""]["input_layernorm"], parts["attn"], parts[""]["post_attention_layernorm"],
+        layers.append(Layer(parts[""].get("input_layernorm"), parts["attn"], parts[""].get("post_attention_layernorm"),
                             parts["mlp"]))
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
@@ -316,6 +323,8 @@ def top_needed(cfg: DeepseekV2Config, layers: range) -> set[str]:
     """The top weights a range of decoder layers computes with: the embedding before layer 0,
     the final norm and the head after the last (a tied head is the embedding)."""
     needed = set()
+    if not len(layers):
+        return needed
     if layers.start == 0:
         needed.add("embed_tokens")
     if layers.stop == cfg.num_hidden_layers:

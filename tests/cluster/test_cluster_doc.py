@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 PAGE = Path(__file__).parents[2] / "docs" / "cluster.md"
 PAGE_ADDRESS = "192.168.1.10:6379"
-STAGE_LINE = re.compile(r"^  \S+ \([0-9a-f]{8}\): layers \d+-\d+( \+ [a-z, ]+)?, weights [\d.]+ [MG]B, cache [\d.]+ [MG]B "
+STAGE_LINE = re.compile(r"^  \S+ \([0-9a-f]{8}\): (layers \d+-\d+( \+ [a-z, ]+)?|no layers)"
+                        r"(, experts \d+-\d+ of each MoE layer|, no experts)?, weights [\d.]+ [MG]B, cache [\d.]+ [MG]B "
                         r"at \d+ tokens, needs [\d.]+ [MG]B of [\d.]+ [MG]B, \d+ CPUs$")
 
 
@@ -28,8 +29,9 @@ def blocks() -> list[list[str]]:
 
 
 def test_the_page_marks_its_ray_and_ds2_commands():
-    starts, ds2 = blocks()
-    assert all(c.startswith("ray start") for c in starts) and all(c.startswith("ds2 ") for c in ds2)
+    starts, *ds2 = blocks()
+    assert all(c.startswith("ray start") for c in starts) and all(c.startswith("ds2 ") for b in ds2 for c in b)
+    assert any("--ray-spread experts" in c for b in ds2 for c in b)
 
 
 def test_the_ray_start_lines_use_options_ray_start_has(cluster):
@@ -42,7 +44,7 @@ def test_the_ray_start_lines_use_options_ray_start_has(cluster):
 
 
 def test_the_ds2_lines_run_against_a_local_cluster_as_shown(cluster):
-    for command in blocks()[1]:
+    for command in [c for b in blocks()[1:] for c in b]:
         args = shlex.split(command.replace(PAGE_ADDRESS, ADDRESS))[1:]
         if "-m" in args:                          # the page's model: the bundled one here
             i = args.index("-m")
@@ -55,7 +57,10 @@ def test_the_ds2_lines_run_against_a_local_cluster_as_shown(cluster):
         lines = shown.splitlines()
         at = next(i for i, line in enumerate(lines) if line.startswith("placement of "))
         assert all(STAGE_LINE.match(line) for line in lines[at + 1:at + 3]), lines[at:at + 3]
+        if "--ray-spread" in args:
+            assert lines[at].endswith("by experts:") and all(" experts " in line for line in lines[at + 1:at + 3])
         if args[0] == "chat":
             assert r.stdout.strip() == "451 - 123 = 328."
-    page_lines = [line for line in PAGE.read_text().splitlines() if line.startswith("     192.168")]
-    assert page_lines and all(STAGE_LINE.match(line[3:]) for line in page_lines)
+    page_lines = ["  " + line.strip() for line in PAGE.read_text().splitlines() if line.strip().startswith("192.168.1.")
+                  and "): " in line]
+    assert len(page_lines) >= 4 and all(STAGE_LINE.match(line) for line in page_lines), page_lines

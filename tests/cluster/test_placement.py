@@ -65,3 +65,38 @@ def test_a_node_with_a_problem_or_another_version_is_named():
     assert str(e.value) == ("node 10.0.0.2 (bbbbbbbb): cannot read the model at /m: gone; "
                             "node 10.0.0.3 (cccccccc) runs ds2 0.0.9, the driver 0.1.0; "
                             "node 10.0.0.4 (dddddddd) runs Ray 2.59.0, the driver 2.60.0")
+
+
+def test_by_experts_each_node_holds_a_contiguous_share_of_every_moe_layers_experts():
+    from ds2cli.cluster.placement import plan_experts
+    p = plan_experts(LITE, Q4, 2048, nodes(4, 12))
+    small, big = p.stages
+    assert small.experts.start == 0 and small.experts.stop == big.experts.start and big.experts.stop == 64
+    assert len(small.experts) < len(big.experts) and len(small.layers) < len(big.layers)
+    assert small.layers.start == 0 and small.layers.stop == big.layers.start and big.layers.stop == 27
+    for s in p.stages:
+        assert s.need == memory.required(LITE, Q4, 2048, False, s.layers, s.experts)
+        assert s.need["total"] <= s.node.available
+    # the nodes' shares add up to the whole model's weights (an expert's bytes rounded down)
+    alone = memory.required(LITE, Q4, 2048)["weights"]
+    assert abs(small.need["weights"] + big.need["weights"] - alone) < 1000
+    assert "experts 0-" in small.describe(27) and "of each MoE layer" in big.describe(27)
+    assert p.to_json()[1]["last_expert"] == 63 and p.spread == "experts"
+
+
+def test_by_experts_a_node_holds_only_its_share_of_the_experts():
+    from ds2cli.cluster.placement import plan_experts
+    whole = memory.required(LITE, Q4, 2048)["weights"]
+    routed = memory.routed_bytes(LITE, Q4)
+    stages = plan_experts(LITE, Q4, 2048, nodes(6, 6, 6, 6)).stages
+    assert [len(s.experts) for s in stages] == [16] * 4
+    assert all(s.need["weights"] < whole - routed * 3 // 4 + 1 for s in stages)
+
+
+def test_by_experts_refuses_a_model_without_experts_and_nodes_too_small():
+    from ds2cli.cluster.placement import plan_experts
+    dense = DeepseekV2Config.from_dict({**lite_config(4), "n_routed_experts": None, "first_k_dense_replace": 4})
+    with pytest.raises(PlacementError, match="no routed experts to spread: use --ray-spread layers"):
+        plan_experts(dense, None, 2048, nodes(6, 6))
+    with pytest.raises(PlacementError, match="cannot hold the model spread by experts: 10.0.0.1 .* would need"):
+        plan_experts(LITE, Q4, 2048, nodes(2, 2))

@@ -159,3 +159,33 @@ def test_ignore_eos_runs_to_max_tokens(model):
     with scheduler.admit([job(model, max_tokens=40)], lambda: False) as admitted:
         assert [c for _, c in admitted.chunks][-1].finish_reason == "eos"     # it answers in fewer
     scheduler.close()
+
+
+class Deferred(ds2cli.model.executor.Executor):
+    """Passes that run only when waited for, two under way at once: how a cluster's stages by
+    layers look to the scheduler (cluster/ray_cluster.py's start_pass)."""
+
+    def pipeline_depth(self) -> int:
+        return 2
+
+    def start_pass(self, model, p):
+        return lambda: self.run_pass(model, p)
+
+
+@pytest.mark.slow
+def test_pipelined_micro_batches_give_each_request_the_same_text(model):
+    prompts = ["What is 451 - 123?", "What is 12 + 30?", "What is 7 * 6?", "What is 100 - 1?"]
+
+    def jobs(m):
+        return [Job(True, m.tokenizer.encode(f"User: {q}\n\nAssistant:"), SamplingParams(temperature=0), 12, (),
+                    False, False, index=i) for i, q in enumerate(prompts)]
+    plain = Scheduler(model, 256, 64 << 20, max_queue=8, parallel=4)
+    want, _ = answer(plain, jobs(model))
+    plain.close()
+    piped = ds2cli.load(bundled_model_dir(), executor=Deferred())
+    scheduler = Scheduler(piped, 256, 64 << 20, max_queue=8, parallel=4)
+    assert scheduler.depth == 2
+    got, _ = answer(scheduler, jobs(piped))
+    assert got == want and want[0].strip().startswith("451 - 123 = 3")
+    assert scheduler.most_flying == 2          # two micro-batches were under way at once
+    scheduler.close()

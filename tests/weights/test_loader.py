@@ -71,3 +71,36 @@ def test_bfloat16_read_from_bits_equals_ml_dtypes_values(tmp_path):
     assert got["w"].dtype == np.float32 and np.array_equal(got["w"], stored.astype(np.float32))
     assert np.array_equal(got["b"], np.ones(3, np.float32))
     assert np.array_equal(bfloat16_bits(x), stored.view(np.uint16))     # rounds as ml_dtypes does
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["float", "quantized at load", "q4"])
+def test_a_range_of_experts_loads_those_experts_of_every_moe_layer_alone(where, q4):
+    """load(experts=...): a node of a cluster spread by experts holds those routed experts of
+    every MoE layer (stacked from 0, the same values as the whole model's), and of the layers
+    outside its range nothing else."""
+    path = q4 if where == "q4" else bundled_model_dir()
+    quantize = 8 if where == "quantized at load" else None
+    whole = ds2cli.load(path, quantize=quantize, memory_check=False)
+    cfg = whole.config
+    E = cfg.n_routed_experts
+    part = ds2cli.load(path, quantize=quantize, memory_check=False, layers=range(0, 1), experts=range(E // 2, E))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, cfg.hidden_size)).astype(np.float32)
+    for i in range(cfg.num_hidden_layers):
+        layer = part.layers[i]
+        if not cfg.is_moe_layer(i):
+            assert layer is None or i == 0
+            continue
+        mlp = layer.mlp
+        assert len(mlp.experts_down) == E - E // 2
+        for e in (E // 2, E - 1):
+            got = mlp.experts_gate_up[e - E // 2].matmul(x)
+            assert np.array_equal(got, whole.layers[i].mlp.experts_gate_up[e].matmul(x))
+        if i != 0:
+            assert not layer.self_attn.keys() and mlp.gate is None and mlp.shared_gate_up is None
+    # no experts at all: the layers' other weights alone
+    bare = ds2cli.load(path, quantize=quantize, memory_check=False, layers=range(0, 2), experts=range(0))
+    assert all(layer.mlp.experts_gate_up is None and layer.self_attn.keys() for layer in bare.layers[:2]
+               if layer.is_moe)
+    assert all(layer is None for layer in bare.layers[2:])

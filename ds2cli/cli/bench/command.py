@@ -20,7 +20,8 @@ from ds2cli.cli.bench.settings import BenchError, cache_tokens, check_settings, 
 from ds2cli.cli.bench.synthetic import DEFAULT_LAYERS, LITE_LAYERS, lite_config, synthetic_model, synthetic_path
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights.source import bundled_model_dir, open_model
-from ds2cli.cli.options import budget_size, model_option, ray_option, thread_limits, threads_option
+from ds2cli.cli.options import (budget_size, check_spread, model_option, ray_option, ray_spread_option,
+                                thread_limits, threads_option)
 from ds2cli.weights.qcheckpoint import QuantConfig
 
 
@@ -106,13 +107,14 @@ def fit_defaults(cfg: DeepseekV2Config, prompt_lengths: list[int], contexts: lis
                    "the router and the Python between them, summed to the step's time.")
 @threads_option
 @ray_option
+@ray_spread_option
 @click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
               help="Stream a low-bit checkpoint's routed experts from disk within SIZE (as generate's); "
                    "decode rows then say the bytes read a token, the read rate and the cache's hit rates.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with every figure instead of the table.")
 def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contexts, decode_steps, passes,
-          compare_hf, quantize, formats, profile, ray, memory_budget, as_json):
+          compare_hf, quantize, formats, profile, ray, ray_spread, memory_budget, as_json):
     """Measure load, prefill and decode speed, and compare them with what this machine's memory
     bandwidth and float32 GEMM can do.
 
@@ -124,6 +126,7 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
         raise BenchError("--layers sets the depth of the synthetic checkpoint; it cannot be used with --model")
     if formats and (quantize or compare_hf):
         raise click.UsageError("--formats runs each format itself; it cannot be combined with --quantize or --compare-hf")
+    spread = check_spread(ray, ray_spread)
     if ray is not None and (formats or compare_hf or profile):
         raise click.UsageError("--ray times prefill and decode over the cluster; it cannot be combined with "
                                "--formats, --compare-hf or --profile")
@@ -152,7 +155,8 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
     with thread_limits(threads):
         if ray is not None:
             report = run_cluster_bench(source if model_dir is not None else open_model(path), ray, repeats,
-                                       prompt_lengths, contexts, decode_steps, int(quantize) if quantize else None)
+                                       prompt_lengths, contexts, decode_steps, int(quantize) if quantize else None,
+                                       spread)
         elif formats:
             report = compare_formats(path, bench_dir, formats, repeats, prompt_lengths, contexts, decode_steps,
                                      threads)
