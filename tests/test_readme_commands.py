@@ -247,11 +247,11 @@ class Machine:
         self.reached: list[tuple[Path, object]] = []
         real_load_weights = loader.load_weights
 
-        def load_weights(model_dir, cfg, progress=None, qc=None, tensors=None, layers=None, **rest):
+        def load_weights(model_dir, cfg, progress=None, qc=None, *rest, **named):
             if Path(model_dir).resolve() in self.float_dirs:
                 self.reached.append((Path(model_dir), qc))
                 raise WeightsReached(model_dir)
-            return real_load_weights(model_dir, cfg, progress, qc, tensors, layers, **rest)
+            return real_load_weights(model_dir, cfg, progress, qc, *rest, **named)
         monkeypatch.setattr(loader, "load_weights", load_weights)
         monkeypatch.setattr(quantize, "write_all", write_headers_only)
         monkeypatch.chdir(self.cwd)
