@@ -43,6 +43,8 @@ class Workers:
         self.using = self.n              # the cores this pass uses: n, or fewer while other programs
                                          # keep some busy (load.py, read as each forward pass starts)
         self.load = Load()
+        self.blas_set = None             # BLAS threads blas_follow set (None: BLAS's own count,
+        self.blas_own = None             # which this keeps to restore)
         self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
         self.local = threading.local()   # .inside: this thread already runs one of several parts
         self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (forward_pass)
@@ -61,6 +63,18 @@ class Workers:
         """How many parts to split work into here: one inside a part (which runs on its core
         alone, so more parts would only add calls), else one a core this pass uses."""
         return 1 if self.inside else min(self.n, self.using)
+
+    def blas_follow(self) -> None:
+        """BLAS's threads follow the cores this pass uses (a float32 pass's products are BLAS
+        calls): set when that changes, BLAS's own count again once every core is free."""
+        want = None if self.using >= self.n else self.using
+        if want == self.blas_set:
+            return
+        if self.blas_own is None:
+            self.blas_own = [c.num_threads for c in blas_controllers()]
+        for c, own in zip(blas_controllers(), self.blas_own):
+            c.set_num_threads(own if want is None else want)
+        self.blas_set = want
 
     def run(self, fn, spans: list[tuple[int, int]]) -> None:
         """fn(start, stop) over each span, shared between this thread and the pool (`share`).
@@ -200,18 +214,23 @@ def use_workers(pool: Workers) -> None:
 
 @contextlib.contextmanager
 def forward_pass(low_bit: bool, tokens: int):
-    """What a forward pass of `tokens` tokens runs in. Over low-bit weights: BLAS held at one
+    """What a forward pass of `tokens` tokens runs in: the cores other programs leave free
+    counted first (load.py), float32's BLAS threads held to them. Over low-bit weights: BLAS held at one
     thread throughout, and a pass of at most FEW_TOKENS tokens marked as one whose products the
     helper processes share. OpenBLAS's idle threads keep spinning for a while after each call,
     and a spinning BLAS thread takes a core from the low-bit kernels' own threads (the figures:
     docs/performance.md, "Why the constants are what they are")."""
     pool = workers()
-    if not low_bit or pool.n < 2:
+    if pool.n < 2:
+        yield
+        return
+    pool.using = pool.load.free(pool.n, pool.helpers.pids() if pool.helpers is not None else ())
+    if not low_bit:             # float32 products: BLAS's own threads, as many as the cores free
+        pool.blas_follow()
         yield
         return
     few = tokens <= FEW_TOKENS
     pool.helpers_on = pool.helpers is not None and pool.helpers.wanted()
-    pool.using = pool.load.free(pool.n, pool.helpers.pids() if pool.helpers is not None else ())
     with blas_threads(1):
         pool.held += 1
         pool.few += few

@@ -28,6 +28,7 @@ class Load:
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.others: float | None = None      # cores other programs keep busy (smoothed)
         self.last: tuple[float, int, int] | None = None     # (time, CPUs' busy ticks, ours)
+        self.read(time.perf_counter(), ())   # the first window starts now (the model loads meanwhile)
 
     def free(self, most: int, own_pids=()) -> int:
         """How many cores to use now: at least 1, at most `most`, one for each allowed core that
