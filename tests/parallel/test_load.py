@@ -32,11 +32,10 @@ def test_the_cores_used_are_those_others_leave(monkeypatch):
     process's, over the last reading's window; the count is at least 1 and at most `most`."""
     clock = iter(np.arange(0.0, 10.0, 0.2))
     monkeypatch.setattr(load.time, "perf_counter", lambda: next(clock))
-    machine = load.Load({0, 1})
-    machine.tick = 100
+    monkeypatch.setattr(load.os, "sysconf", lambda name: 100)
     # windows of 0.2 s = 20 ticks a CPU: ours 20 (one core), others 0, 20, 40, 40, then 4
     Readings(monkeypatch, busy=[0, 20, 60, 120, 180, 204], ours=[0, 20, 40, 60, 80, 100, 120])
-    assert machine.free(8) == 8                      # nothing read yet: every core
+    machine = load.Load({0, 1})                      # the first window starts here
     assert machine.free(8) == 2 and machine.others == 0
     assert machine.free(8) == 1                      # one core busy elsewhere (smoothed: 0.5)
     assert machine.free(8) == 1                      # two: never below one
@@ -50,6 +49,13 @@ def test_no_proc_means_every_core(monkeypatch):
     monkeypatch.setattr(load, "cpus_busy", lambda cpus: None)
     machine = load.Load({0, 1, 2, 3})
     assert machine.free(3) == 3 and machine.free(3) == 3
+
+
+def test_before_a_window_has_passed_every_core_counts(monkeypatch):
+    """A pass that starts within INTERVAL of the pool's making has no reading yet: all cores."""
+    monkeypatch.setattr(load.time, "perf_counter", lambda: 5.0)
+    machine = load.Load({0, 1, 2, 3})
+    assert machine.others is None and machine.free(3) == 3
 
 
 @contextlib.contextmanager
