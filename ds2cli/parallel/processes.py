@@ -70,17 +70,17 @@ STATUS = 4                            # a helper's status row: the last plan it 
                                       # 1 while it is parked (`park`)
 GRACE = 2.0                           # a unit a helper took is waited for this many times as long as
                                       # this process takes for as many weights, then run here
-# A plan's units: guided self-scheduling, each unit 1/(UNIT_SPLIT x CUT_PROCESSES) of the
-# plan's work still to cut, so the first are large (few tokens to take) and the last small (the
+# A plan's units: guided self-scheduling, each unit 1/(UNIT_SPLIT x the cores) of the
+# plan's work still to cut (the cores the process may use, `--threads` or its CPUs, not those
+# free at the moment), so the first are large (few tokens to take) and the last small (the
 # processes finish within a small unit of each other), never below UNIT_MIN_VALUES weights (two
 # decode row blocks, 2 MB widened) and never across two products (docs/performance.md, "Why the
-# constants are what they are"). The cut depends on the shapes alone, never on how many
-# processes take part nor on the timing, so whoever takes a unit, its rows come out the same
+# constants are what they are"). The cut depends on the shapes and that bound alone, never on
+# how many processes take part nor on the timing, so whoever takes a unit, its rows come out the same
 # bits: a one-token unit's rows are each one dot product with the token, which OpenBLAS's gemv
 # gives as the same bits wherever the cut falls (tests/parallel checks every cut of q8, q4,
 # bf16, q8b); a unit of several tokens is GEMM tiles, the same for the same rows.
 UNIT_SPLIT = 1
-CUT_PROCESSES = 8
 UNIT_MIN_VALUES = 1 << 19
 
 
@@ -343,15 +343,16 @@ class Helpers:
 def cut(plan: list, processes: int = 0) -> tuple[tuple[int, int, int], ...]:
     """A plan's units, (product's row in the plan, a, b), in order; each product's rows a..b
     start at multiples of its alignment. Guided (see UNIT_SPLIT): the plan's weights x tokens
-    still to cut divided by UNIT_SPLIT x CUT_PROCESSES, and at least UNIT_MIN_VALUES weights (so
+    still to cut divided by UNIT_SPLIT x the process's cores (`processes`, default the pool's
+    bound, cores.Workers.n), and at least UNIT_MIN_VALUES weights (so
     a unit of several tokens is as many rows as a one-token one's: a GEMM of few rows is slow)
     and 2/PLAN_UNITS of the plan (so a plan never has more than PLAN_UNITS units: the floors
     give at most PLAN_UNITS / 2, each product's last partial unit one more, PLAN_PRODUCTS in
-    all). The cut depends on the shapes alone, never on the timing nor on the processes taking
-    part (`processes`, for tests, other than CUT_PROCESSES); a decode step's plans repeat their
+    all). The cut depends on the shapes and that bound alone, never on the timing nor on the processes taking
+    part; a decode step's plans repeat their
     shapes every step, so each shape's cut is worked out once (20-30 us a plan of experts)."""
     return cut_shapes(tuple((p.rows, p.row_values, p.align, p.x.size // p.x.shape[-1]) for p in plan),
-                      processes or CUT_PROCESSES)
+                      processes or cores.workers().n)
 
 
 @functools.lru_cache(maxsize=1024)
