@@ -117,11 +117,16 @@ class Helper:
         self.closed = False
         self.sent = 0                # the last plan whose PLAN message it was sent ...
         self.sent_at = 0.0           # ... and when
+        self.clean = 0               # the last plan of its that ended with every unit run by
+                                     # whoever took it (none taken back)
 
     @property
     def idle(self) -> bool:
-        """It has ended every plan it was sent: its memory may be written."""
-        return int(self.status[1]) == self.sent
+        """Its memory may be written: it has ended every plan it was sent, or it started the last
+        one (its PLAN message is read, none waits in the pipe) and that one ended clean, so every
+        unit it took is finished and all it may still do of that plan is find the pipe empty (or
+        a later plan's token, which it puts back)."""
+        return int(self.status[1]) == self.sent or (self.clean == self.sent and int(self.status[0]) == self.sent)
 
 
 class Helpers:
@@ -308,11 +313,12 @@ class Helpers:
         process would take for it, then run the rest here; copy the helpers' rows into place."""
         n, seq = len(units), self.seq
         done = mine.copy()
-        deadline = None
+        deadline, clean = None, False
         while True:
             for h in ready:
                 done |= h.finished[:n] == seq
             if done.all():
+                clean = True             # every unit finished by whoever took it
                 break
             if (u := self.claim()) is not None:        # a token put back by a helper
                 self.run_unit(plan, units, u, mine)
@@ -328,6 +334,7 @@ class Helpers:
                 break
             os.sched_yield()
         for h in ready:
+            h.clean = seq if clean else h.clean
             got = np.flatnonzero((h.finished[:n] == seq) & ~mine).tolist()
             fence()                                      # the marks read before the rows
             for u in got:
