@@ -95,12 +95,13 @@ class Workers:
         """fn(k) for k in range(count), each k run once by whichever of this thread and up to
         lanes - 1 pool threads is free first. This thread waits only for the k's another thread
         has started: a pool thread that the kernel schedules late (another program has its
-        core) finds every k taken and returns, so its work is never waited for. The first
-        exception stops the taking (Ctrl-C) and is raised here once the started k's are done."""
+        core) finds every k taken and returns, so its work is never waited for. An exception
+        stops the taking (Ctrl-C): this thread's own is raised at once, another thread's once
+        the k's started are done."""
         lock = threading.Condition()
         state = {"next": 0, "running": 0, "error": None}
 
-        def lane() -> None:
+        def lane(here: bool = False) -> None:
             while True:
                 with lock:
                     if state["next"] >= count or state["error"] is not None:
@@ -108,20 +109,23 @@ class Workers:
                     k = state["next"]
                     state["next"] += 1
                     state["running"] += 1
-                error = None
                 try:
                     fn(k)
-                except BaseException as e:   # noqa: BLE001 - handed to the calling thread
-                    error = e
+                except BaseException as e:   # noqa: BLE001 - the calling thread's own: raised now
+                    with lock:
+                        state["running"] -= 1
+                        state["error"] = e if state["error"] is None else state["error"]
+                        lock.notify_all()
+                    if here:
+                        raise
+                    return
                 with lock:
                     state["running"] -= 1
-                    if error is not None and state["error"] is None:
-                        state["error"] = error
                     lock.notify_all()
 
         for _ in range(min(lanes, count) - 1):
             self.pool.submit(self.part, lane)
-        self.part(lane)
+        self.part(lane, True)
         with lock:
             while state["running"]:
                 lock.wait()
