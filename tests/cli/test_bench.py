@@ -538,7 +538,7 @@ def test_stored_rows_are_the_weights_own_bytes():
 
 
 @pytest.mark.slow
-def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
+def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch, all_cores):
     """At 8 bits a decode step's products go to the helper processes in plans: the products'
     rows hold this process's share of them (with the kernels' rate), the coordination its own
     row, and the rows still sum to the step."""
