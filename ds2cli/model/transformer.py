@@ -96,13 +96,7 @@ class Model:
         hears of each. An error leaves every cache at the length it had; an interrupt (Ctrl-C,
         SIGTERM) leaves each holding the passes it finished, so that what was read can be kept
         (a chat's session, a prompt cache)."""
-        ids = [self._check_ids(s.ids) for s in steps]
-        if len({id(s.cache) for s in steps}) < len(steps):
-            raise Ds2Error("a forward pass got the same cache twice")
-        for s, t in zip(steps, ids):
-            if s.logits not in ("last", "all", "none"):
-                raise Ds2Error(f"a step's logits must be 'last', 'all' or 'none', not {s.logits!r}")
-            s.cache.check_room(len(t))
+        ids = self._checked_steps(steps)
         total = sum(map(len, ids))
         if total <= PREFILL_CHUNK:
             with self.executor.forward_pass(total):
@@ -143,6 +137,18 @@ class Model:
         return [None if s.logits == "none" else pieces[i][-1] if s.logits == "last" else np.concatenate(pieces[i])
                 for i, s in enumerate(steps)]
 
+    def _checked_steps(self, steps, ids: list | None = None) -> list:
+        """Each step's ids, checked (unless given so), then the steps themselves: distinct
+        caches, a known `logits`, room in each cache."""
+        ids = ids if ids is not None else [self._check_ids(s.ids) for s in steps]
+        if len({id(s.cache) for s in steps}) < len(steps):
+            raise Ds2Error("a forward pass got the same cache twice")
+        for s, t in zip(steps, ids):
+            if s.logits not in ("last", "all", "none"):
+                raise Ds2Error(f"a step's logits must be 'last', 'all' or 'none', not {s.logits!r}")
+            s.cache.check_room(len(t))
+        return ids
+
     def _check_ids(self, token_ids) -> np.ndarray:
         ids = np.asarray(token_ids).reshape(-1)
         if len(ids) == 0:
@@ -166,12 +172,7 @@ class Model:
         if self.executor.pipeline_depth() < 2 or sum(map(len, ids)) > PREFILL_CHUNK:
             out = self.forward_batch(steps)
             return lambda: out
-        if len({id(s.cache) for s in steps}) < len(steps):
-            raise Ds2Error("a forward pass got the same cache twice")
-        for s, t in zip(steps, ids):
-            if s.logits not in ("last", "all", "none"):
-                raise Ds2Error(f"a step's logits must be 'last', 'all' or 'none', not {s.logits!r}")
-            s.cache.check_room(len(t))
+        self._checked_steps(steps, ids)
         p = Pass.of(ids, steps, None)
         wait = self.executor.start_pass(self, p)
         return lambda: self._take(ids, steps, p, wait())
