@@ -9,7 +9,8 @@ attention.py, moe.py and transformer.py are handed an executor (the Model's) and
   spread(fn, items)      [fn(item) for item in items], an item a core
   experts(w, ...)        one MoE layer's routed experts (and shared ones) over their tokens
   run_pass(model, p)     one forward pass (transformer.Pass): its layers where they live,
-                         model.compute(p, layers, x) for each range; `after_layer(i, x)` after each
+                         model.compute(p, layers, x) for each range; `after_attention(i, x)` and
+                         `after_layer(i, x)` in each layer
   start_pass(model, p)   run_pass begun: a call that waits for its logits; pipeline_depth()
                          passes may be under way at once (a cluster's stages, each busy with
                          another pass), 1 where run_pass is all there is
@@ -111,6 +112,10 @@ class Executor:
     def new_cache(self, model, capacity: int):
         cfg = model.config
         return LatentCache(cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+    def after_attention(self, i: int, x: np.ndarray) -> None:
+        """Layer i's attention is added to x, the residual its MLP reads (a streamed run
+        guesses from it what the next layer's experts will be and reads them ahead)."""
 
     def after_layer(self, i: int, x: np.ndarray) -> None:
         """Layer i's output is known (a streamed run reads the next layer's experts ahead)."""

@@ -207,6 +207,7 @@ class Model:
             spans = [Span(r, *c.layer(i), start) for r, c, start in zip(rows, p.caches, p.starts)]
             x = x + mla(ex, rms_norm(x, layer.input_layernorm, eps), layer.self_attn, spans, cos, sin, eps,
                         self.softmax_scale)
+            ex.after_attention(i, x)
             h = rms_norm(x, layer.post_attention_layernorm, eps)
             x = x + (moe(ex, h, layer.mlp, cfg, p.trace) if layer.is_moe else
                      swiglu(ex, h, layer.mlp.gate_up, layer.mlp.down_proj))

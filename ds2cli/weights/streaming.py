@@ -20,6 +20,7 @@ memory made before the helper processes fork, so they multiply by what was read 
 from __future__ import annotations
 
 import collections
+import errno
 import mmap
 import os
 import threading
@@ -37,6 +38,7 @@ from ds2cli.weights import checkpoint, qcheckpoint
 from ds2cli.weights.formats.base import QuantMatrix
 
 KINDS = ("experts_gate_up", "experts_down")
+ALIGN = 4096                        # O_DIRECT reads whole blocks into aligned memory: a page covers every disk
 
 
 class StreamingError(Ds2Error):
@@ -92,6 +94,8 @@ class ExpertCache:
     ds2 low-bit checkpoint; gguf/experts.GGUFExperts, a GGUF's stacked tensors). `stats`: hits,
     misses, reads ahead and those that were used, bytes read from disk."""
 
+    direct = True                   # O_DIRECT where the file system allows it (see docs/performance.md)
+
     def __init__(self, cfg: DeepseekV2Config, source, slots: int):
         self.cfg, self.source, self.slots = cfg, source, slots
         if not source.formats:
@@ -104,63 +108,127 @@ class ExpertCache:
         self.free = list(range(slots - 1, -1, -1))
         self.ahead: set[tuple[int, int]] = set()           # read ahead, not yet used
         self.in_use: dict[tuple[int, int], int] = {}        # being multiplied by: not to be evicted
+        self.filling: dict[tuple[int, int], threading.Event] = {}   # being read into a slot, by whom waits
         self.lock = threading.Lock()
-        self.files: dict = {}
+        self.local = threading.local()                   # each reading thread's aligned buffer
+        self.files: dict = {}                             # path -> (fd, opened with O_DIRECT)
         self.stats = {"hits": 0, "misses": 0, "read_ahead": 0, "read_ahead_used": 0, "bytes_read": 0,
                       "read_seconds": 0.0}
 
     def fd(self, path) -> int:
+        """The file's descriptor, opened once: with O_DIRECT where the file system allows it
+        (`direct`), so a read goes from the disk into the reader's buffer without the page cache."""
         if path not in self.files:
             try:
-                self.files[path] = os.open(path, os.O_RDONLY)
+                self.files[path] = self.open(path)
             except OSError as e:
                 raise StreamingError(f"cannot open {path}: {e.strerror}") from None
         return self.files[path]
 
+    def open(self, path) -> tuple[int, bool]:
+        if self.direct and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:         # EINVAL: this file system has no O_DIRECT
+                    raise
+        return os.open(path, os.O_RDONLY), False
+
     def close(self) -> None:
-        for fd in self.files.values():
+        for fd, _ in self.files.values():
             os.close(fd)
         self.files = {}
 
     def fetch(self, layer: int, experts, ahead: bool = False, use: bool = False) -> list[int]:
         """The slots holding `experts` of `layer`, each read on a miss. `use`: they are being
         multiplied by until `release`, so no other fetch may take their slots meanwhile. A fetch
-        `ahead` (a guess) stops, quietly, where no slot is free to take."""
-        with self.lock:
-            out = []
-            keep = {(layer, int(e)) for e in experts}
-            for e in experts:
-                key = (layer, int(e))
-                slot = self.slot_of.get(key)
-                if slot is not None:
-                    self.slot_of.move_to_end(key)
-                    if not ahead:
-                        self.stats["hits"] += 1
-                        if key in self.ahead:
-                            self.ahead.discard(key)
-                            self.stats["read_ahead_used"] += 1
-                else:
-                    slot = self.take_slot(keep)
-                    if slot is None:
-                        if ahead:
-                            return out
-                        raise StreamingError(f"the expert cache's {self.slots} slots cannot hold "
-                                             f"{len(keep)} experts beside the {len(self.in_use)} in use")
-                    try:
-                        self.read(layer, int(e), slot)
-                    except BaseException:          # a failed or interrupted read: its slot holds nothing
+        `ahead` (a guess) stops, quietly, where no slot is free to take. Reads happen outside
+        the lock, so the computing thread takes what is in the slots while the reader reads; an
+        expert another thread is reading is waited for, never read twice."""
+        out = []
+        keep = {(layer, int(e)) for e in experts}
+        for e in experts:
+            key = (layer, int(e))
+            while True:
+                with self.lock:
+                    slot = self.slot_of.get(key)
+                    filling = self.filling.get(key)
+                    if slot is not None:
+                        self.slot_of.move_to_end(key)
+                        if not ahead:
+                            self.stats["hits"] += 1
+                            if key in self.ahead:
+                                self.ahead.discard(key)
+                                self.stats["read_ahead_used"] += 1
+                        if use:
+                            self.in_use[key] = self.in_use.get(key, 0) + 1
+                        break
+                    if filling is None:
+                        slot = self.take_slot(keep)
+                        if slot is None:
+                            if ahead:
+                                return out
+                            raise StreamingError(f"the expert cache's {self.slots} slots cannot hold "
+                                                 f"{len(keep)} experts beside the {len(self.in_use)} in use")
+                        self.filling[key] = threading.Event()
+                if filling is not None:             # another thread reads it: wait, then look again
+                    filling.wait()
+                    continue
+                try:
+                    seconds = self.read(layer, int(e), slot)
+                except BaseException:              # a failed or interrupted read: its slot holds nothing
+                    with self.lock:
                         self.free.append(slot)
-                        raise
+                        self.filling.pop(key).set()
+                    raise
+                with self.lock:
+                    self.filling.pop(key).set()
                     self.slot_of[key] = slot
+                    self.stats["bytes_read"] += self.source.read_bytes
+                    self.stats["read_seconds"] += seconds
                     if ahead:
                         self.ahead.add(key)
                         self.stats["read_ahead"] += 1
                     else:
                         self.stats["misses"] += 1
-                if use:
-                    self.in_use[key] = self.in_use.get(key, 0) + 1
-                out.append(slot)
-            return out
+                    if use:
+                        self.in_use[key] = self.in_use.get(key, 0) + 1
+                break
+            out.append(slot)
+        return out
+
+    def disk_rate(self, experts: int = 24, threads: int = 1, seed: int = 0) -> float:
+        """Bytes a second the disk gives reading `experts` experts nobody asked for (spread over
+        the layers, `threads` at once) into scratch memory, the way a miss reads them: the rate
+        a streamed run's reads are held against (`ds2 bench --memory-budget`). The slots and
+        their counts are untouched; what was read leaves no page cache (O_DIRECT or dropped)."""
+        rng = np.random.default_rng(seed)
+        layers = sorted({layer for layer, _ in self.source.where})
+        todo = collections.deque((layers[j % len(layers)], int(rng.integers(self.cfg.n_routed_experts))) for j in range(experts))
+        lock, failed = threading.Lock(), []
+
+        def work():
+            scratch = {kind: (np.empty_like(st.qweight[0]), np.empty_like(st.scales[0]))
+                       for kind, st in self.stacks.items()}
+            try:
+                while True:
+                    with lock:
+                        if not todo or failed:
+                            return
+                        layer, e = todo.popleft()
+                    for kind, (qweight, scales) in scratch.items():
+                        self.source.read(layer, e, kind, qweight, scales, self.pread)
+            except BaseException as err:  # noqa: BLE001 - raised below, on the calling thread
+                failed.append(err)
+        t0 = time.perf_counter()
+        pool = [threading.Thread(target=work, name="ds2-disk-rate") for _ in range(max(1, threads))]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        if failed:
+            raise failed[0]
+        return experts * self.source.read_bytes / (time.perf_counter() - t0)
 
     def release(self, layer: int, experts) -> None:
         with self.lock:
@@ -175,39 +243,67 @@ class ExpertCache:
         return (layer, int(e)) in self.slot_of
 
     def take_slot(self, keep: set) -> int | None:
+        """A free slot, or the least recently used one's, never one asked for or in use. Under `lock`."""
         if self.free:
             return self.free.pop()
-        for key in self.slot_of:             # least recently used first, never one asked for or in use
+        for key in self.slot_of:
             if key not in keep and key not in self.in_use:
                 self.ahead.discard(key)
                 return self.slot_of.pop(key)
         return None
 
-    def read(self, layer: int, e: int, slot: int) -> None:
-        """Expert e of `layer` into `slot`, each of its matrices as the source says."""
+    def read(self, layer: int, e: int, slot: int) -> float:
+        """Expert e of `layer` into `slot`, each of its matrices as the source says; the seconds it took."""
         t0 = time.perf_counter()
         for kind, stack in self.stacks.items():
             self.source.read(layer, e, kind, stack.qweight[slot], stack.scales[slot], self.pread)
-        self.stats["read_seconds"] += time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def pread(self, path, at: int, view: np.ndarray, e: int, layer: int) -> None:
-        """`view.nbytes` bytes of `path` from `at` into `view` (uint8), in as few reads as the
-        kernel allows, then their pages dropped from the page cache."""
-        n, got = view.nbytes, 0
-        buf = memoryview(view)
+        """`view.nbytes` bytes of `path` from `at` into `view` (uint8). Opened with O_DIRECT: the
+        whole blocks around them into this thread's aligned buffer, then copied (O_DIRECT reads
+        only aligned blocks into aligned memory); otherwise straight into `view`, in as few reads
+        as the kernel allows, their pages then dropped from the page cache."""
+        n = view.nbytes
         try:
-            fd = self.fd(path)
-            while got < n:
-                k = os.preadv(fd, [buf[got:]], at + got)
-                if k == 0:
-                    raise StreamingError(f"{path} ends before expert {e} of layer {layer} "
-                                         f"(truncated after ds2 opened it?)")
-                got += k
-            os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)
+            fd, direct = self.fd(path)
+            if direct:
+                lo = at - at % ALIGN
+                span = -(-(at + n - lo) // ALIGN) * ALIGN
+                buf = self.bounce(span)
+                got = self.read_into(fd, buf[:span], lo, at + n - lo)
+                if got < at + n - lo:
+                    raise EOFError
+                view[...] = buf[at - lo:at - lo + n]
+            else:
+                if self.read_into(fd, memoryview(view), at, n) < n:
+                    raise EOFError
+                os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)
+        except EOFError:
+            raise StreamingError(f"{path} ends before expert {e} of layer {layer} "
+                                 f"(truncated after ds2 opened it?)") from None
         except OSError as err:
             raise StreamingError(f"cannot read expert {e} of layer {layer} from {path}: "
                                  f"{err.strerror}") from None
-        self.stats["bytes_read"] += n
+
+    @staticmethod
+    def read_into(fd: int, buf, at: int, need: int) -> int:
+        """Read into `buf` from `at` until `need` bytes are in or the file ends; how many came."""
+        buf = memoryview(buf).cast("B")
+        got = 0
+        while got < need:
+            k = os.preadv(fd, [buf[got:]], at + got)
+            if k == 0:
+                break
+            got += k
+        return got
+
+    def bounce(self, n: int) -> np.ndarray:
+        """This thread's page-aligned buffer of at least n bytes (an anonymous mapping)."""
+        buf = getattr(self.local, "buf", None)
+        if buf is None or buf.nbytes < n:
+            buf = self.local.buf = np.frombuffer(mmap.mmap(-1, n), np.uint8)
+        return buf
 
 
 class StreamedStack:
@@ -241,16 +337,18 @@ class StreamingExecutor(CoreExecutor):
     busy while layer i+1 computes; a layer waits only for its own reads."""
 
     AHEAD = 1                       # layers read ahead of the one computing (2 read 30% more, and was slower)
+    READERS = 2                     # threads reading at once (see docs/performance.md)
 
     def __init__(self, cache: ExpertCache):
         super().__init__()
         self.cache = cache
         self.model = None
-        self.queue: collections.deque = collections.deque()   # (layer, experts) to read, in order
-        self.busy: tuple | None = None                        # what the reader reads now
+        self.queue: collections.deque = collections.deque()   # (layer, expert) to read, in order
+        self.busy: list[tuple[int, int]] = []                 # what the readers read now
         self.cond = threading.Condition()
         self.failed: BaseException | None = None
-        self.reader: threading.Thread | None = None
+        self.readers: list[threading.Thread] = []
+        self.reading = 0                                      # reader threads running (or starting)
 
     def start(self, model) -> None:
         self.model = model
@@ -258,11 +356,19 @@ class StreamingExecutor(CoreExecutor):
 
     def stop(self) -> None:
         self.settle()
+        for reader in self.readers:
+            reader.join()
+        self.readers = []
         self.cache.close()
         super().stop()
 
     def stats(self) -> dict:
         return dict(self.cache.stats, slots=self.cache.slots)
+
+    def disk_rate(self) -> float:
+        """Bytes a second the disk gives expert reads alone, as many at once as the readers."""
+        self.settle()
+        return self.cache.disk_rate(threads=self.READERS)
 
     def forward_pass(self, tokens: int):
         self.settle()               # a new pass: the last one's reads ahead are moot
@@ -273,41 +379,44 @@ class StreamingExecutor(CoreExecutor):
         raised there, or it was a guess nobody needed)."""
         with self.cond:
             self.queue.clear()
-            while self.busy is not None:
+            while self.busy:
                 self.cond.wait(timeout=1.0)
             self.failed = None
 
     def read_ahead(self, layer: int, experts) -> None:
-        """Queue `experts` of `layer` for the reader thread (started on first use)."""
+        """Queue `experts` of `layer` for the reader threads (started as there is work for them)."""
         with self.cond:
-            self.queue.append((layer, [int(e) for e in experts]))
-            if self.reader is None or not self.reader.is_alive():
-                self.reader = threading.Thread(target=self.read_queue, name="ds2-read-ahead", daemon=True)
-                self.reader.start()
+            self.queue.extend((layer, int(e)) for e in experts)
+            self.readers = [r for r in self.readers if r.is_alive()]
+            while self.reading < min(self.READERS, len(self.queue) + len(self.busy)):
+                self.reading += 1          # a reader that found the queue empty has said so under cond
+                reader = threading.Thread(target=self.read_queue, name="ds2-read-ahead", daemon=True)
+                self.readers.append(reader)
+                reader.start()
             self.cond.notify_all()
 
     def read_queue(self) -> None:
+        """A reader thread: experts from the queue, one at a time, until it is empty."""
         while True:
             with self.cond:
                 if not self.queue or self.failed is not None:
-                    self.busy = None
+                    self.reading -= 1
                     self.cond.notify_all()
                     return
-                self.busy = self.queue.popleft()
-            layer, experts = self.busy
+                item = self.queue.popleft()
+                self.busy.append(item)
+            layer, e = item
             try:
-                for e in experts:          # one at a time: a layer's own fetch waits one read at most
-                    got = self.cache.fetch(layer, [e], ahead=True)
-                    with self.cond:
-                        self.cond.notify_all()      # a layer waiting for this expert may go on
-                    if not got:
-                        break
+                got = self.cache.fetch(layer, [e], ahead=True)
             except BaseException as err:   # noqa: BLE001 - raised where the pass waits for it
+                got = None
                 with self.cond:
                     self.failed = err
             with self.cond:
-                self.busy = None
-                self.cond.notify_all()
+                self.busy.remove(item)
+                if got == []:              # no slot to take: the rest of the layer's guesses neither
+                    self.queue = collections.deque(q for q in self.queue if q[0] != layer)
+                self.cond.notify_all()      # a layer waiting for this expert may go on
 
     def wait_for(self, layer: int | None) -> None:
         """Until the reader has read every queued expert of layers up to `layer` (None: all);
@@ -356,23 +465,23 @@ class StreamingExecutor(CoreExecutor):
             outs += ffn(self, [(shared, w.shared_gate_up, w.shared_down)])
         return outs
 
-    def todo(self) -> list[tuple]:
-        """The reader's (layer, experts) still to read, the one it reads now first. Under `cond`."""
-        return ([self.busy] if self.busy else []) + list(self.queue)
+    def todo(self) -> list[tuple[int, int]]:
+        """The readers' (layer, expert) still to read, those being read first. Under `cond`."""
+        return self.busy + list(self.queue)
 
     def coming(self, layer: int, experts: list[int]) -> bool:
-        """Whether the reader has any of `experts` of `layer` still to read."""
+        """Whether a reader has any of `experts` of `layer` still to read."""
         with self.cond:
             if self.failed is not None:
                 return False
             todo = self.todo()
         wanted = set(experts)
-        return any(l == layer and wanted & set(es) for l, es in todo)
+        return any(l == layer and e in wanted for l, e in todo)
 
     def wait_progress(self) -> None:
-        """Until the reader reads one more expert (or stops); raise what it met."""
+        """Until a reader reads one more expert (or they stop); raise what it met."""
         with self.cond:
-            if self.busy is not None or self.queue:
+            if self.busy or self.queue:
                 self.cond.wait(timeout=1.0)
             if self.failed is not None:
                 failed, self.failed = self.failed, None

@@ -580,3 +580,26 @@ def test_the_ceiling_probes_team_of_several_ends_whole():
     for pid in pids:                          # reaped: no such child any more
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+@pytest.mark.slow
+def test_a_streamed_bench_holds_the_step_against_the_disks_own_rate(tmp_path, monkeypatch):
+    """--memory-budget: each decode point's `stream` counts the bytes read and measures the
+    disk's rate for expert reads in the same run; the step is held against that rate."""
+    from ds2cli.weights import memory
+    from ds2cli.weights.quantize import quantize_checkpoint
+    q8 = tmp_path / "tiny-q8"
+    quantize_checkpoint(bundled_model_dir(), q8, 8)
+    model = ds2cli.load(q8)
+    plan = memory.streamed(model.config, model.quantization, 64, 10**12)
+    budget = plan["resident"] + 4 * plan["expert"]          # the context bench asks for takes a slot or two
+    with pytest.MonkeyPatch.context() as mp:
+        small_probes(mp)
+        result = CliRunner().invoke(bench, ["-m", str(q8), *TINY_ARGS, "--memory-budget", str(budget)])
+    assert result.exit_code == 0, result.output
+    for point in json.loads(result.stdout)["decode"]:
+        st = point["stream"]
+        assert st["slots"] >= 1 and st["bytes_read"] == (st["misses"] + st["read_ahead"]) * plan["expert"] > 0
+        assert st["disk_gb_per_s"] > 0 and st["disk_seconds_per_token"] == pytest.approx(
+            st["bytes_read_per_token"] / (st["disk_gb_per_s"] * 1e9))
+        assert st["step_vs_disk"] == pytest.approx(1 / point["tok_per_s"]["median"] / st["disk_seconds_per_token"])

@@ -329,3 +329,53 @@ def test_the_cli_refuses_a_float_checkpoint_or_a_gguf_to_convert_in_one_line(tmp
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 1 and r.stdout == "" and len(lines) == 1 and lines[0].startswith("error: "), r.output
         assert words in lines[0] and "ds2 quantize" in lines[0]
+
+
+def test_experts_queued_as_the_reader_leaves_are_read(q8):
+    """The reader thread says it is done under the queue's lock and only then ends: experts
+    queued between the two (its thread still alive) start a new reader instead of waiting forever."""
+    import threading
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 4))
+    ex, release = m.executor, threading.Event()
+    leaving = threading.Thread(target=release.wait, daemon=True)   # a reader leaving: alive, counted out
+    leaving.start()
+    ex.readers = [leaving]
+    layer = next(i for i, layer in enumerate(m.layers) if layer.is_moe)
+    ex.read_ahead(layer, [0, 1])
+    waiting = threading.Thread(target=ex.wait_for, args=(layer,), daemon=True)
+    waiting.start()
+    waiting.join(timeout=30)
+    release.set()
+    assert not waiting.is_alive() and ex.cache.holds(layer, 0) and ex.cache.holds(layer, 1)
+    ex.stop()
+
+
+def test_an_expert_the_reader_is_reading_is_waited_for_not_read_twice(q8, monkeypatch):
+    """Reads happen outside the cache's lock: a fetch of an expert another thread is reading
+    waits for that read, and the expert is read once, into one slot."""
+    import threading
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 4))
+    cache, real = m.executor.cache, streaming.ExpertCache.read
+    started, go, reads = threading.Event(), threading.Event(), []
+
+    def slow(self, layer, e, slot):
+        reads.append((layer, e))
+        started.set()
+        go.wait(timeout=30)
+        return real(self, layer, e, slot)
+    monkeypatch.setattr(streaming.ExpertCache, "read", slow)
+    layer = next(i for i, layer in enumerate(m.layers) if layer.is_moe)
+    first = threading.Thread(target=cache.fetch, args=(layer, [3]), kwargs={"ahead": True})
+    first.start()
+    started.wait(timeout=30)
+    got = []
+    second = threading.Thread(target=lambda: got.append(cache.fetch(layer, [3], use=True)))
+    second.start()
+    second.join(timeout=0.2)
+    assert second.is_alive()                      # waiting for the first read, not reading again
+    go.set()
+    first.join(timeout=30), second.join(timeout=30)
+    assert reads == [(layer, 3)] and got == [[cache.slot_of[layer, 3]]] and cache.in_use == {(layer, 3): 1}
+    assert cache.stats["read_ahead"] == 1 and cache.stats["read_ahead_used"] == 1 and cache.stats["misses"] == 0
+    cache.release(layer, [3])
+    m.executor.stop()

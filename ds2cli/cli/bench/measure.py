@@ -118,7 +118,7 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
             model.forward(token[None], cache, trace=routes)
         samples.append(steps / (time.perf_counter() - t0))
     cache.truncate(context)
-    stream = streamed_point(before, model.executor.stats(), steps * repeats)
+    stream = streamed_point(before, model.executor.stats(), steps * repeats, samples, model.executor)
     routed = sum(len(np.unique(idx)) for idx in routes) / (steps * repeats)
     weight_bytes = forward_weight_bytes(model, routed)
     cache_bytes = cache.bytes_per_token * (context + (steps + 1) / 2)  # step j reads context + j + 1
@@ -135,10 +135,11 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
             **({"stream": stream} if stream else {})}
 
 
-def streamed_point(before: dict, after: dict, tokens: int) -> dict | None:
+def streamed_point(before: dict, after: dict, tokens: int, samples: list[float], executor) -> dict | None:
     """A streamed run's (--memory-budget) reads over `tokens` decode steps: bytes from disk a
-    token, the rate they were read at, the share of experts found in memory, and of the experts
-    read ahead, the share a step then used."""
+    token, the time the reads took, the share of experts found in memory, and of the experts
+    read ahead, the share a step then used; and the disk's own rate for expert reads, measured
+    now (`disk_rate`), with the step held against the time its bytes take at that rate."""
     if "bytes_read" not in after:
         return None
     d = {k: after[k] - before[k] for k in ("hits", "misses", "read_ahead", "read_ahead_used", "bytes_read",
@@ -148,7 +149,17 @@ def streamed_point(before: dict, after: dict, tokens: int) -> dict | None:
             "read_gb_per_s": d["bytes_read"] / max(d["read_seconds"], 1e-9) / 1e9,
             "read_seconds_per_token": d["read_seconds"] / tokens,
             "hit_rate": d["hits"] / max(1, asked), "read_ahead_used": d["read_ahead_used"] / max(1, d["read_ahead"]),
-            **d}
+            **d, **disk_bound(d["bytes_read"] / tokens, samples, executor)}
+
+
+def disk_bound(bytes_per_token: float, samples: list[float], executor) -> dict:
+    """The disk's rate for expert reads (measured now, after the steps) and the decode step
+    against the time a token's reads take at that rate: 1.0 would be reads and nothing else."""
+    rate = executor.disk_rate()
+    at_rate = bytes_per_token / rate
+    step = 1 / summary(samples)["median"]
+    return {"disk_gb_per_s": rate / 1e9, "disk_seconds_per_token": at_rate,
+            "step_vs_disk": step / at_rate if at_rate else None}
 
 
 def bench_passes(model: Model, ks: list[int], context: int, repeats: int, rng) -> list[dict]:

@@ -87,8 +87,10 @@ def footnotes(report: dict) -> list[str]:
         st = d.get("stream")
         if st:
             notes.append(f"tg{d['context']} streamed ({st['slots']} slots): {human_bytes(st['bytes_read_per_token'])} "
-                         f"read a token at {st['read_gb_per_s']:.2f} GB/s ({st['read_seconds_per_token']:.2f} s), "
-                         f"{100 * st['hit_rate']:.0f}% hits, {100 * st['read_ahead_used']:.0f}% of reads ahead used")
+                         f"read a token in {st['read_seconds_per_token']:.2f} s of reading; the disk alone "
+                         f"{st['disk_gb_per_s']:.2f} GB/s, {st['disk_seconds_per_token']:.2f} s a token, the step "
+                         f"{st['step_vs_disk']:.2f}x that; {100 * st['hit_rate']:.0f}% hits, "
+                         f"{100 * st['read_ahead_used']:.0f}% of reads ahead used")
     return notes
 
 
