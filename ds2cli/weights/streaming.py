@@ -55,9 +55,7 @@ class StoredExperts:
     """Where a ds2 low-bit checkpoint keeps each MoE layer's routed experts: every matrix's
     qweight and scales stacked (E, ...) in a safetensors file, so expert e of a matrix is one
     contiguous range of each, read straight into a slot. The checkpoint's other weights are views
-    of the mapped files (`mapped`): streamed_weights copies them into memory of the process's own."""
-
-    mapped = True
+    of the mapped files: streamed_weights copies them into memory of the process's own."""
 
     def __init__(self, cfg: DeepseekV2Config, qc, tensors: dict):
         self.where: dict[tuple[int, str], tuple] = {}     # (layer, kind) -> (qweight info, scales info)
@@ -165,13 +163,16 @@ class ExpertCache:
                         break
                     if filling is None:
                         slot = self.take_slot(keep)
-                        if slot is None:
+                        if slot is None and not ahead and self.filling:
+                            filling = next(iter(self.filling.values()))   # a slot being filled: wait for it
+                        elif slot is None:
                             if ahead:
                                 return out
                             raise StreamingError(f"the expert cache's {self.slots} slots cannot hold "
                                                  f"{len(keep)} experts beside the {len(self.in_use)} in use")
-                        self.filling[key] = threading.Event()
-                if filling is not None:             # another thread reads it: wait, then look again
+                        else:
+                            self.filling[key] = threading.Event()
+                if filling is not None:             # another thread reads it (or the slot to take): wait, look again
                     filling.wait()
                     continue
                 try:
@@ -338,6 +339,7 @@ class StreamingExecutor(CoreExecutor):
 
     AHEAD = 1                       # layers read ahead of the one computing (2 read 30% more, and was slower)
     READERS = 2                     # threads reading at once (see docs/performance.md)
+    EARLY = True                    # guess the next layer's experts after attention too (see after_attention)
 
     def __init__(self, cache: ExpertCache):
         super().__init__()
@@ -443,6 +445,9 @@ class StreamingExecutor(CoreExecutor):
         pending, done = [int(e) for e in ids], {}
         gate_up, down = cache.stacks["experts_gate_up"], cache.stacks["experts_down"]
         room = max(1, cache.slots // 2)             # in use at once, so the reader has slots too
+        shared_out = None
+        if shared is not None and not all(cache.holds(layer, e) for e in pending):
+            shared_out = ffn(self, [(shared, w.shared_gate_up, w.shared_down)])    # while the reads run
         while pending:
             now = [e for e in pending if cache.holds(layer, e)][:room]
             if not now:
@@ -462,7 +467,7 @@ class StreamingExecutor(CoreExecutor):
         self.wait_for(layer)                        # reads of this layer the pass did not need
         outs = [done[int(e)] for e in ids]
         if shared is not None:
-            outs += ffn(self, [(shared, w.shared_gate_up, w.shared_down)])
+            outs += shared_out or ffn(self, [(shared, w.shared_gate_up, w.shared_down)])
         return outs
 
     def todo(self) -> list[tuple[int, int]]:
@@ -488,9 +493,19 @@ class StreamingExecutor(CoreExecutor):
                 self.queue.clear()
                 raise failed
 
+    def after_attention(self, i: int, x: np.ndarray) -> None:
+        """Layer i's attention is added: guess what the next MoE layer will pick from this
+        residual, before layer i's MLP adds to it, so that the disk reads for layer i+1 while
+        layer i's experts compute (the guess made after the layer only adds what this missed)."""
+        if self.EARLY:
+            self.guess(i, x)
+
     def after_layer(self, i: int, x: np.ndarray) -> None:
         """Layer i's output is known: queue what the next layers' routers pick for it, the
         nearest first, each at most what the slots hold beside the reads already queued."""
+        self.guess(i, x)
+
+    def guess(self, i: int, x: np.ndarray) -> None:
         layers, cfg = self.model.layers, self.model.config
         for j in range(i + 1, min(i + 1 + self.AHEAD, len(layers))):
             nxt = layers[j]
@@ -498,20 +513,23 @@ class StreamingExecutor(CoreExecutor):
                 continue
             h = rms_norm(x, nxt.post_attention_layernorm, cfg.rms_norm_eps)
             idx, _ = route(h, float32(nxt.mlp.gate), cfg, nxt.mlp.e_score_correction_bias)
-            wanted = [int(e) for e in np.unique(idx) if not self.cache.holds(j, e)]
-            if wanted:
-                self.read_ahead(j, wanted[:max(1, self.cache.slots // (2 * self.AHEAD))])
+            with self.cond:
+                queued = {e for l, e in self.todo() if l == j}
+            room = max(1, self.cache.slots // (2 * self.AHEAD)) - len(queued)
+            wanted = [int(e) for e in np.unique(idx) if not self.cache.holds(j, e) and int(e) not in queued]
+            if wanted and room > 0:
+                self.read_ahead(j, wanted[:room])
 
 
 def streamed_weights(weights: dict, cfg: DeepseekV2Config, source, slots: int) -> ExpertCache:
     """Put StreamedStacks over one ExpertCache of `slots` experts in place of each MoE layer's
     routed expert stacks in `weights` (qcheckpoint.load_weights' memory-mapped ones, or None
-    where the loader left them out), and, when the other weights are views of the mapped files
-    (`source.mapped`), read them into memory of this process's own: the budget then holds no page
+    where the loader left them out), and read the other weights that are views of a mapped file
+    (a low-bit checkpoint's, a GGUF's float norms) into memory of this process's own: the budget then holds no page
     cache of the files (dropped as they are read), and a file changed under the run fails a read
     with an error instead of a fault on a mapped page."""
     cache = ExpertCache(cfg, source, slots)
-    keep = owned if source.mapped else (lambda w: w)
+    keep = owned
     E = cfg.n_routed_experts
     for i, layer in enumerate(weights["layers"]):
         if layer is not None:
@@ -534,14 +552,33 @@ def streamed_weights(weights: dict, cfg: DeepseekV2Config, source, slots: int) -
 
 
 def owned(w):
-    """A memory-mapped weight (array, or weight object over arrays) as a copy in this process."""
+    """A weight (array, or weight object over arrays) whose memory is a view of a mapped file, as
+    a copy in this process; one that owns its memory already, itself (not copied twice)."""
     if w is None:
         return None
     if isinstance(w, np.ndarray):
-        return np.array(w)
+        return np.array(w) if file_backed(w) else w
     if isinstance(w, QuantMatrix):
-        return type(w)(np.array(w.qweight), np.array(w.scales))
-    return type(w)(np.array(w.w))            # formats.Dense, linear.Heads: one array, .w
+        return w if not (file_backed(w.qweight) or file_backed(w.scales)) else \
+            type(w)(np.array(w.qweight), np.array(w.scales))
+    return type(w)(np.array(w.w)) if file_backed(w.w) else w      # formats.Dense, linear.Heads: one array, .w
+
+
+def file_backed(a: np.ndarray) -> bool:
+    """Whether `a` views a memory-mapped file (np.memmap, or an mmap.mmap of a file), at any depth."""
+    while a is not None:
+        if isinstance(a, np.memmap) or (isinstance(a, mmap.mmap) and not is_anonymous(a)):
+            return True
+        a = getattr(a, "base", None) if isinstance(a, np.ndarray) else getattr(a, "obj", None)
+    return False
+
+
+def is_anonymous(m: mmap.mmap) -> bool:
+    try:
+        m.size()            # a mapping of a file knows the file's size; an anonymous one raises
+        return False
+    except OSError:
+        return True
 
 
 def drop_cached(path) -> None:

@@ -49,9 +49,8 @@ def unstreamable(gf: GGUFFile, cfg: DeepseekV2Config) -> dict[str, str]:
 class GGUFExperts:
     """Where each MoE layer's experts lie in a GGUF file whose stacked expert tensors are all
     Q8_0 (unstreamable() empty) and how a read fills a q8b slot. The model's other weights were
-    converted into memory of the process's own at load (`mapped` False)."""
-
-    mapped = False
+    converted into memory of the process's own at load (streamed_weights copies those left as
+    views of the file, its float norms)."""
 
     def __init__(self, gf: GGUFFile, cfg: DeepseekV2Config, formats: dict[str, type[QuantMatrix]]):
         E, D, inter, layers = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers(cfg)
