@@ -350,6 +350,7 @@ class StreamingExecutor(CoreExecutor):
         self.cond = threading.Condition()
         self.failed: BaseException | None = None
         self.readers: list[threading.Thread] = []
+        self.gates: dict[int, np.ndarray] = {}                # layer -> its router's weights as float32
         self.reading = 0                                      # reader threads running (or starting)
 
     def start(self, model) -> None:
@@ -385,10 +386,15 @@ class StreamingExecutor(CoreExecutor):
                 self.cond.wait(timeout=1.0)
             self.failed = None
 
-    def read_ahead(self, layer: int, experts) -> None:
-        """Queue `experts` of `layer` for the reader threads (started as there is work for them)."""
+    def read_ahead(self, layer: int, experts, first: bool = False) -> None:
+        """Queue `experts` of `layer` for the reader threads (started as there is work for them);
+        `first`: before what is queued (a layer's own misses go before the next layer's guesses)."""
         with self.cond:
-            self.queue.extend((layer, int(e)) for e in experts)
+            items = [(layer, int(e)) for e in experts]
+            if first:
+                self.queue.extendleft(reversed(items))
+            else:
+                self.queue.extend(items)
             self.readers = [r for r in self.readers if r.is_alive()]
             while self.reading < min(self.READERS, len(self.queue) + len(self.busy)):
                 self.reading += 1          # a reader that found the queue empty has said so under cond
@@ -451,12 +457,13 @@ class StreamingExecutor(CoreExecutor):
         while pending:
             now = [e for e in pending if cache.holds(layer, e)][:room]
             if not now:
-                if self.coming(layer, pending):
+                unread = self.hurry(layer, pending[:room])
+                if not unread:                      # every one is queued or being read
                     self.wait_progress()
                     continue
-                now = pending[:1]                   # nobody reads it: read it now
-                if len(pending) > 1:                # ... and have the reader read the rest meanwhile
-                    self.read_ahead(layer, pending[1:room])
+                now = unread[:1]                    # nobody reads it: read it now
+                if len(unread) > 1:                 # ... and have the readers read the rest meanwhile
+                    self.read_ahead(layer, unread[1:], first=True)
             slots = cache.fetch(layer, now, use=True)
             try:
                 for e, y in zip(now, ffn(self, [(x_of[e], gate_up[s], down[s]) for e, s in zip(now, slots)])):
@@ -474,14 +481,15 @@ class StreamingExecutor(CoreExecutor):
         """The readers' (layer, expert) still to read, those being read first. Under `cond`."""
         return self.busy + list(self.queue)
 
-    def coming(self, layer: int, experts: list[int]) -> bool:
-        """Whether a reader has any of `experts` of `layer` still to read."""
+    def hurry(self, layer: int, experts: list[int]) -> list[int]:
+        """Move those of `experts` (of `layer`) that are queued to the queue's head, as a layer
+        waits for them (the next layer's guesses wait behind); return those nobody reads."""
         with self.cond:
-            if self.failed is not None:
-                return False
-            todo = self.todo()
-        wanted = set(experts)
-        return any(l == layer and e in wanted for l, e in todo)
+            mine = [item for item in self.queue if item[0] == layer and item[1] in experts]
+            if mine:
+                self.queue = collections.deque(mine + [item for item in self.queue if item not in mine])
+            known = {e for l, e in self.busy + mine if l == layer}
+        return [e for e in experts if e not in known]
 
     def wait_progress(self) -> None:
         """Until a reader reads one more expert (or they stop); raise what it met."""
@@ -505,6 +513,12 @@ class StreamingExecutor(CoreExecutor):
         nearest first, each at most what the slots hold beside the reads already queued."""
         self.guess(i, x)
 
+    def gate(self, j: int) -> np.ndarray:
+        """Layer j's router weights as float32, widened once (a guess is two a layer a step)."""
+        if j not in self.gates:
+            self.gates[j] = float32(self.model.layers[j].mlp.gate)
+        return self.gates[j]
+
     def guess(self, i: int, x: np.ndarray) -> None:
         layers, cfg = self.model.layers, self.model.config
         for j in range(i + 1, min(i + 1 + self.AHEAD, len(layers))):
@@ -512,7 +526,7 @@ class StreamingExecutor(CoreExecutor):
             if nxt is None or not nxt.is_moe:
                 continue
             h = rms_norm(x, nxt.post_attention_layernorm, cfg.rms_norm_eps)
-            idx, _ = route(h, float32(nxt.mlp.gate), cfg, nxt.mlp.e_score_correction_bias)
+            idx, _ = route(h, self.gate(j), cfg, nxt.mlp.e_score_correction_bias)
             with self.cond:
                 queued = {e for l, e in self.todo() if l == j}
             room = max(1, self.cache.slots // (2 * self.AHEAD)) - len(queued)
