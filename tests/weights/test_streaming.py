@@ -379,3 +379,48 @@ def test_an_expert_the_reader_is_reading_is_waited_for_not_read_twice(q8, monkey
     assert cache.stats["read_ahead"] == 1 and cache.stats["read_ahead_used"] == 1 and cache.stats["misses"] == 0
     cache.release(layer, [3])
     m.executor.stop()
+
+
+def test_without_o_direct_the_buffered_reads_give_the_same_logits(q8, monkeypatch):
+    """A file system that refuses O_DIRECT (EINVAL, as tmpfs does) is read through the page
+    cache instead, dropped after: the same logits as the O_DIRECT reads (or as ever)."""
+    import errno
+    ids = np.array(ds2cli.load(q8).tokenizer.encode("What is 451 - 123?"))
+    direct = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 3))
+    want = direct.forward(ids, direct.new_cache(64), all_logits=True)
+    direct.executor.stop()
+    real = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(path, flags, *args)
+    monkeypatch.setattr(os, "open", no_direct)
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 3))
+    np.testing.assert_array_equal(m.forward(ids, m.new_cache(64), all_logits=True), want)
+    assert m.executor.cache.files and not any(d for _, d in m.executor.cache.files.values())
+    m.executor.stop()
+
+
+def test_the_next_layers_experts_are_queued_before_this_layers_compute(q8, monkeypatch):
+    """after_attention guesses layer i+1's experts from layer i's residual before layer i's
+    MLP runs, so the disk reads for i+1 while i computes; a layer's own queued experts go to
+    the queue's head when it waits for them."""
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 8))
+    ex, events = m.executor, []
+    real_ahead, real_experts = ex.read_ahead, ex.experts
+    monkeypatch.setattr(ex, "read_ahead", lambda layer, experts, first=False:
+                        (events.append(("ahead", layer)), real_ahead(layer, experts, first))[1])
+    monkeypatch.setattr(ex, "experts", lambda w, ids, *a:
+                        (events.append(("experts", w.experts_gate_up.layer)), real_experts(w, ids, *a))[1])
+    m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
+    moe_layers = [i for i, layer in enumerate(m.layers) if layer.is_moe]
+    for i, j in zip(moe_layers, moe_layers[1:]):
+        if j == i + 1 and ("ahead", j) in events:
+            assert events.index(("ahead", j)) < events.index(("experts", i))
+    assert any(("ahead", j) in events for j in moe_layers[1:])
+    ex.settle()
+    ex.queue.extend([(5, 1), (5, 2), (4, 7), (4, 8)])           # the next layer's guesses, then this one's
+    assert ex.hurry(4, [8, 9]) == [9] and list(ex.queue) == [(4, 8), (5, 1), (5, 2), (4, 7)]
+    ex.queue.clear()
+    m.executor.stop()
