@@ -12,7 +12,8 @@ Bottom-up:
     calibration  activation statistics for the scale search (GPTQ-style compensation)
     qcheckpoint  ds2's low-bit checkpoint layout: recipes, validation, memory-mapped loading
     memory       what a model needs, the memory check
-    streaming    routed experts read from disk into a cache within a memory budget
+    expert_cache routed experts' slots filled from disk (O_DIRECT), read outside the lock
+    streaming    a memory budget: the resident part, the expert cache, reads ahead of need
     staging      directories built beside their target and renamed when complete
     fingerprint  what a model is (config, headers, sizes, load form), for files that belong to it
     gguf/        GGUF files: header, config, tensors, tokenizer, the checkpoint the loader takes

@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 
 from ds2cli.weights import checkpoint
+from ds2cli.weights import expert_cache
 from ds2cli.weights import memory
 from ds2cli.weights import qcheckpoint
 from ds2cli.weights import streaming
@@ -307,7 +308,7 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     else:      # a streamed GGUF's routed experts are read from the file as they are needed
         weights = load_weights(model_dir, cfg, progress, qc, tensors, layers, experts if plan is None else range(0))
     if plan is not None:
-        experts = source.gguf.streamed_experts(qc) if source.gguf else streaming.StoredExperts(cfg, stored, tensors)
+        experts = source.gguf.streamed_experts(qc) if source.gguf else expert_cache.StoredExperts(cfg, stored, tensors)
         executor = streaming.StreamingExecutor(streaming.streamed_weights(weights, cfg, experts, plan["slots"]))
     return Model(cfg, Weights(**weights), tokenizer, gen, model_dir, executor=executor or CoreExecutor(),
                  quantization=qc)

@@ -13,7 +13,7 @@ import ds2cli
 from ds2cli.errors import ConfigError
 from ds2cli.weights import loader
 from ds2cli.model.transformer import Step
-from ds2cli.weights import memory, streaming
+from ds2cli.weights import expert_cache, memory
 from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.weights.source import bundled_model_dir
 from support.gguf_writer import write_gguf
@@ -44,7 +44,7 @@ def test_two_experts_a_layer_give_the_same_logits(q8):
     k = full.config.num_experts_per_tok
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, k))
     cache = m.executor.cache
-    assert cache.slots == k and isinstance(m.layers[1].mlp.experts_gate_up, streaming.StreamedStack)
+    assert cache.slots == k and isinstance(m.layers[1].mlp.experts_gate_up, expert_cache.StreamedStack)
     ids = np.array(full.tokenizer.encode("What is 451 - 123? Think of it as 451 minus 100, then 23."))
     c1, c2 = full.new_cache(64), m.new_cache(64)
     np.testing.assert_array_equal(m.forward(ids, c2, all_logits=True), full.forward(ids, c1, all_logits=True))
@@ -87,7 +87,7 @@ def test_a_file_truncated_mid_run_is_one_error(q8, tmp_path):
     for shard in copy.glob("*.safetensors"):      # every layer's experts: the first read fails
         if b"experts_gate_up" in shard.read_bytes()[:4096]:
             os.truncate(shard, 1024)
-    with pytest.raises(streaming.StreamingError, match="ends before expert|cannot read expert"):
+    with pytest.raises(expert_cache.StreamingError, match="ends before expert|cannot read expert"):
         m.forward(ids, m.new_cache(64))
     m.executor.stop()
 
@@ -150,8 +150,8 @@ def test_a_q8_0_gguf_streams_two_experts_a_layer_with_the_same_logits(q8_0):
     m = ds2cli.load(q8_0, context=64, memory_budget=budget)
     cache = m.executor.cache
     moe = [layer for layer in m.layers if layer.is_moe]
-    assert cache.slots == 2 and all(isinstance(layer.mlp.experts_gate_up, streaming.StreamedStack)
-                                    and isinstance(layer.mlp.experts_down, streaming.StreamedStack) for layer in moe)
+    assert cache.slots == 2 and all(isinstance(layer.mlp.experts_gate_up, expert_cache.StreamedStack)
+                                    and isinstance(layer.mlp.experts_down, expert_cache.StreamedStack) for layer in moe)
     same_logits_prefill_decode_batch(full, m)
     plan = memory.streamed(m.config, m.quantization, 64, budget)
     assert plan["resident"] + cache.slots * cache.expert_bytes <= budget          # counted bytes, not RSS
@@ -189,7 +189,7 @@ def test_a_gguf_truncated_mid_run_is_one_error(q8_0, tmp_path):
     m = ds2cli.load(copy, context=64, memory_budget=budget_for(copy, 2))
     first = min(m.executor.cache.source.where[1, "experts_gate_up"][0][1], m.executor.cache.source.where[1, "experts_down"][0][1])
     os.truncate(copy, first)                         # every expert of every layer now lies past the end
-    with pytest.raises(streaming.StreamingError, match="copy.gguf ends before expert"):
+    with pytest.raises(expert_cache.StreamingError, match="copy.gguf ends before expert"):
         m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
     m.executor.stop()
 
@@ -269,7 +269,7 @@ def test_a_read_error_mid_run_is_one_error_line_and_leaves_nothing_open(q8, monk
     threads, fds = threading.active_count(), open_fds()
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 2))
     monkeypatch.setattr(os, "preadv", failing)
-    with pytest.raises(streaming.StreamingError, match=r"cannot read expert \d+ of layer \d+ from .*Input/output error"):
+    with pytest.raises(expert_cache.StreamingError, match=r"cannot read expert \d+ of layer \d+ from .*Input/output error"):
         m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
     m.executor.stop()
     assert threading.active_count() == threads and open_fds() <= fds      # the reader ended, the files closed
@@ -288,7 +288,7 @@ def test_an_expert_file_gone_after_loading_is_one_error(q8, tmp_path):
     m = ds2cli.load(copy, context=64, memory_budget=budget_for(copy, 2))
     for shard in copy.glob("*.safetensors"):
         shard.rename(shard.with_suffix(".gone"))
-    with pytest.raises(streaming.StreamingError, match=r"cannot open .*\.safetensors: No such file or directory"):
+    with pytest.raises(expert_cache.StreamingError, match=r"cannot open .*\.safetensors: No such file or directory"):
         m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
     m.executor.stop()
 
@@ -299,7 +299,7 @@ def test_ctrl_c_during_a_read_leaves_the_cache_whole(q8, monkeypatch):
     again (not taken for the expert), and the next pass computes the same logits as ever."""
     full = ds2cli.load(q8)
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 2))
-    cache, real = m.executor.cache, streaming.ExpertCache.pread
+    cache, real = m.executor.cache, expert_cache.ExpertCache.pread
     calls = []
 
     def interrupted(self, *args):
@@ -307,7 +307,7 @@ def test_ctrl_c_during_a_read_leaves_the_cache_whole(q8, monkeypatch):
         if len(calls) == 3:                         # the third matrix read: an expert half read
             raise KeyboardInterrupt
         return real(self, *args)
-    monkeypatch.setattr(streaming.ExpertCache, "pread", interrupted)
+    monkeypatch.setattr(expert_cache.ExpertCache, "pread", interrupted)
     ids = np.array(full.tokenizer.encode("What is 451 - 123?"))
     with pytest.raises(KeyboardInterrupt):
         m.forward(ids, m.new_cache(64))
@@ -355,7 +355,7 @@ def test_an_expert_the_reader_is_reading_is_waited_for_not_read_twice(q8, monkey
     waits for that read, and the expert is read once, into one slot."""
     import threading
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 4))
-    cache, real = m.executor.cache, streaming.ExpertCache.read
+    cache, real = m.executor.cache, expert_cache.ExpertCache.read
     started, go, reads = threading.Event(), threading.Event(), []
 
     def slow(self, layer, e, slot):
@@ -363,7 +363,7 @@ def test_an_expert_the_reader_is_reading_is_waited_for_not_read_twice(q8, monkey
         started.set()
         go.wait(timeout=30)
         return real(self, layer, e, slot)
-    monkeypatch.setattr(streaming.ExpertCache, "read", slow)
+    monkeypatch.setattr(expert_cache.ExpertCache, "read", slow)
     layer = next(i for i, layer in enumerate(m.layers) if layer.is_moe)
     first = threading.Thread(target=cache.fetch, args=(layer, [3]), kwargs={"ahead": True})
     first.start()

@@ -13,13 +13,12 @@ loading (gguf/checkpoint.py's GGUFModel.stream_problem).
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights.formats.base import QuantMatrix
 from ds2cli.weights.gguf.file import GGUFFile
+from ds2cli.weights.expert_cache import Buffers
 
 STREAMABLE = {"Q8_0": "q8b"}            # a GGUF type -> the ds2 format holding its blocks unchanged
 STACKED = {"experts_gate_up": ("ffn_gate_exps", "ffn_up_exps"), "experts_down": ("ffn_down_exps",)}
@@ -65,21 +64,19 @@ class GGUFExperts:
         self.paths = set(gf.paths)
         self.read_bytes = sum(n for kind in STACKED for *_, n in self.where[layers[0], kind]) if layers else 0
         self.widest = max((sum(n for *_, n in spans) for spans in self.where.values()), default=0)
-        self.local = threading.local()      # each reading thread's staging buffer: one matrix's blocks
+        self.staging = Buffers()            # one matrix's blocks, lent to each reading thread
 
     def read(self, layer: int, e: int, kind: str, qweight: np.ndarray, scales: np.ndarray, pread) -> None:
         """Expert e of `layer`'s `kind` into a q8b slot: its Q8_0 rows (gate's, then up's, for
         gate_up), one read a stored tensor, then each block's 32 values and f16 scale into the
         slot's panels, q8b.to_panels' layout: qweight (P, in, R), scales (P, in/32, R)."""
-        staging = getattr(self.local, "staging", None)
-        if staging is None:
-            staging = self.local.staging = np.empty(self.widest, np.uint8)
-        at = 0
-        for path, offset, n in self.where[layer, kind]:
-            pread(path, offset + e * n, staging[at:at + n], e, layer)
-            at += n
-        out, inp = self.shapes[kind]
-        blocks = staging[:at].view(Q8_0_BLOCK).reshape(out, inp // 32)        # (out, in/32)
-        panels, _, r = qweight.shape
-        qweight[...] = blocks["qs"].reshape(panels, r, inp).transpose(0, 2, 1)     # (P, in, R)
-        scales[...] = blocks["d"].reshape(panels, r, -1).transpose(0, 2, 1)        # (P, in/32, R), f16 -> f32
+        with self.staging.lend(self.widest) as staging:
+            at = 0
+            for path, offset, n in self.where[layer, kind]:
+                pread(path, offset + e * n, staging[at:at + n], e, layer)
+                at += n
+            out, inp = self.shapes[kind]
+            blocks = staging[:at].view(Q8_0_BLOCK).reshape(out, inp // 32)    # (out, in/32)
+            panels, _, r = qweight.shape
+            qweight[...] = blocks["qs"].reshape(panels, r, inp).transpose(0, 2, 1)     # (P, in, R)
+            scales[...] = blocks["d"].reshape(panels, r, -1).transpose(0, 2, 1)        # (P, in/32, R), f16 -> f32
