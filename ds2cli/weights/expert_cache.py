@@ -133,57 +133,62 @@ class ExpertCache:
         expert another thread is reading is waited for, never read twice."""
         out = []
         keep = {(layer, int(e)) for e in experts}
-        for e in experts:
-            key = (layer, int(e))
-            while True:
-                with self.lock:
-                    slot = self.slot_of.get(key)
-                    filling = self.filling.get(key)
-                    if slot is not None:
-                        self.slot_of.move_to_end(key)
-                        if not ahead:
-                            self.stats["hits"] += 1
-                            if key in self.ahead:
-                                self.ahead.discard(key)
-                                self.stats["read_ahead_used"] += 1
+        try:
+            for e in experts:
+                key = (layer, int(e))
+                while True:
+                    with self.lock:
+                        slot = self.slot_of.get(key)
+                        filling = self.filling.get(key)
+                        if slot is not None:
+                            self.slot_of.move_to_end(key)
+                            if not ahead:
+                                self.stats["hits"] += 1
+                                if key in self.ahead:
+                                    self.ahead.discard(key)
+                                    self.stats["read_ahead_used"] += 1
+                            if use:
+                                self.in_use[key] = self.in_use.get(key, 0) + 1
+                            break
+                        if filling is None:
+                            slot = self.take_slot(keep)
+                            if slot is None and not ahead and self.filling:
+                                filling = next(iter(self.filling.values()))   # a slot being filled: wait for it
+                            elif slot is None:
+                                if ahead:
+                                    return out
+                                raise StreamingError(f"the expert cache's {self.slots} slots cannot hold "
+                                                     f"{len(keep)} experts beside the {len(self.in_use)} in use")
+                            else:
+                                self.filling[key] = threading.Event()
+                    if filling is not None:             # another thread reads it (or the slot to take): wait, look again
+                        filling.wait()
+                        continue
+                    try:
+                        seconds = self.read(layer, int(e), slot)
+                    except BaseException:              # a failed or interrupted read: its slot holds nothing
+                        with self.lock:
+                            self.free.append(slot)
+                            self.filling.pop(key).set()
+                        raise
+                    with self.lock:
+                        self.filling.pop(key).set()
+                        self.slot_of[key] = slot
+                        self.stats["bytes_read"] += self.source.read_bytes
+                        self.stats["read_seconds"] += seconds
+                        if ahead:
+                            self.ahead.add(key)
+                            self.stats["read_ahead"] += 1
+                        else:
+                            self.stats["misses"] += 1
                         if use:
                             self.in_use[key] = self.in_use.get(key, 0) + 1
-                        break
-                    if filling is None:
-                        slot = self.take_slot(keep)
-                        if slot is None and not ahead and self.filling:
-                            filling = next(iter(self.filling.values()))   # a slot being filled: wait for it
-                        elif slot is None:
-                            if ahead:
-                                return out
-                            raise StreamingError(f"the expert cache's {self.slots} slots cannot hold "
-                                                 f"{len(keep)} experts beside the {len(self.in_use)} in use")
-                        else:
-                            self.filling[key] = threading.Event()
-                if filling is not None:             # another thread reads it (or the slot to take): wait, look again
-                    filling.wait()
-                    continue
-                try:
-                    seconds = self.read(layer, int(e), slot)
-                except BaseException:              # a failed or interrupted read: its slot holds nothing
-                    with self.lock:
-                        self.free.append(slot)
-                        self.filling.pop(key).set()
-                    raise
-                with self.lock:
-                    self.filling.pop(key).set()
-                    self.slot_of[key] = slot
-                    self.stats["bytes_read"] += self.source.read_bytes
-                    self.stats["read_seconds"] += seconds
-                    if ahead:
-                        self.ahead.add(key)
-                        self.stats["read_ahead"] += 1
-                    else:
-                        self.stats["misses"] += 1
-                    if use:
-                        self.in_use[key] = self.in_use.get(key, 0) + 1
-                break
-            out.append(slot)
+                    break
+                out.append(slot)
+        except BaseException:               # Ctrl-C or a failed read: what this call marked in use is not
+            if use:
+                self.release(layer, list(experts)[:len(out)])
+            raise
         return out
 
     def disk_rate(self, experts: int = 24, threads: int = 1, seed: int = 0) -> float:

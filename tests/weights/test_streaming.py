@@ -424,3 +424,21 @@ def test_the_next_layers_experts_are_queued_before_this_layers_compute(q8, monke
     assert ex.hurry(4, [8, 9]) == [9] and list(ex.queue) == [(4, 8), (5, 1), (5, 2), (4, 7)]
     ex.queue.clear()
     m.executor.stop()
+
+
+def test_a_fetch_stopped_midway_leaves_nothing_marked_in_use(q8, monkeypatch):
+    """A fetch of several experts for use that fails (or is interrupted) after the first is in
+    a slot gives that one back: no slot stays in use, unevictable, after the error."""
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 4))
+    cache, real = m.executor.cache, expert_cache.ExpertCache.read
+    layer = next(i for i, layer in enumerate(m.layers) if layer.is_moe)
+    cache.fetch(layer, [0])                                   # in a slot: a hit next time
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(expert_cache.ExpertCache, "read", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.fetch(layer, [0, 1], use=True)
+    monkeypatch.setattr(expert_cache.ExpertCache, "read", real)
+    assert not cache.in_use and not cache.filling and len(cache.slot_of) + len(cache.free) == cache.slots
+    m.executor.stop()
