@@ -66,7 +66,7 @@ def experts_stats(run: dict) -> str:
     asked = run["hits"] + run["misses"]
     ahead = run["read_ahead"]
     return (f"experts {run['slots']} slots, {100 * run['hits'] / max(1, asked):.0f}% hits, "
-            f"{human_bytes(run['bytes_read'])} read in {run['read_seconds']:.1f}s"
+            f"{human_bytes(run['bytes_read'])} read in {run['read_seconds']:.1f}s of reads (the readers' summed)"
             + (f", {100 * run['read_ahead_used'] / ahead:.0f}% of {ahead} read ahead used" if ahead else ""))
 
 
