@@ -98,18 +98,20 @@ class ExpertCache:
         self.lock = threading.Lock()
         self.buffers = Buffers()                          # aligned, for O_DIRECT reads
         self.files: dict = {}                             # path -> (fd, opened with O_DIRECT)
+        self.opening = threading.Lock()
         self.stats = {"hits": 0, "misses": 0, "read_ahead": 0, "read_ahead_used": 0, "bytes_read": 0,
                       "read_seconds": 0.0}
 
-    def fd(self, path) -> int:
+    def fd(self, path) -> tuple[int, bool]:
         """The file's descriptor, opened once: with O_DIRECT where the file system allows it
         (`direct`), so a read goes from the disk into the reader's buffer without the page cache."""
-        if path not in self.files:
-            try:
-                self.files[path] = self.open(path)
-            except OSError as e:
-                raise StreamingError(f"cannot open {path}: {e.strerror}") from None
-        return self.files[path]
+        with self.opening:                  # reading threads open files too: each file once
+            if path not in self.files:
+                try:
+                    self.files[path] = self.open(path)
+                except OSError as e:
+                    raise StreamingError(f"cannot open {path}: {e.strerror}") from None
+            return self.files[path]
 
     def open(self, path) -> tuple[int, bool]:
         if self.direct and hasattr(os, "O_DIRECT"):
@@ -121,9 +123,10 @@ class ExpertCache:
         return os.open(path, os.O_RDONLY), False
 
     def close(self) -> None:
-        for fd, _ in self.files.values():
-            os.close(fd)
-        self.files = {}
+        with self.opening:
+            for fd, _ in self.files.values():
+                os.close(fd)
+            self.files = {}
 
     def fetch(self, layer: int, experts, ahead: bool = False, use: bool = False) -> list[int]:
         """The slots holding `experts` of `layer`, each read on a miss. `use`: they are being

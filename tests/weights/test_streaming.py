@@ -442,3 +442,27 @@ def test_a_fetch_stopped_midway_leaves_nothing_marked_in_use(q8, monkeypatch):
     monkeypatch.setattr(expert_cache.ExpertCache, "read", real)
     assert not cache.in_use and not cache.filling and len(cache.slot_of) + len(cache.free) == cache.slots
     m.executor.stop()
+
+
+def test_two_reading_threads_open_a_file_once(q8, monkeypatch):
+    """Reads run outside the cache's lock, on several threads: a file is still opened once
+    (a second descriptor would leak, never closed)."""
+    import threading
+    import time as time_module
+    m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 4))
+    cache, real, opened = m.executor.cache, expert_cache.ExpertCache.open, []
+
+    def slow_open(self, path):
+        opened.append(path)
+        time_module.sleep(0.05)              # widens the window two threads would both open in
+        return real(self, path)
+    monkeypatch.setattr(expert_cache.ExpertCache, "open", slow_open)
+    path = next(iter(cache.source.paths))
+    cache.close()
+    threads = [threading.Thread(target=cache.fd, args=(path,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert opened == [path] and list(cache.files) == [path]
+    m.executor.stop()
