@@ -157,9 +157,7 @@ class StreamingExecutor(CoreExecutor):
         pending, done = [int(e) for e in ids], {}
         gate_up, down = cache.stacks["experts_gate_up"], cache.stacks["experts_down"]
         room = max(1, cache.slots // 2)             # in use at once, so the reader has slots too
-        shared_out = None
-        if shared is not None and not all(cache.holds(layer, e) for e in pending):
-            shared_out = ffn(self, [(shared, w.shared_gate_up, w.shared_down)])    # while the reads run
+        shared_out = [] if shared is None else ffn(self, [(shared, w.shared_gate_up, w.shared_down)])  # as reads run
         while pending:
             now = [e for e in pending if cache.holds(layer, e)][:room]
             if not now:
@@ -178,10 +176,7 @@ class StreamingExecutor(CoreExecutor):
                 cache.release(layer, now)
             pending = [e for e in pending if e not in done]
         self.wait_for(layer)                        # reads of this layer the pass did not need
-        outs = [done[int(e)] for e in ids]
-        if shared is not None:
-            outs += shared_out or ffn(self, [(shared, w.shared_gate_up, w.shared_down)])
-        return outs
+        return [done[int(e)] for e in ids] + shared_out
 
     def todo(self) -> list[tuple[int, int]]:
         """The readers' (layer, expert) still to read, those being read first. Under `cond`."""
