@@ -12,10 +12,10 @@ What the HTTP layer calls is the whole interface:
 
 The scheduler's thread owns the model. Each pass, every running request whose prompt is done
 adds its next token (or its token and drafts), and one request still reading its prompt adds a
-chunk of it (at most `prefill_chunk` tokens beside decoding streams, ALONE_CHUNK with none, so
-that no stream or newcomer waits longer than one chunk and one step): the prompt with the fewest tokens left, and every fourth
-chunk the one waiting longest. When every slot but one holds a prompt longer than a chunk, the
-last slot is kept for a prompt of one chunk.
+chunk of it (at most `prefill_chunk` tokens while any other request runs, `alone_chunk` when
+none does, so that no stream or newcomer waits longer than one chunk and one step): the prompt
+with the fewest tokens left, and every fourth chunk the one waiting longest. When every slot but
+one holds a prompt longer than a chunk, the last slot is kept for a prompt of one chunk.
 A request's chunks go to its own queue (shared by the choices of one HTTP request: n samples,
 a list of prompts), which its handler thread drains onto its connection; a request whose queue
 is full (a client reading slowly) sits out passes until it drains. The n samples of one prompt
@@ -52,7 +52,7 @@ from ds2cli.generation.sampling import make_sampler
 
 DEFAULT_PARALLEL = 4
 DEFAULT_PREFILL_CHUNK = 128
-ALONE_CHUNK = 512          # a prompt's chunk when no stream decodes beside it (run_pass)
+ALONE_CHUNK = 512          # a prompt's chunk when no other request runs (chunk)
 STARVE_EVERY = 4           # every 4th prompt chunk goes to the prompt waiting longest (plan)
 BACKLOG = 256              # chunks a request may have waiting for its client before it sits out
 
@@ -106,9 +106,11 @@ class Scheduler:
     """The model and its prompt cache, shared by up to `parallel` requests in each pass."""
 
     def __init__(self, model: Model, ctx: int, cache_budget_bytes: int, max_queue: int,
-                 parallel: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: int = 0, disk=None):
+                 parallel: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: int = 0, disk=None,
+                 alone_chunk: int = ALONE_CHUNK):
         self.model, self.ctx, self.max_queue = model, ctx, max_queue
         self.parallel, self.prefill_chunk, self.draft = parallel, prefill_chunk, draft
+        self.alone_chunk = max(prefill_chunk, alone_chunk)
         cache_bytes = model.new_cache(1).bytes_per_token * ctx
         self.prompt_cache = PromptCache(lambda: model.new_cache(ctx), cache_bytes,
                                         max(cache_budget_bytes, parallel * cache_bytes), disk)
@@ -306,36 +308,41 @@ class Scheduler:
             self.waiting_line.remove(request)
             request.running = True          # from here its handler reads its queue
             self.cond.notify_all()
-            job, cache = request.job, None
-            try:
-                # echo: the prompt's logprobs need every position's logits, so it reuses no
-                # cached prefix (and takes none from the pool: it is kept when the job ends)
-                scored = job.echo and job.logprobs is not None
-                outcome = request.outcome
-                cache, outcome.cached = self.prompt_cache.take(job.ids[:1] if scored else job.ids, request.read)
-                request.read = None             # in the cache now: its arrays are let go
-                if scored:
-                    outcome.prompt_logprobs = [None]
-                else:
-                    self.share_prefix(request, cache)
-                keep = outcome.cached
-                constraint = job.constraint()      # grammar hook: None, or this sequence's grammar state
-                sampler = make_sampler(job.params, constraint)
-                if job.logprobs is not None:
-                    request.logprobs = TokenLogprobs(job.logprobs, keep_eos=job.echo)
-                    sampler = ObservedSampler(sampler, request.logprobs)
-                request.gen = Generation(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
-                                         eos_ids=self.eos_ids(job), context=job.ids[:keep],
-                                         draft=job.draft if job.draft is not None else self.draft,
-                                         prompt_rows=self.prompt_rows(request) if scored else None,
-                                         prompt_rows_chunk=PROMPT_CHUNK,
-                                         finished=(lambda c=constraint: c.done) if constraint else None)
-            except Exception as e:
-                request.out.put((job.index, e))
-                if cache is not None:
-                    self.prompt_cache.put([], cache)
-                continue
-            self.batch.append(request)
+            self.start(request)
+
+    def start(self, request: Request) -> None:
+        """`request` into the batch, its Generation over a cache from the pool (its error to its
+        handler when it cannot start). Called holding `cond`."""
+        job, cache = request.job, None
+        try:
+            # echo: the prompt's logprobs need every position's logits, so it reuses no
+            # cached prefix (and takes none from the pool: it is kept when the job ends)
+            scored = job.echo and job.logprobs is not None
+            outcome = request.outcome
+            cache, outcome.cached = self.prompt_cache.take(job.ids[:1] if scored else job.ids, request.read)
+            request.read = None             # in the cache now: its arrays are let go
+            if scored:
+                outcome.prompt_logprobs = [None]
+            else:
+                self.share_prefix(request, cache)
+            keep = outcome.cached
+            constraint = job.constraint()      # grammar hook: None, or this sequence's grammar state
+            sampler = make_sampler(job.params, constraint)
+            if job.logprobs is not None:
+                request.logprobs = TokenLogprobs(job.logprobs, keep_eos=job.echo)
+                sampler = ObservedSampler(sampler, request.logprobs)
+            request.gen = Generation(self.model, job.ids[keep:], cache, sampler, job.max_tokens, job.stop,
+                                     eos_ids=self.eos_ids(job), context=job.ids[:keep],
+                                     draft=job.draft if job.draft is not None else self.draft,
+                                     prompt_rows=self.prompt_rows(request) if scored else None,
+                                     prompt_rows_chunk=PROMPT_CHUNK,
+                                     finished=(lambda c=constraint: c.done) if constraint else None)
+        except Exception as e:
+            request.out.put((job.index, e))
+            if cache is not None:
+                self.prompt_cache.put([], cache)
+            return
+        self.batch.append(request)
 
     def eos_ids(self, job: Job) -> tuple[int, ...] | None:
         """What ends the job's reply: the model's eos (None), nothing (ignore_eos), or eos and
@@ -392,48 +399,53 @@ class Scheduler:
         chosen.chunk_at = self.chunks_run
         return decoding + [chosen]
 
+    def chunk(self) -> int:
+        """The one rule for how many prompt tokens the chosen prompt reads in the next pass, on
+        every path (run_pass, start_pass): `prefill_chunk` while any other request is in the
+        batch, `alone_chunk` when none is. Counted over the batch, not over the pass: a request
+        that sits out this pass (a second prompt waiting its turn, a client reading slowly, a
+        micro-batch still on the stages) wants the pass after it, so a short request beside a
+        long prompt waits one short chunk, never a long one. A prompt read alone keeps its
+        single-pass speed (docs/performance.md), and a newcomer still waits one chunk only."""
+        return self.prefill_chunk if len(self.batch) > 1 else self.alone_chunk
+
     def run_pass(self, plan: list[Request]) -> None:
-        # every prompt runs in chunks, alone or not: whatever arrives waits at most one chunk.
-        # With no stream waiting on it, a chunk may be ALONE_CHUNK: a prompt read alone keeps
-        # its single-pass speed (docs/performance.md), and a newcomer still waits one chunk only
-        chunk = self.prefill_chunk if len(plan) > 1 else max(self.prefill_chunk, ALONE_CHUNK)
-        steps = [r.gen.step(chunk if r.gen.pending else None) for r in plan]
-        try:
-            with np.errstate(all="ignore"):  # non-finite logits are reported as GenerationError
-                logits = self.model.forward_batch(steps)
-        except Exception as e:       # nothing of this pass can be trusted: each request gets the error
-            with self.cond:
-                for r in plan:
-                    self.fail(r, e)
-            return
-        self.take(plan, logits)
+        """One pass sent, waited for and its tokens delivered (depth 1)."""
+        wait = self.send(plan)
+        if wait is not None:
+            self.finish_pass(plan, wait)
 
     def start_pass(self, plan: list[Request]) -> None:
-        """A micro-batch's pass sent, not waited for (pipelined); a chunk as run_pass's, counted
-        by the requests running rather than this micro-batch's."""
-        chunk = self.prefill_chunk if len(self.batch) > 1 else max(self.prefill_chunk, ALONE_CHUNK)
+        """A micro-batch's pass sent, not waited for (pipelined): finish_pass takes its tokens."""
+        wait = self.send(plan)
+        if wait is not None:
+            self.flying.append((plan, wait))
+            self.most_flying = max(self.most_flying, len(self.flying))
+
+    def send(self, plan: list[Request]) -> Callable | None:
+        """The pass of `plan` begun on the model (model.start_batch: run at once unless the
+        executor pipelines it); the call that waits for its logits, or None if it failed."""
+        chunk = self.chunk()
         steps = [r.gen.step(chunk if r.gen.pending else None) for r in plan]
-        try:
-            wait = self.model.start_batch(steps)
-        except Exception as e:
-            with self.cond:
-                for r in plan:
-                    self.fail(r, e)
-            return
-        self.flying.append((plan, wait))
-        self.most_flying = max(self.most_flying, len(self.flying))
+        return self.guarded(plan, lambda: self.model.start_batch(steps))
 
     def finish_pass(self, plan: list[Request], wait: Callable) -> None:
-        """The oldest pass under way waited for, and its tokens delivered."""
+        """A pass under way waited for, and its tokens delivered."""
+        logits = self.guarded(plan, wait)
+        if logits is not None:
+            self.take(plan, logits)
+
+    def guarded(self, plan: list[Request], call: Callable):
+        """call()'s result, or None when it raised: nothing of this pass can be trusted, so each
+        request of `plan` gets the error."""
         try:
-            with np.errstate(all="ignore"):
-                logits = wait()
+            with np.errstate(all="ignore"):  # non-finite logits are reported as GenerationError
+                return call()
         except Exception as e:
             with self.cond:
                 for r in plan:
                     self.fail(r, e)
-            return
-        self.take(plan, logits)
+            return None
 
     def take(self, plan: list[Request], logits: list) -> None:
         self.steps += 1

@@ -11,8 +11,8 @@ import pytest
 
 import ds2cli
 from ds2cli.generation.sampling import SamplingParams
+from ds2cli.model.executor import Executor
 from ds2cli.server.api import Job
-from ds2cli.server import scheduler as scheduling
 from ds2cli.server.scheduler import ClientGone, Refused, Request, Scheduler
 from ds2cli.weights.source import bundled_model_dir
 
@@ -22,6 +22,37 @@ PROMPT = "User: What is 451 - 123?\n\nAssistant:"
 @pytest.fixture(scope="module")
 def model():
     return ds2cli.load(bundled_model_dir())
+
+
+class Recorded(Executor):
+    """The reference executor, noting each pass's sequences as (start, tokens). With `depth` 2
+    passes run only when waited for, two under way at once: how a cluster's stages by layers
+    look to the scheduler (cluster/ray_cluster.py's start_pass). `hold` keeps the first pass
+    from running until it is set."""
+
+    def __init__(self, depth: int = 1, hold: threading.Event | None = None):
+        self.depth, self.hold, self.passes = depth, hold, []
+
+    def pipeline_depth(self) -> int:
+        return self.depth
+
+    def start_pass(self, model, p):
+        return lambda: self.run_pass(model, p)
+
+    def run_pass(self, model, p):
+        self.passes.append([(start, p.tokens[rows].tolist()) for start, rows in zip(p.starts, p.rows)])
+        if self.hold is not None and len(self.passes) == 1:
+            assert self.hold.wait(30), "the first pass was held for 30 s"
+        return super().run_pass(model, p)
+
+
+def wait_for(done, what: str, seconds: float = 30) -> None:
+    """Poll `done()` until it holds; fail the test once `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {seconds} s for {what}")
+        time.sleep(0.001)
 
 
 def job(model, max_tokens=8, **kw) -> Job:
@@ -81,19 +112,13 @@ def test_more_choices_than_the_queue_holds_are_refused_and_closing_refuses_all(m
     assert refused.value.code == "shutting_down"
 
 
-def test_every_prompt_runs_in_chunks_and_the_shortest_goes_first(model, monkeypatch):
+def test_every_prompt_runs_in_chunks_and_the_shortest_goes_first():
     """Counted passes: a long prompt alone runs chunk by chunk; a short one arriving behind it
     gets the next chunk (the fewest tokens left), and its first token comes before the long one's."""
-    passes, real, queued = [], model.forward_batch, threading.Event()
-
-    def spy(steps, *args, **kwargs):
-        passes.append([len(s.ids) for s in steps])
-        if len(passes) == 1:
-            queued.wait(30)                             # the short one arrives during the first chunk
-        return real(steps, *args, **kwargs)
-    monkeypatch.setattr(model, "forward_batch", spy)
-    monkeypatch.setattr(scheduling, "ALONE_CHUNK", 48)
-    scheduler = Scheduler(model, 1024, 64 << 20, max_queue=4, parallel=2, prefill_chunk=32)
+    queued = threading.Event()
+    recorded = Recorded(hold=queued)        # the short one arrives during the first chunk
+    model = ds2cli.load(bundled_model_dir(), executor=recorded)
+    scheduler = Scheduler(model, 1024, 64 << 20, max_queue=4, parallel=2, prefill_chunk=32, alone_chunk=48)
     long_ids = model.tokenizer.encode("The history of the city begins " * 30)[:200]
     long_job = Job(False, long_ids, SamplingParams(temperature=0), 4, (), False, False)
     order, lock = [], threading.Lock()
@@ -106,18 +131,49 @@ def test_every_prompt_runs_in_chunks_and_the_shortest_goes_first(model, monkeypa
                         order.append(name)
     long_thread = threading.Thread(target=run, args=(long_job, "long"))
     long_thread.start()
-    while not passes:                                   # the long prompt's first chunk has run
-        time.sleep(0.001)
+    wait_for(lambda: recorded.passes, "the long prompt's first chunk")
     short = threading.Thread(target=run, args=(job(model, max_tokens=2, index=0), "short"))
     short.start()
-    while not scheduler.waiting_line:
-        time.sleep(0.001)
+    wait_for(lambda: scheduler.waiting_line, "the short one in the queue")
     queued.set()
     short.join(60), long_thread.join(60)
-    assert passes[0] == [48]                            # alone, still a chunk (ALONE_CHUNK)
-    assert all(max(p) <= 32 for p in passes if len(p) > 1)   # beside a decoding one, --prefill-chunk
-    assert order[0] == "short" and order[-1] == "long", (order, passes)
+    lengths = [[len(tokens) for _, tokens in p] for p in recorded.passes]
+    assert lengths[0] == [48]                           # alone, still a chunk (alone_chunk)
+    assert all(max(p) <= 32 for p in lengths if len(p) > 1)  # beside a decoding one, --prefill-chunk
+    assert order[0] == "short" and order[-1] == "long", (order, lengths)
     scheduler.close()
+
+
+def prompt_chunks(passes: list, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each prompt's chunks in the order they ran, as token counts: a sequence of a pass is a
+    chunk of the prompt whose tokens from its start it repeats (a decode step is past the prompt)."""
+    out = {name: [] for name in prompts}
+    for p in passes:
+        for start, tokens in p:
+            for name, ids in prompts.items():
+                if ids[start:start + len(tokens)] == tokens:
+                    out[name].append(len(tokens))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_prompt_beside_another_in_the_batch_reads_short_chunks_on_every_path(depth):
+    """Two long prompts admitted together: each pass runs a chunk of one while the other sits
+    out. Run to the end (depth 1) or pipelined (depth 2), the scheduler applies one rule: while
+    another request is in the batch, a chunk is --prefill-chunk (32), never alone_chunk (48),
+    so the same prompts are read in the same chunks on both paths."""
+    recorded = Recorded(depth=depth)
+    model = ds2cli.load(bundled_model_dir(), executor=recorded)
+    scheduler = Scheduler(model, 1024, 64 << 20, max_queue=4, parallel=3, prefill_chunk=32, alone_chunk=48)
+    prompts = {"a": model.tokenizer.encode("The history of the city begins " * 30)[:100],
+               "b": model.tokenizer.encode("Once upon a time there was a river " * 30)[:80]}
+    jobs = [Job(False, prompts["a"], SamplingParams(temperature=0), 2, (), False, False, ignore_eos=True),
+            Job(False, prompts["b"], SamplingParams(temperature=0), 12, (), False, False, index=1,
+                ignore_eos=True)]
+    answer(scheduler, jobs)                             # b, the shorter, decodes until a has read its prompt
+    scheduler.close()
+    assert prompt_chunks(recorded.passes, prompts) == {"a": [32, 32, 32, 4], "b": [32, 32, 16]}
 
 
 @pytest.mark.slow
@@ -161,17 +217,6 @@ def test_ignore_eos_runs_to_max_tokens(model):
     scheduler.close()
 
 
-class Deferred(ds2cli.model.executor.Executor):
-    """Passes that run only when waited for, two under way at once: how a cluster's stages by
-    layers look to the scheduler (cluster/ray_cluster.py's start_pass)."""
-
-    def pipeline_depth(self) -> int:
-        return 2
-
-    def start_pass(self, model, p):
-        return lambda: self.run_pass(model, p)
-
-
 @pytest.mark.slow
 def test_pipelined_micro_batches_give_each_request_the_same_text(model):
     prompts = ["What is 451 - 123?", "What is 12 + 30?", "What is 7 * 6?", "What is 100 - 1?"]
@@ -182,7 +227,7 @@ def test_pipelined_micro_batches_give_each_request_the_same_text(model):
     plain = Scheduler(model, 256, 64 << 20, max_queue=8, parallel=4)
     want, _ = answer(plain, jobs(model))
     plain.close()
-    piped = ds2cli.load(bundled_model_dir(), executor=Deferred())
+    piped = ds2cli.load(bundled_model_dir(), executor=Recorded(depth=2))
     scheduler = Scheduler(piped, 256, 64 << 20, max_queue=8, parallel=4)
     assert scheduler.depth == 2
     got, _ = answer(scheduler, jobs(piped))
