@@ -10,6 +10,7 @@ Bottom-up:
     inspect_tables  inspect's report as rich tables
     chat_loop       `ds2 chat`'s terminal loop and line editor (over generation.conversation)
     saved_state     --session and --prompt-cache: checked first, held, saved however the chat ends
+    generate_run    `ds2 generate` below its options: the prompt into ids, the run streamed or as --json
     serve           `ds2 serve`: options, loading, listening, the graceful stop
     bench/          `ds2 bench` (its __init__ lists its modules)
     main            the click group and commands: parse, call, render

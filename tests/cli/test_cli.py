@@ -267,13 +267,13 @@ def test_chat_template_file_replaces_the_checkpoints(tmp_path):
 
 def test_threads_limits_blas_while_generating(monkeypatch):
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    import ds2cli.cli.main as cli_module
-    seen, real = [], cli_module.stream_generate
+    import ds2cli.cli.generate_run as generate_run
+    seen, real = [], generate_run.stream_generate
 
     def recording(*args, **kwargs):
         seen.append([p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"])
         return real(*args, **kwargs)
-    monkeypatch.setattr(cli_module, "stream_generate", recording)
+    monkeypatch.setattr(generate_run, "stream_generate", recording)
     before = [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
     r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--threads", "1")
     assert r.exit_code == 0 and r.stdout == "2 + 2 = 4.\n"
@@ -331,8 +331,8 @@ def test_context_clipping_max_new_tokens_is_said_once():
 def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(monkeypatch, as_json):
     """An interrupted generation still says how fast its prefill and decode steps ran: --json's
     object and the --stats line carry real figures, not zeros."""
-    import ds2cli.cli.main as cli_module
-    real = cli_module.sampler_for
+    import ds2cli.cli.generate_run as generate_run
+    real = generate_run.sampler_for
 
     def sampler_for(model, opts):
         sample, calls = real(model, opts), []
@@ -343,7 +343,7 @@ def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(monkeypatch, a
                 raise KeyboardInterrupt      # as a Ctrl-C would, between two decode steps
             return sample(logits, history)
         return interrupting
-    monkeypatch.setattr(cli_module, "sampler_for", sampler_for)
+    monkeypatch.setattr(generate_run, "sampler_for", sampler_for)
     args = ["generate", "--chat", "Count from 3 to 9.", "--temp", "0", "--stats", "--ignore-eos", "-n", "50"]
     r = run(*args, *(["--json"] if as_json else []))
     assert r.exit_code == 130
