@@ -15,7 +15,7 @@ import click
 
 from ds2cli.cli import console
 from ds2cli.generation import grammar as grammars
-from ds2cli.server.api import Defaults
+from ds2cli.server.request_fields import Defaults
 from ds2cli.server.scheduler import DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, Scheduler
 from ds2cli.errors import Ds2Error
 from ds2cli.server.http_server import MAX_BODY_BYTES, Server, State
@@ -175,7 +175,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
                                        opts["memory_budget"], opts["ray_spread"])
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                                 ctx, system, tuple(model.eos_token_ids), reasoning_format)
-            model.tokenizer.longest_token     # a prompt's limit in characters (api.check_chars), found once
+            model.tokenizer.longest_token     # a prompt's limit in characters (jobs.check_chars), found once
             disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * MB, model, state.log) \
                 if prompt_cache_dir is not None else None
             scheduler = Scheduler(model, ctx, prompt_cache_mb * MB, max_queue, parallel, prefill_chunk,

@@ -4,7 +4,8 @@ calls sit here because only requests declare them.
 
 Bottom-up:
     tools                tool calls in DeepSeek's syntax: declarations, template, forced calls, parsing
-    api                  OpenAI requests validated into jobs (one per choice)
+    request_fields       a request's fields beside its prompts, checked: sampling, limits, stops, grammar
+    jobs                 a request's prompts read and tokenized, its choices made into jobs (one per choice)
     metrics              the counters of GET /metrics, in Prometheus' text format
     prompt_disk          the pool's second tier on disk (--prompt-cache-dir)
     prompt_cache         the pool of latent caches of recent conversations

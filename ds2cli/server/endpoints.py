@@ -1,6 +1,6 @@
 """What each endpoint of `ds2 serve` does, one method an endpoint: the chat page and its icon,
 /health, /metrics, the models, the tokenizer's endpoints, and chat and text completions (parsed
-by api.py, run by the scheduler, shaped by responses.py, written whole or as events). A mixin of
+by jobs.py, run by the scheduler, shaped by responses.py, written whole or as events). A mixin of
 the handler (http_server.Handler), whose routing calls these."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import zlib
 from pathlib import Path
 
 from ds2cli.errors import Ds2Error, UnavailableError
-from ds2cli.server.api import ApiError, parse_jobs
+from ds2cli.server.jobs import parse_jobs
+from ds2cli.server.request_fields import ApiError
 from ds2cli.server.http_io import Read
 from ds2cli.server.infill import InfillResponse, infill_job
 from ds2cli.server.metrics import CONTENT_TYPE as METRICS_TYPE

@@ -11,7 +11,7 @@ import socket
 import time
 
 from ds2cli.json_files import JSON_ERRORS, json_error
-from ds2cli.server.api import ApiError
+from ds2cli.server.request_fields import ApiError
 from ds2cli.server.scheduler import ClientGone
 
 MAX_BODY_BYTES = 4 * 1024 * 1024    # a request body beyond this gets 413 (a 160k-token prompt fits)

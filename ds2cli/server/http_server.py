@@ -1,7 +1,7 @@
 """The HTTP layer of `ds2 serve`, on the standard library's ThreadingHTTPServer: the shared
 state, the server, and the handler's request path: routing, the API key, CORS, errors, metrics
 and one log line per request. Each request runs on its own handler thread, which parses it
-(api.py), hands its choices to the scheduler (scheduler.py) and writes their chunks as they come
+(jobs.py), hands its choices to the scheduler (scheduler.py) and writes their chunks as they come
 (responses.py shapes them). What each endpoint does is endpoints.py; bodies read within their
 limit and the writers (JSON, server-sent events) are http_io.py. serve.py has the command and
 its graceful stop.
@@ -23,7 +23,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ds2cli import __version__
-from ds2cli.server.api import ApiError, Defaults
+from ds2cli.server.request_fields import ApiError, Defaults
 from ds2cli.server.endpoints import Endpoints
 from ds2cli.server.http_io import MAX_BODY_BYTES, BodyIO
 from ds2cli.server.scheduler import ClientGone, Scheduler, Refused

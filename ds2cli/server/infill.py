@@ -6,8 +6,8 @@ The job runs as every completion does (the scheduler); no HTTP here (endpoints.p
 from __future__ import annotations
 
 from ds2cli.generation.generate import Chunk
-from ds2cli.server.api import (ABORTED, ApiError, Defaults, Job, fim_prompt, fim_tokens, parse_job,
-                               unicode_text)
+from ds2cli.server.jobs import ABORTED, Job, fim_prompt, fim_tokens, parse_job, unicode_text
+from ds2cli.server.request_fields import ApiError, Defaults
 from ds2cli.text import fim
 from ds2cli.text.tokenizer import Tokenizer
 

@@ -1,7 +1,7 @@
 """OpenAI's response objects for one request's choices, whole or streamed: text, reasoning apart
 from the answer (DeepSeek's `reasoning_content`, text/reasoning.py splits it), logprobs
 (logprobs.py shapes them), tool calls (tools.py parses them), finish reasons and usage.
-No HTTP here (http_server.py writes them) and no request parsing (api.py).
+No HTTP here (http_server.py writes them) and no request parsing (jobs.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import uuid
 
 from ds2cli.server import tools as tooling
-from ds2cli.server.api import ABORTED, Job
+from ds2cli.server.jobs import ABORTED, Job
 from ds2cli.generation.generate import Chunk
 from ds2cli.generation.logprobs import TextOffsets, chat_content, completion_logprobs
 from ds2cli.text import reasoning

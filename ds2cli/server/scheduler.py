@@ -28,7 +28,7 @@ as soon as its last one's tokens are taken, while the others' are still on their
 stage works on a different micro-batch at once (model.start_batch). A request is in one pass
 at a time; one cancelled meanwhile leaves once its pass is back.
 
-No HTTP here (http_server.py and endpoints.py do that) and no request parsing (api.py).
+No HTTP here (http_server.py and endpoints.py do that) and no request parsing (jobs.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ds2cli.server.api import ABORTED, Job
+from ds2cli.server.jobs import ABORTED, Job
 from ds2cli.generation.generate import Chunk, Generation, ReplyStart
 from ds2cli.generation.logprobs import PROMPT_CHUNK, ObservedSampler, TokenLogprobs, entry
 from ds2cli.model.transformer import Model

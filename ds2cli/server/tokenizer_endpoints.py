@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ds2cli.server.api import ApiError, Defaults, boolean, chat_ids, unicode_text
+from ds2cli.server.jobs import chat_ids, unicode_text
+from ds2cli.server.request_fields import ApiError, Defaults, boolean
 from ds2cli.text.tokenizer import Tokenizer
 
 

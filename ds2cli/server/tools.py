@@ -18,7 +18,7 @@ for such a template ds2 lists the tools in the system message as DeepSeek's V2.5
 does ("## Tools ... You have the following functions available: ..."); a template that reads
 `tools` gets them as its variable, as with Hugging Face's apply_chat_template(tools=...).
 
-No HTTP (serve.py) and no request fields beyond the tool ones (api.py).
+No HTTP (serve.py) and no request fields beyond the tool ones (request_fields.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ds2cli.cli.main import main
 from ds2cli.generation.generate import MAX_STOP_CHARS, StopMatcher
-from ds2cli.server.api import ApiError, _stop
+from ds2cli.server.request_fields import ApiError, _stop
 
 
 def first_stop(text: str, stops: list[str]) -> str | None:

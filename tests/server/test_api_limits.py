@@ -1,14 +1,15 @@
-"""api.py's limits, each a 400 before any work its size would cost (the tokenizer's calls counted):
-a list of prompts beyond 64 choices, logit_bias keys spelled any way but as a plain id and more
-entries than the limit, tools beyond their count and a name used twice (found before any schema
-compiles)."""
+"""A request's limits (request_fields.py, jobs.py), each a 400 before any work its size would
+cost (the tokenizer's calls counted): a list of prompts beyond 64 choices, logit_bias keys
+spelled any way but as a plain id and more entries than the limit, tools beyond their count and
+a name used twice (found before any schema compiles)."""
 
 import pytest
 
 import ds2cli
 from ds2cli.generation.sampling import SamplingParams
 from ds2cli.server import tools
-from ds2cli.server.api import MAX_LOGIT_BIAS, ApiError, Defaults, parse_jobs
+from ds2cli.server.jobs import parse_jobs
+from ds2cli.server.request_fields import MAX_LOGIT_BIAS, ApiError, Defaults
 
 
 class Counting:

@@ -12,7 +12,7 @@ import pytest
 import ds2cli
 from ds2cli.generation.sampling import SamplingParams
 from ds2cli.model.executor import Executor
-from ds2cli.server.api import Job
+from ds2cli.server.jobs import Job
 from ds2cli.server.scheduler import ClientGone, Refused, Request, Scheduler
 from ds2cli.weights.source import bundled_model_dir
 

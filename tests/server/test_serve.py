@@ -22,7 +22,8 @@ import ds2cli
 from ds2cli.wording import unpacked
 from ds2cli.server import scheduler as engine_module
 from ds2cli.cli import serve as serve_module
-from ds2cli.server.api import Defaults, Job
+from ds2cli.server.jobs import Job
+from ds2cli.server.request_fields import Defaults
 from ds2cli.cli.main import main
 from ds2cli.errors import GenerationError
 from ds2cli.generation.generate import lstrip_reply, stream_generate

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import ds2cli
-from ds2cli.server.api import render_continuation
+from ds2cli.server.jobs import render_continuation
 from ds2cli.text.tokenizer import Tokenizer
 from test_serve import KEY, client, request, running
 

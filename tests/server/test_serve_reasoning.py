@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import ds2cli
-from ds2cli.server.api import Defaults, parse_job
+from ds2cli.server.jobs import parse_job
+from ds2cli.server.request_fields import Defaults
 from ds2cli.generation.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
