@@ -306,15 +306,18 @@ def read_head(url: str, limit: int, budget: Budget | None = None) -> tuple[int, 
     return size, head
 
 
-def read_range(url: str, start: int, stop: int, budget: Budget | None = None) -> tuple[int, bytes] | None:
+def read_range(url: str, start: int, stop: int, budget: Budget | None = None,
+               session=None) -> tuple[int, bytes] | None:
     """Bytes [start, stop) of the file at `url` and the file's size (Content-Range's total), with
-    huggingface_hub's session, token and timeout; None on 404. The body is cut at stop - start
-    bytes: a server that ignores the range is an error, not a shard downloaded whole."""
+    huggingface_hub's session (or `session`, which has its `stream`), token and timeout; None on
+    404. The body is cut at stop - start bytes: a server that ignores the range is an error, not
+    a shard downloaded whole."""
     from huggingface_hub import constants
     from huggingface_hub.utils import build_hf_headers, get_session
 
     headers = {**build_hf_headers(), "Range": f"bytes={start}-{stop - 1}", "Accept-Encoding": "identity"}
-    with get_session().stream("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
+    session = get_session() if session is None else session
+    with session.stream("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
         if r.status_code == 404:
             return None
         total = CONTENT_RANGE.fullmatch(r.headers.get("Content-Range", ""))
