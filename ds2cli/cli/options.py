@@ -17,13 +17,12 @@ from click.core import ParameterSource
 
 from ds2cli.cli import console
 from ds2cli.weights import memory
-from ds2cli.parallel.cores import kernel_threads
 from ds2cli.generation.draft import MAX_DRAFT
 from ds2cli.generation.generate import check_stops
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
 from ds2cli.user_files import read_bounded
-from ds2cli.weights.loader import load
+from ds2cli.execution.factory import load
 from ds2cli.weights.source import Source, open_model
 from ds2cli.model.transformer import Model
 from ds2cli.text.reasoning import FORMATS
@@ -233,8 +232,7 @@ def thread_limits(n: int | None):
     from threadpoolctl import threadpool_limits   # imported when used: it costs 30 ms
     stack = contextlib.ExitStack()
     stack.enter_context(threadpool_limits(limits=n, user_api="blas"))
-    stack.enter_context(kernel_threads(n))   # the low-bit kernels' own threads
-    return stack
+    return stack     # the low-bit kernels' own threads: load_model's `threads`, the model's machine
 
 
 def memory_options(f):
@@ -303,30 +301,28 @@ def check_spread(ray: str | None, spread: str | None) -> str:
 
 def load_model(source: Source, quantize: str | None = None, context: int | None = None,
                memory_check: bool = True, ray: str | None = None,
-               memory_budget: int | None = None, spread: str | None = None) -> tuple[Model, float]:
+               memory_budget: int | None = None, spread: str | None = None,
+               threads: int | None = None) -> tuple[Model, float]:
     """Load the opened model with a progress bar; `quantize` as --quantize gives it ("8", "4",
     "auto", "exact" or None). A command reads its tokenizer and prompt from `source` first
     (tokenizer_of), so it can refuse a prompt too long for its context and name the context the
     memory check counts before any weight loads. `ray`: --ray's address, the model placed over
     that cluster's nodes (the placement printed first) instead of loaded here; `spread`:
-    --ray-spread's "layers" or "experts"."""
+    --ray-spread's "layers" or "experts"; `threads`: --threads, the cores the model's kernels use.
+    Every combination loads (execution/factory.py composes it)."""
     t0 = time.perf_counter()
     spread = check_spread(ray, spread)
     bits = quantize if quantize in (None, "auto", "exact") else int(quantize)
     if ray is not None:
-        if memory_budget is not None:
-            raise click.UsageError("--memory-budget streams experts on one machine; with --ray each node "
-                                   "holds its layers whole")
-        from ds2cli.cluster import driver
         with naming_ds2_model():
-            model = driver.load(source, ray, bits, context, show=console.info, memory_check=memory_check,
-                                spread=spread)
+            model = load(source, quantize=bits, context=context, memory_check=memory_check, ray=ray,
+                         spread=spread, show=console.info, memory_budget=memory_budget)
         return model, time.perf_counter() - t0
     progress = console.LoadProgress()
     try:
         with naming_ds2_model():
             model = load(source, progress=progress, quantize=bits, context=context, memory_check=memory_check,
-                         memory_budget=memory_budget)
+                         memory_budget=memory_budget, threads=threads)
     finally:
         progress.close()
     if quantize == "auto":

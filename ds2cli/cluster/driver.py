@@ -1,17 +1,13 @@
-"""The driver's side of `--ray`: the placement planned and shown before anything loads, then a
-Model whose layers run on the cluster's nodes (RayExecutor) and which holds no weights itself:
-generation, sessions, the server and its scheduler use it as they use any Model."""
+"""The driver's side of `--ray`: the placement planned for a checkpoint and shown before anything
+loads. execution/factory.cluster_model then makes the driver's Model, which holds no weights,
+over the nodes' stages (execution/stages.py)."""
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-from typing import Callable
 
 from ds2cli.cluster import placement as placing
 from ds2cli.cluster import ray_cluster
-from ds2cli.model.layers import Weights
-from ds2cli.model.transformer import Model
 from ds2cli.weights import loader, memory
 from ds2cli.weights.source import Source
 
@@ -40,23 +36,3 @@ def describe(source: Source, placement: placing.Placement) -> list[str]:
     by = " by experts" if placement.spread == "experts" else ""
     return [f"placement of {memory.model_name(cfg, source.path)} over {len(placement.stages)} "
             f"node{'s' if len(placement.stages) != 1 else ''}{by}:"] + ["  " + line for line in placement.lines(cfg.num_hidden_layers)]
-
-
-def load(source: Source, address: str, quantize=None, context: int | None = None,
-         show: Callable[[str], None] | None = None, memory_check: bool = True, spread: str = "layers") -> Model:
-    """The model at `source` over the cluster at `address`: the placement (shown line by line
-    with `show` before any weight loads), a stage on each node that loads its own range from its
-    own disk, and the driver's Model over them; `spread` as plan's."""
-    ray, placement, bits, qc = plan(source, address, quantize, context, memory_check, spread)
-    for line in describe(source, placement) if show else ():
-        show(line)
-    cfg = source.config
-    executor = ray_cluster.RayExecutor(ray, placement, source.path, bits if quantize == "auto" else quantize)
-    weights = Weights(embed_tokens=None, layers=[None] * cfg.num_hidden_layers, norm=None, lm_head=None)
-    atexit.register(executor.stop)     # Ray also ends a driver's actors with it: this says so at once
-    try:
-        return Model(cfg, weights, source.tokenizer, source.generation_config, source.path,
-                     executor=executor, quantization=qc)
-    except BaseException:
-        executor.stop()
-        raise

@@ -1,93 +1,125 @@
-"""The default executor: the math's parallel work over this machine's cores and the forked
-helper processes (cores.py, processes.py), as `ds2cli.load` gives it to a Model.
+"""The compute part: products, heads and attention's pieces, on the calling thread (`Compute`, the
+reference) or over this machine's cores and helper processes (`CoreCompute`).
 
-What the math asks (model/executor.py) maps onto the cores so:
+How the math's requests map onto the cores (cores.py, helpers.py):
   - a product goes as its weight's rows (`w.product(x)`, linear.Rows) to `Workers.split`: in a
     few-token low-bit pass between this process and the helpers, in one plan with the products
     asked for together; in a long pass between threads, or whole on one thread inside a part;
     a float32 weight's product is one BLAS call on BLAS's own threads;
-  - MLA's q and its fold through W_UK (a product with heads) go as one AbsorbedQuery;
-  - independent items (experts, heads, attention's pieces) are shared across threads in a long
-    low-bit pass (`cores.map`), a long cache's keys over the cores in a few-token one.
-`start(model)` gives every weight of the model a key the helpers know it by, then forks them.
+  - a sequence's attention is cut by heads across the cores in a long low-bit pass, and a long
+    cache's keys across the cores in a few-token one (their running sums merge: attention.merge_sums).
+`start(model)` enters every weight of the model in the machine's registry, then forks the helpers.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
-from ds2cli.model.executor import Executor
+from ds2cli.execution.machine import Machine
+from ds2cli.model import attention
 from ds2cli.model.linear import Rows
-from ds2cli.parallel import cores
-from ds2cli.parallel import processes
-from ds2cli.parallel.absorbed import AbsorbedQuery
 
 
-class CoreExecutor(Executor):
-    """This machine's cores: a thread pool and, over low-bit weights, helper processes."""
+class Compute:
+    """Everything on the calling thread, in order: each product through its weight's `matmul`."""
 
-    def __init__(self):
+    def start(self, model) -> None:
+        """The model's weights exist: set up what the products run on."""
+
+    def stop(self) -> None:
+        """Release what start set up."""
+
+    def forward_pass(self, tokens: int):
+        return contextlib.nullcontext()
+
+    def helper_bytes(self) -> int:
+        """Resident memory of helper processes that this one does not also map: none here."""
+        return 0
+
+    def matmul_all(self, products) -> list[np.ndarray]:
+        return [w.matmul(x) for w, x in products]
+
+    def heads(self, w, x: np.ndarray) -> np.ndarray:
+        return w.heads(x)
+
+    def attend_latent(self, q_lat, q_pe, latent, k_pe, scale) -> np.ndarray:
+        return attention.attend_latent(q_lat, q_pe, latent, k_pe, scale)
+
+    def attend_expanded(self, q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
+        return attention.attend_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale)
+
+
+class CoreCompute(Compute):
+    """This machine's cores (a Machine): a thread pool and, over low-bit weights, helper processes."""
+
+    def __init__(self, machine: Machine):
+        self.machine = machine
         self.low_bit = False
 
     def start(self, model) -> None:
-        """Register the model's weights with the helper processes and fork them (low-bit
-        weights only: float32 products run on BLAS's own threads)."""
+        """Name the model's weights to the helper processes and fork them (low-bit weights only:
+        float32 products run on BLAS's own threads)."""
         self.low_bit = model.quantization is not None
         if self.low_bit:
-            processes.start_helpers(model_weights(model))
+            self.machine.register(model_weights(model))
+            self.machine.start_helpers()
 
     def stop(self) -> None:
-        processes.stop_helpers_now()
+        self.machine.stop_helpers()
 
     def forward_pass(self, tokens: int):
-        return cores.forward_pass(low_bit=self.low_bit, tokens=tokens)
+        return self.machine.forward_pass(self.low_bit, tokens)
+
+    def helper_bytes(self) -> int:
+        return self.machine.helper_private_bytes()
 
     def matmul_all(self, products) -> list[np.ndarray]:
-        products = [tuple(p) + (None,) * (3 - len(p)) for p in products]
-        pool = cores.workers()
-        # a fold that cannot be one product is q's product, then the heads': after the block
-        chained = [p[2] is not None and not (pool.held and AbsorbedQuery.fits(p[0], p[2])) for p in products]
-        with cores.together():
-            outs = cores.map(lambda p: None if chained[p[0]] else self.start_product(*p[1]),
-                             list(enumerate(products)), cost=[len(x) * w.shape[-1] * w.shape[-2] for w, x, _ in products])
-        outs = [o.result() if isinstance(o, Rows) else o for o in outs]
-        for j, (w, x, heads) in enumerate(products):
-            if chained[j]:
-                outs[j] = self.fold(w, x, heads)
-        return outs
+        workers = self.machine.workers
+        with workers.together():
+            outs = workers.map_costliest(lambda p: self.start_product(*p), products,
+                                         [len(x) * w.shape[-1] * w.shape[-2] for w, x in products])
+        return [o.result() if isinstance(o, Rows) else o for o in outs]
 
-    def start_product(self, w, x: np.ndarray, heads=None):
+    def start_product(self, w, x: np.ndarray):
         """The product started: its Rows (complete when the `together` block ends) or its array."""
-        if heads is not None:
-            m = AbsorbedQuery(w, heads)
-            p = Rows(m, np.ascontiguousarray(x, np.float32), np.empty((len(x), m.shape[0]), np.float32),
-                     align=m.align, depth=m.depth)
-        else:
-            p = w.product(x) if hasattr(w, "product") else None
-            if p is None:
-                return w.matmul(x)
-        cores.workers().split(p)
+        p = w.product(x) if hasattr(w, "product") else None
+        if p is None:
+            return w.matmul(x)
+        self.machine.workers.split(p)
         return p
 
     def heads(self, w, x: np.ndarray) -> np.ndarray:
         p = w.product(x)
-        if cores.workers().held:
-            cores.workers().split(p)    # a low-bit pass: its heads shared out like any product's rows
+        if self.machine.workers.held:
+            self.machine.workers.split(p)   # a low-bit pass: its heads shared out like any product's rows
         else:
-            p.span(0, p.rows)           # float32 weights: one batched product, BLAS on its own threads
+            p.span(0, p.rows)               # float32 weights: one batched product, BLAS on its own threads
         return p.result()
 
-    def map(self, fn, items, cost=None) -> list:
-        return cores.map(fn, items, cost)
+    def attend_latent(self, q_lat, q_pe, latent, k_pe, scale) -> np.ndarray:
+        """attention.attend_latent, its heads over the cores in a long pass, and within them a
+        long cache's keys over the cores in a few-token one (their running sums merged)."""
+        T, H, C = q_lat.shape
+        workers = self.machine.workers
 
-    def split(self, n: int, tokens: int) -> list[slice]:
-        return cores.split(n, tokens)
+        def heads(h: slice) -> np.ndarray:
+            parts = workers.spread(lambda keys: attention.absorbed_sums(q_lat[:, h], q_pe[:, h], latent, k_pe,
+                                                                        scale, keys),
+                                   workers.key_slices(len(latent), T))
+            _, l, acc = attention.merge_sums(parts)
+            return (acc / l[:, None]).reshape(T, h.stop - h.start, C)     # (T, h, C)
+        outs = workers.map(heads, workers.heads(H, T))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)   # (T, H, C)
 
-    def split_keys(self, S: int, tokens: int) -> list[slice]:
-        return cores.split_keys(S, tokens)
-
-    def spread(self, fn, items) -> list:
-        return cores.spread(fn, items)
+    def attend_expanded(self, q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
+        """attention.attend_expanded, its heads over the cores in a long pass."""
+        workers = self.machine.workers
+        outs = workers.map(lambda h: attention.attend_expanded(q_nope[:, h], q_pe[:, h], latent, k_pe,
+                                                               w_uk[h], w_uv[h], scale),
+                           workers.heads(q_nope.shape[1], len(q_nope)))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)   # (T, H, v)
 
 
 def model_weights(model):

@@ -1,16 +1,18 @@
-"""The cores a pass runs on: the worker pool, BLAS thread control, and splitting work: the
-implementation of the executor (executor.py) that the math is handed.
+"""The cores a pass runs on: a pool of threads, BLAS thread control, and splitting work.
 
-  split(n, tokens)         [0, n) as slices that the cores may run at once (independent heads)
-  map(fn, items, cost)     [fn(item) for item in items], the items shared across the cores
-  split_keys(S, tokens)    a long cache's positions [0, S) as one slice a core, for a few-token pass
-  spread(fn, items)        [fn(item) for item in items], each item on a core of its own, now
-  together()               a block of independent products, sent to the helper processes at once
+  Workers.split(product)      a product's rows (linear.Rows) cut between the cores: the helper
+                              processes in a few-token pass, else threads
+  Workers.map(fn, items)      [fn(item) for item in items], the items shared across the cores
+  Workers.heads(n, tokens)    [0, n) as slices the cores may run at once (independent heads)
+  Workers.key_slices(S, T)    a long cache's positions [0, S) as one slice a core, few tokens
+  Workers.spread(fn, items)   [fn(item) for item in items], each item on a core of its own, now
+  Workers.together()          a block of independent products, sent to the helpers at once
+  Workers.forward_pass(...)   what a pass runs in: the free cores counted, BLAS held
 Whether sharing pays is decided here: only while a low-bit forward pass holds BLAS at one thread
 (`forward_pass`), and not in a pass of few tokens whose products the helper processes
-(processes.py) already split; the costliest items go first, so the cores finish together. A
-product's rows (linear.Rows, from its weight's `product`) are cut by `Workers.split`: between
-the helper processes in a few-token pass, else between threads.
+(helpers.py) already split; the costliest items go first, so the cores finish together. A
+Workers object is made by the machine (machine.py) and lives as long as it: nothing here is
+process-wide.
 """
 
 from __future__ import annotations
@@ -21,37 +23,69 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from ds2cli.model.linear import FEW_TOKENS, Rows
-from ds2cli.parallel.load import Load
-
-# A pass of at most FEW_TOKENS tokens (a decode step, a verification pass, a short prompt) splits
-# each low-bit product's rows across the cores, helper processes included; a longer pass shares
-# whole items (experts, heads) across the cores instead.
-__all__ = ["FEW_TOKENS", "Rows", "Workers", "workers", "forward_pass", "kernel_threads", "blas_threads",
-           "together", "split_rows", "split", "split_keys", "spread", "map"]
+from ds2cli.execution.load import Load
 
 # A few-token pass (a decode step) attends to a cache of at least this many positions a share of
 # the keys a core: below it, handing the halves to a thread costs more than streaming them alone.
 SHARED_KEYS = 2048
 
 
+class Blas:
+    """The BLAS library's thread count, set and restored (threadpoolctl, imported when first
+    used: it costs 30 ms)."""
+
+    def __init__(self):
+        self._controllers: list | None = None
+        self.own: list[int] | None = None      # BLAS's own counts, kept to restore by `follow`
+        self.set_to: int | None = None         # the count `follow` set (None: BLAS's own)
+
+    def controllers(self) -> list:
+        if self._controllers is None:
+            from threadpoolctl import ThreadpoolController
+            self._controllers = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+        return self._controllers
+
+    @contextlib.contextmanager
+    def threads(self, n: int):
+        """BLAS at n threads for the block, restored after."""
+        controllers = self.controllers()
+        before = [c.num_threads for c in controllers]
+        for c in controllers:
+            c.set_num_threads(n)
+        try:
+            yield
+        finally:
+            for c, k in zip(controllers, before):
+                c.set_num_threads(k)
+
+    def follow(self, want: int | None) -> None:
+        """BLAS's threads at `want` (None: its own count again), set only when that changes."""
+        if want == self.set_to:
+            return
+        if self.own is None:
+            self.own = [c.num_threads for c in self.controllers()]
+        for c, own in zip(self.controllers(), self.own):
+            c.set_num_threads(own if want is None else want)
+        self.set_to = want
+
+
 class Workers:
     """The cores a kernel splits its row blocks over: the calling thread plus a small pool."""
 
-    def __init__(self, n: int | None = None):
-        self.n = n or max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                 else (os.cpu_count() or 1), 8))
+    def __init__(self, n: int | None = None, load: Load | None = None, blas: Blas | None = None):
+        self.n = n or allowed_cores()
+        self.shared_keys = SHARED_KEYS   # a few-token pass splits a cache of this many keys or more
         self.using = self.n              # the cores this pass uses: n, or fewer while other programs
                                          # keep some busy (load.py, read as each forward pass starts)
-        self.load = Load()
-        self.blas_set = None             # BLAS threads blas_follow set (None: BLAS's own count,
-        self.blas_own = None             # which this keeps to restore)
+        self.load = load or Load()
+        self.blas = blas or Blas()
         self.pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ds2-kernel") if self.n > 1 else None
         self.local = threading.local()   # .inside: this thread already runs one of several parts
         self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (forward_pass)
         self.few = 0                     # > 0 while that pass has at most FEW_TOKENS tokens
-        self.helpers = None              # the helper processes (parallel/processes.py) while they run
-        self.helpers_on = False          # whether they take this pass's products (DS2_HELPERS and the
-                                         # platform, read once as each forward pass starts)
+        self.helpers = None              # the helper processes (helpers.py) while they run
+        self.helpers_on = False          # whether they take this pass's products (set by the
+                                         # machine's forward_pass)
 
     @property
     def inside(self) -> bool:
@@ -63,18 +97,6 @@ class Workers:
         """How many parts to split work into here: one inside a part (which runs on its core
         alone, so more parts would only add calls), else one a core this pass uses."""
         return 1 if self.inside else min(self.n, self.using)
-
-    def blas_follow(self) -> None:
-        """BLAS's threads follow the cores this pass uses (a float32 pass's products are BLAS
-        calls): set when that changes, BLAS's own count again once every core is free."""
-        want = None if self.using >= self.n else self.using
-        if want == self.blas_set:
-            return
-        if self.blas_own is None:
-            self.blas_own = [c.num_threads for c in blas_controllers()]
-        for c, own in zip(blas_controllers(), self.blas_own):
-            c.set_num_threads(own if want is None else want)
-        self.blas_set = want
 
     def run(self, fn, spans: list[tuple[int, int]]) -> None:
         """fn(start, stop) over each span, shared between this thread and the pool (`share`).
@@ -88,7 +110,7 @@ class Workers:
             return
         if self.few and self.helpers_running():
             self.helpers.park()          # a few-token pass's own work on the cores: no helper spins
-        with contextlib.nullcontext() if self.held else blas_threads(1):   # held: already one
+        with contextlib.nullcontext() if self.held else self.blas.threads(1):   # held: already one
             self.share(lambda k: fn(*spans[k]), len(spans), len(spans))
 
     def share(self, fn, count: int, lanes: int) -> None:
@@ -199,102 +221,87 @@ class Workers:
         return out
 
 
-_workers: Workers | None = None
-_blas = None
+    def forward_pass(self, low_bit: bool, tokens: int, helpers_wanted: bool):
+        """What a forward pass of `tokens` tokens runs in: the cores other programs leave free
+        counted first (load.py), float32's BLAS threads held to them. Over low-bit weights: BLAS
+        held at one thread throughout, and a pass of at most FEW_TOKENS tokens marked as one
+        whose products the helper processes share (`helpers_wanted`). OpenBLAS's idle threads
+        keep spinning for a while after each call, and a spinning BLAS thread takes a core from
+        the low-bit kernels' own threads (docs/performance.md, "Why the constants are what they
+        are")."""
+        if self.n < 2:
+            return contextlib.nullcontext()
+        self.using = self.load.free(self.n, self.helpers.pids() if self.helpers is not None else ())
+        if not low_bit:         # float32 products: BLAS's own threads, as many as the cores free
+            self.blas.follow(None if self.using >= self.n else self.using)
+            return contextlib.nullcontext()
+        self.helpers_on = self.helpers is not None and helpers_wanted
+        return self.holding(tokens <= FEW_TOKENS)
 
+    @contextlib.contextmanager
+    def holding(self, few: bool):
+        with self.blas.threads(1):
+            self.held += 1
+            self.few += few
+            try:
+                yield
+            finally:
+                self.held -= 1
+                self.few -= few
 
-def workers() -> Workers:
-    global _workers
-    if _workers is None:
-        _workers = Workers()
-    return _workers
-
-
-def use_workers(pool: Workers) -> None:
-    """Replace this process's cores (a forked helper runs on its one core alone)."""
-    global _workers
-    _workers = pool
-
-
-@contextlib.contextmanager
-def forward_pass(low_bit: bool, tokens: int):
-    """What a forward pass of `tokens` tokens runs in: the cores other programs leave free
-    counted first (load.py), float32's BLAS threads held to them. Over low-bit weights: BLAS held at one
-    thread throughout, and a pass of at most FEW_TOKENS tokens marked as one whose products the
-    helper processes share. OpenBLAS's idle threads keep spinning for a while after each call,
-    and a spinning BLAS thread takes a core from the low-bit kernels' own threads (the figures:
-    docs/performance.md, "Why the constants are what they are")."""
-    pool = workers()
-    if pool.n < 2:
-        yield
-        return
-    pool.using = pool.load.free(pool.n, pool.helpers.pids() if pool.helpers is not None else ())
-    if not low_bit:             # float32 products: BLAS's own threads, as many as the cores free
-        pool.blas_follow()
-        yield
-        return
-    few = tokens <= FEW_TOKENS
-    pool.helpers_on = pool.helpers is not None and pool.helpers.wanted()
-    with blas_threads(1):
-        pool.held += 1
-        pool.few += few
+    @contextlib.contextmanager
+    def together(self):
+        """Products started in the block are independent of each other: in a pass of few tokens
+        whose products the helper processes share, their row spans are gathered (split) and sent
+        as one plan when the block ends, one message and one wait for all of them instead of one
+        each. Their outputs are complete once the block has ended, not before."""
+        if getattr(self.local, "batch", None) is not None or not self.helpers_ready():
+            yield
+            return
+        self.local.batch = batch = []
         try:
             yield
         finally:
-            pool.held -= 1
-            pool.few -= few
+            self.local.batch = None
+        self.run_products(batch)
+
+    def heads(self, n: int, tokens: int) -> list[slice]:
+        """[0, n) as consecutive slices, one for each core that may run them at once: several in a
+        low-bit prefill (lanes), else the whole (a decode step's attention is too small to be
+        worth splitting, and a few-token pass splits its products instead)."""
+        return [slice(a, b) for a, b in split_rows(n, self.lanes if tokens > 1 else 1, 1)]
+
+    def key_slices(self, S: int, tokens: int) -> list[slice]:
+        """[0, S) cached positions as consecutive slices for `spread`: one a core when a pass of
+        few tokens attends to a long cache (its products are split across the cores already, and
+        its attention, a stream over the whole latent, would otherwise run on one), else the whole."""
+        parts = self.parts if tokens <= FEW_TOKENS and S >= self.shared_keys and not self.inside else 1
+        return [slice(a, b) for a, b in split_rows(S, parts, 1)]
+
+    def spread(self, fn, items) -> list:
+        """[fn(item) for item in items], the first on this thread and each other on a core of its
+        own, BLAS at one thread meanwhile (run): for items that split one piece of work evenly,
+        such as key_slices' slices."""
+        items = list(items)
+        out = [None] * len(items)
+
+        def one(k: int, _stop: int) -> None:
+            out[k] = fn(items[k])
+        self.run(one, [(k, k + 1) for k in range(len(items))])
+        return out
+
+    def map_costliest(self, fn, items, cost) -> list:
+        """map, the costliest items (one number each in `cost`) started first, results in order."""
+        items = list(items)
+        first = sorted(range(len(items)), key=lambda j: -cost[j])
+        done = dict(zip(first, self.map(lambda j: fn(items[j]), first)))
+        return [done[j] for j in range(len(items))]
 
 
-@contextlib.contextmanager
-def kernel_threads(n: int):
-    """Use at most n cores in the low-bit kernels for the block (the CLI's --threads)."""
-    pool = workers()
-    before = pool.n
-    pool.n = max(1, min(n, before))
-    try:
-        yield
-    finally:
-        pool.n = before
-
-
-@contextlib.contextmanager
-def blas_threads(n: int):
-    """Set the BLAS library's thread count for the block, and restore it after."""
-    controllers = blas_controllers()
-    before = [c.num_threads for c in controllers]
-    for c in controllers:
-        c.set_num_threads(n)
-    try:
-        yield
-    finally:
-        for c, k in zip(controllers, before):
-            c.set_num_threads(k)
-
-
-def blas_controllers() -> list:
-    global _blas
-    if _blas is None:
-        from threadpoolctl import ThreadpoolController
-        _blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
-    return _blas
-
-
-@contextlib.contextmanager
-def together():
-    """Products started in the block are independent of each other: in a pass of few tokens
-    whose products the helper processes share, their row spans are gathered (Workers.split) and
-    sent as one plan when the block ends, one message and one wait for all of them instead of
-    one each. Their outputs are complete once the block has ended, not before."""
-    pool = workers()
-    if getattr(pool.local, "batch", None) is not None or not pool.helpers_ready():
-        yield
-        return
-    pool.local.batch = batch = []
-    try:
-        yield
-    finally:
-        pool.local.batch = None
-    pool.run_products(batch)
+def allowed_cores() -> int:
+    """The cores this process may run on, at most 8 (more pay nothing on the products' sizes)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n, 8))
 
 
 def split_rows(rows: int, parts: int, g: int) -> list[tuple[int, int]]:
@@ -302,42 +309,3 @@ def split_rows(rows: int, parts: int, g: int) -> list[tuple[int, int]]:
     groups = -(-rows // g)
     bounds = [min(rows, g * (groups * k // parts)) for k in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def split(n: int, tokens: int) -> list[slice]:
-    """[0, n) as consecutive slices, one for each core that may run them at once: several in a
-    low-bit prefill (Workers.lanes), else the whole (a decode step's attention is too small to be
-    worth splitting, and a few-token pass splits its products instead)."""
-    return [slice(a, b) for a, b in split_rows(n, workers().lanes if tokens > 1 else 1, 1)]
-
-
-def split_keys(S: int, tokens: int) -> list[slice]:
-    """[0, S) cached positions as consecutive slices for `spread`: one a core when a pass of few
-    tokens attends to a long cache (its products are split across the cores already, and its
-    attention, a stream over the whole latent, would otherwise run on one), else the whole."""
-    parts = workers().parts if tokens <= FEW_TOKENS and S >= SHARED_KEYS and not workers().inside else 1
-    return [slice(a, b) for a, b in split_rows(S, parts, 1)]
-
-
-def spread(fn, items) -> list:
-    """[fn(item) for item in items], the first on this thread and each other on a core of its
-    own, BLAS at one thread meanwhile (Workers.run): for items that split one piece of work
-    evenly, such as split_keys' slices."""
-    items = list(items)
-    out = [None] * len(items)
-
-    def one(k: int, _stop: int) -> None:
-        out[k] = fn(items[k])
-    workers().run(one, [(k, k + 1) for k in range(len(items))])
-    return out
-
-
-def map(fn, items, cost=None) -> list:  # noqa: A001 - the execution interface's own map
-    """[fn(item) for item in items], in that order, the items shared across the cores where that
-    pays (Workers.map); with `cost` (one number per item), the costliest are started first."""
-    items = list(items)
-    if cost is None:
-        return workers().map(fn, items)
-    first = sorted(range(len(items)), key=lambda j: -cost[j])
-    done = dict(zip(first, workers().map(lambda j: fn(items[j]), first)))
-    return [done[j] for j in range(len(items))]

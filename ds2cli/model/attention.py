@@ -12,22 +12,23 @@ the projections are weights you can multiply by (linear.py, any format):
     of per-head matrices (linear.Heads): the absorbed form multiplies each head's vectors by
     them (`ex.heads(w, x)`), the expanded form multiplies the cached latent by all of them
 The RoPE rows of q and kv_a_proj_with_mqa are stored de-interleaved (see rope.deinterleave_rows).
-Work that may run at once goes to the executor `ex` (executor.py).
+Products and each sequence's attention go to the executor `ex` (executor.py), which decides where
+they run and how they are cut (by heads, by keys): the math here states them whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ds2cli.model.executor import Executor
 from ds2cli.model.layers import Attention
 from ds2cli.model.linear import as_heads
 from ds2cli.model.rope import apply_rope
 
-REFERENCE = Executor()      # the calling thread, for the functions below called on their own
-
+if TYPE_CHECKING:                   # the executor interface calls the functions below
+    from ds2cli.model.executor import Executor
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     variance = np.mean(np.square(x), axis=-1, keepdims=True)
@@ -96,39 +97,42 @@ def visible(start: int, T: int, s0: int, s1: int) -> tuple[int, np.ndarray | Non
     return t0, np.arange(s0, s1)[None, :] > (start + np.arange(t0, T))[:, None]
 
 
-def attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale, ex: Executor = REFERENCE) -> np.ndarray:
-    """q_lat = q_nope.W_UK; scores = q_lat.latent^T + q_pe.k_pe^T; ctx = (probs.latent).W_UV
-    for one sequence's T new queries (T, H, d): the three steps mla runs on a batch's rows."""
-    q_lat = ex.heads(as_heads(w_uk), q_nope)                                # (T, H, C)
-    return ex.heads(as_heads(w_uv), attend_latent(q_lat, q_pe, latent, k_pe, scale, ex))   # (T, H, v)
+def attend_absorbed(ex: Executor, q_nope, q_pe, seqs, w_uk, w_uv, scale) -> np.ndarray:
+    """The absorbed form, the paper's three steps, for sequences whose new queries are stacked in
+    q_nope (n, H, d) and q_pe (n, H, R); seqs[i] = (rows, latent, k_pe): sequence i's rows of them
+    and its cache (S_i, C), (S_i, R), its new tokens last. The latent is never expanded:
+        q_lat = q_nope . W_UK                                 each head's query in the latent space
+        ctx   = softmax(q_lat . latent^T + q_pe . k_pe^T) . latent
+        out   = ctx . W_UV"""
+    n, H, _ = q_nope.shape
+    q_lat = ex.heads(as_heads(w_uk), q_nope)                                # (n, H, C)
+    ctx = np.empty_like(q_lat)                                              # (n, H, C)
+    for rows, latent, k_pe in seqs:
+        ctx[rows] = ex.attend_latent(q_lat[rows], q_pe[rows], latent, k_pe, scale)   # (T, H, C)
+    return ex.heads(as_heads(w_uv), ctx)                                    # (n, H, v)
 
 
-def attend_latent(q_lat, q_pe, latent, k_pe, scale, ex: Executor = REFERENCE) -> np.ndarray:
+def attend_latent(q_lat, q_pe, latent, k_pe, scale) -> np.ndarray:
     """softmax(q_lat.latent^T + q_pe.k_pe^T) . latent: the T new queries' (T, H, C) context in
-    the latent space, for queries already folded through W_UK.
-
-    The T new queries (positions S-T..S-1, the last T of the cache) meet it a block of keys at a
-    time (absorbed_sums); the executor may hand each core a share of the keys (split_keys), whose
-    running sums merge. Rows are query-major (t, h)."""
+    the latent space, for queries already folded through W_UK. The T new queries (positions
+    S-T..S-1, the last T of the cache) meet it a block of keys at a time (absorbed_sums); any
+    split of the keys gives running sums that merge (merge_sums). Rows are query-major (t, h)."""
     T, H, C = q_lat.shape
-    S = len(latent)
-    q_lat = q_lat.reshape(T * H, C)                                         # (T*H, C)
-    q_pe = q_pe.reshape(T * H, -1)                                          # (T*H, R)
-    parts = ex.spread(lambda keys: absorbed_sums(q_lat, q_pe, latent, k_pe, scale, H, keys),
-                      ex.split_keys(S, T))
-    _, l, acc = merge_sums(parts)
+    _, l, acc = absorbed_sums(q_lat, q_pe, latent, k_pe, scale, slice(0, len(latent)))
     return (acc / l[:, None]).reshape(T, H, C)                              # (T, H, C)
 
 
-def absorbed_sums(q_lat, q_pe, latent, k_pe, scale, H: int, keys: slice):
-    """The online softmax's (m, l, acc) of the rows q_lat (T*H, C), q_pe (T*H, R) over the cached
+def absorbed_sums(q_lat, q_pe, latent, k_pe, scale, keys: slice):
+    """The online softmax's (m, l, acc) of the queries q_lat (T, H, C), q_pe (T, H, R), as rows
+    (T*H, C) query-major, over the cached
     positions `keys`, a block at a time. The products against the cache are written cache-major
     (`latent @ q_lat.T`, `latent.T @ p.T`): with few query rows OpenBLAS streams the latent up to
     twice as fast that way round, and long-context decode is mostly these two passes over the
     latent. The softmax runs on a contiguous (rows, keys) copy: NumPy reduces a narrow axis 0
     slowly. A row that sees none of the keys keeps m = -inf, l = 0 (merge_sums weighs it 0)."""
-    rows, C = q_lat.shape
-    T, S = rows // H, len(latent)
+    T, H, C = q_lat.shape
+    q_lat, q_pe = q_lat.reshape(T * H, C), q_pe.reshape(T * H, -1)         # (T*H, C), (T*H, R)
+    rows, S = T * H, len(latent)
     start = S - T                                                           # position of query 0
     m = np.full(rows, -np.inf, np.float32)                                  # running max
     l = np.zeros(rows, np.float32)                                          # running sum
@@ -216,43 +220,38 @@ def mla(ex: Executor, x, w: Attention, spans, cos, sin, eps, scale) -> np.ndarra
     """One MLA block for a batch: x (N, D) stacks each sequence's new tokens (span.rows, at
     positions [span.start, span.start+T)). The projections run on all rows at once; each
     sequence writes its latent and k_pe into its own cache slots and attends to its own cache,
-    in whichever form costs it less: absorbed (its queries folded through W_UK into the latent,
-    its context unfolded through W_UV after) or expanded (the original's). Returns (N, D)."""
+    in whichever form costs it less: absorbed (attend_absorbed) or expanded (the original's,
+    attend_expanded). Returns (N, D)."""
     N = len(x)
     H, d, C = w.w_uk.w.shape
     v, R = w.w_uv.w.shape[2], w.kv_a_proj_with_mqa.shape[0] - C
-    absorbed = [absorbed_cost(s.T, s.start + s.T, H, C, R, d, v) <= expanded_cost(s.T, s.start + s.T, H, C, R, d, v)
-                for s in spans]
-    fold = w.w_uk if all(absorbed) else None    # all absorbed (decode): q comes out folded too
     if w.q_proj is not None:
-        q, kv = ex.matmul_all([(w.q_proj, x, fold), (w.kv_a_proj_with_mqa, x)])     # (N, H*(d+R[+C])), (N, C+R)
+        q, kv = ex.matmul_all([(w.q_proj, x), (w.kv_a_proj_with_mqa, x)])  # (N, H*(d+R)), (N, C+R)
     else:
         q, kv = ex.matmul_all([(w.q_a_proj, x), (w.kv_a_proj_with_mqa, x)])
-        q, = ex.matmul_all([(w.q_b_proj, rms_norm(q, w.q_a_layernorm, eps), fold)])
-    q = q.reshape(N, H, -1)                                                 # (N, H, d+R[+C])
-    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:d + R], cos[:, None], sin[:, None])
+        q, = ex.matmul_all([(w.q_b_proj, rms_norm(q, w.q_a_layernorm, eps))])
+    q = q.reshape(N, H, d + R)                                              # (N, H, d+R)
+    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos[:, None], sin[:, None])
     latent, k_pe = rms_norm(kv[:, :C], w.kv_a_layernorm, eps), apply_rope(kv[:, C:], cos, sin)  # (N, C), (N, R)
     for s in spans:
         s.latent[s.start:s.start + s.T], s.k_pe[s.start:s.start + s.T] = latent[s.rows], k_pe[s.rows]
-    folded = np.concatenate([np.arange(s.rows.start, s.rows.stop) for s, a in zip(spans, absorbed) if a]
-                            or [np.zeros(0, np.int64)])                     # the absorbed sequences' rows
-    q_lat = q[..., d + R:] if fold is not None else np.empty((N, H, C), np.float32)   # (N, H, C)
-    if fold is None and len(folded):
-        q_lat[folded] = ex.heads(w.w_uk, q_nope[folded])
-    uk, uv = (w.w_uk.widened(), w.w_uv.widened()) if not all(absorbed) else (None, None)
 
-    def attend(piece) -> np.ndarray:                # heads h of one sequence are independent
-        s, a, h = piece
-        if a:
-            return attend_latent(q_lat[s.rows, h], q_pe[s.rows, h], *s.keys(), scale, ex)                # (T, h, C)
-        return attend_expanded(q_nope[s.rows, h], q_pe[s.rows, h], *s.keys(), uk[h], uv[h], scale)  # (T, h, v)
-
-    work = [(s, a, h) for s, a in zip(spans, absorbed) for h in ex.split(H, tokens=s.T)]
-    outs = ex.map(attend, work, cost=[s.T * (s.start + s.T) for s, _, _ in work])
+    costs = [(absorbed_cost(s.T, s.start + s.T, H, C, R, d, v), expanded_cost(s.T, s.start + s.T, H, C, R, d, v))
+             for s in spans]
+    absorbed = [s for s, (a, e) in zip(spans, costs) if a <= e]
+    expanded = [s for s, (a, e) in zip(spans, costs) if a > e]
     ctx = np.empty((N, H, v), np.float32)                                   # (N, H, v)
-    ctx_lat = np.empty((N, H, C), np.float32) if len(folded) else None      # (N, H, C), absorbed rows
-    for (s, a, h), out in zip(work, outs):
-        (ctx_lat if a else ctx)[s.rows, h] = out
-    if len(folded):
-        ctx[folded] = ex.heads(w.w_uv, ctx_lat[folded] if len(folded) < N else ctx_lat)   # (rows, H, v)
+    if absorbed:
+        rows = np.concatenate([np.arange(s.rows.start, s.rows.stop) for s in absorbed])
+        whole = len(rows) == N                  # every row absorbed (decode): no gather
+        seqs, at = [], 0
+        for s in absorbed:
+            seqs.append((slice(at, at + s.T), *s.keys()))
+            at += s.T
+        ctx[rows] = attend_absorbed(ex, q_nope if whole else q_nope[rows], q_pe if whole else q_pe[rows],
+                                    seqs, w.w_uk, w.w_uv, scale)            # (n, H, v)
+    if expanded:
+        uk, uv = w.w_uk.widened(), w.w_uv.widened()                        # (H, d, C), (H, C, v)
+        for s in expanded:
+            ctx[s.rows] = ex.attend_expanded(q_nope[s.rows], q_pe[s.rows], *s.keys(), uk, uv, scale)  # (T, H, v)
     return ex.matmul_all([(w.o_proj, ctx.reshape(N, -1))])[0]               # (N, D)

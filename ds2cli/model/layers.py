@@ -111,3 +111,5 @@ class Weights:
     layers: list[Layer]
     norm: Any
     lm_head: Any
+    streamed: Any = None      # the routed experts' cache (weights/expert_cache.py) when they are
+                              # read from disk as they are needed (--memory-budget), else None

@@ -5,17 +5,22 @@ you can multiply by, linear.py): gate (E, D), an array (float32, or bfloat16 in 
 checkpoint); experts_gate_up (E, 2*I, D) with each expert's gate_proj and up_proj stacked so one
 matmul computes both; experts_down (E, D, I); shared_gate_up (2*I_s, D), shared_down (D, I_s)
 when there are shared experts. Dense layers (layers.MLP) use the same `swiglu` with gate_up
-(2*I, D) and down_proj (D, I). Products that may run at once go to the executor `ex`."""
+(2*I, D) and down_proj (D, I). Products go to the executor `ex`, and a layer's experts to its
+`experts(i, ...)`: where an expert lives (here, on disk, on another node) is the executor's."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from ds2cli.model.attention import softmax
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.model.executor import Executor
 from ds2cli.model.layers import MoE
 from ds2cli.model.linear import float32
+
+if TYPE_CHECKING:                   # the executor interface calls swiglu_all
+    from ds2cli.model.executor import Executor
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -101,7 +106,7 @@ def route_noaux_tc(x: np.ndarray, gate: np.ndarray, bias: np.ndarray,
 
 class Routed:
     """Each routed expert's input rows, x[tokens[j]] for expert j, made when read: an executor
-    that sends them elsewhere (cluster/experts.py) sends each token's row once from `x`."""
+    that sends them elsewhere (a node holding the experts) sends each token's row once from `x`."""
 
     def __init__(self, x: np.ndarray, tokens: list[np.ndarray]):
         self.x, self.tokens = x, tokens
@@ -116,10 +121,19 @@ class Routed:
         return (self.x[t] for t in self.tokens)
 
 
-def moe(ex: Executor, x: np.ndarray, w: MoE, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
-    """Run only the experts the gate selected, each once over the tokens routed to it; the
-    chosen expert ids (T, k) are appended to `trace` when one is given."""
-    idx, weight = route(x, float32(w.gate), cfg, w.e_score_correction_bias)   # (T, k) each
+def gate(h: np.ndarray, w: MoE, cfg: DeepseekV2Config, weights: np.ndarray | None = None):
+    """The experts a MoE layer picks for its normed input h (T, D), and their weights, (T, k)
+    each: its router over its gate (`weights`: the gate already widened to float32)."""
+    return route(h, float32(w.gate) if weights is None else weights, cfg, w.e_score_correction_bias)
+
+
+def moe(ex: Executor, i: int, x: np.ndarray, w: MoE, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
+    """MoE layer i over x (T, D): the gate picks k experts a token; each chosen expert runs once
+    over the tokens routed to it, the shared experts over every token; the output is the
+    routed outputs weighted by the gate, summed in expert order, plus the shared ones. The
+    executor computes the experts wherever they live; the chosen ids (T, k) are appended to
+    `trace` when one is given."""
+    idx, weight = gate(x, w, cfg)                                           # (T, k) each
     if trace is not None:
         trace.append(idx)
     k = idx.shape[1]
@@ -130,11 +144,10 @@ def moe(ex: Executor, x: np.ndarray, w: MoE, cfg: DeepseekV2Config, trace: list 
     experts = np.flatnonzero(counts)
     picks = [order[bounds[e] - counts[e]:bounds[e]] for e in experts]       # each expert's (token, slot)s
 
-    # the experts are independent, the shared ones (over every token) too: the executor runs them
     shared = x if w.shared_gate_up is not None else None
-    outs = ex.experts(w, experts, Routed(x, [p // k for p in picks]), shared, swiglu_all)
+    outs = ex.experts(i, w, experts, Routed(x, [p // k for p in picks]), shared)   # each (T_e, D), then (T, D)
     y = np.zeros_like(x)                                                    # (T, D)
-    for j in range(len(experts)):                # summed in expert order, then the shared experts
+    for j in range(len(experts)):
         y[picks[j] // k] += outs[j] * weight.ravel()[picks[j]][:, None]
     if shared is not None:
         y += outs[-1]

@@ -36,13 +36,13 @@ from ds2cli.weights import checkpoint
 from ds2cli.weights import formats as quant
 from ds2cli.model import rope
 from ds2cli.weights import scales
-from ds2cli.model.attention import Span, mla, rms_norm
+from ds2cli.model.attention import Span, rms_norm
+from ds2cli.model.block import block
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.model.executor import Executor
 from ds2cli.model.layers import Layer
 from ds2cli.errors import Ds2Error
 from ds2cli.weights.formats import Dense
-from ds2cli.model.moe import moe, swiglu
 
 BUILTIN = "builtin"
 BUILTIN_TEXT = Path(__file__).resolve().parent / "calibration.txt"
@@ -197,12 +197,8 @@ class Calibration:
                 cos, sin = rope.cos_sin(np.arange(T), self.inv_freq, self.rope_scale)
                 latent = np.zeros((T, cfg.kv_lora_rank), np.float32)         # this layer's cache
                 k_pe = np.zeros((T, cfg.qk_rope_head_dim), np.float32)
-                h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
-                x = x + mla(ex, h, layer.self_attn, [Span(slice(0, T), latent, k_pe, 0)], cos, sin,
-                            cfg.rms_norm_eps, self.softmax_scale)
-                h = rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps)
-                w = layer.mlp
-                self.x[k] = x + (moe(ex, h, w, cfg) if layer.is_moe else swiglu(ex, h, w.gate_up, w.down_proj))
+                self.x[k] = block(ex, 0, layer, x, [Span(slice(0, T), latent, k_pe, 0)], cos, sin, cfg,
+                                  self.softmax_scale)
         finally:
             unrecord(layer)
         return {key: m.hessian() for key, m in moments.items()}

@@ -19,9 +19,7 @@ from ds2cli.model.layers import MLP, Attention, Layer, MoE, Weights
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import ConfigError
 from ds2cli.weights.source import Source, open_model
-from ds2cli.model.executor import Executor
 from ds2cli.model.transformer import Model
-from ds2cli.parallel.executor import CoreExecutor
 from ds2cli.wording import article
 
 Progress = Callable[[int, int], None]  # (layers done, layers total)
@@ -268,8 +266,7 @@ def load_weights(model_dir: Path, cfg: DeepseekV2Config, progress: Progress | No
 
 def load(path: str | Path | Source | None = None, progress: Progress | None = None,
          quantize: int | str | None = None, context: int | None = None, memory_check: bool = True,
-         executor: Executor | None = None, layers: range | None = None,
-         memory_budget: int | None = None, experts: range | None = None) -> Model:
+         layers: range | None = None, memory_budget: int | None = None, experts: range | None = None) -> Model:
     """Load a model (default: the bundled ds2-tiny): a path, or a Source that source.open_model
     opened (a command reads its config, tokenizer and prompt from that first, then loads from
     the same object). Config, weights with MLA absorption precomputed, tokenizer and
@@ -280,15 +277,16 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     `"exact"`: a Q8_0 GGUF's own blocks, q8b, which is also how such a file loads by default); a
     checkpoint written by `ds2 quantize` is memory-mapped as it is stored. Before any weight is
     read, what the model will hold (with a cache of `context` tokens) is checked against the
-    memory available (memory.py); `memory_check=False` skips that. `executor` runs the model's
-    parallel work (model/executor.py); by default this machine's cores and, over low-bit weights,
-    helper processes (parallel/executor.py), which the Model starts once its weights exist.
+    memory available (memory.py); `memory_check=False` skips that. The Model runs on the
+    reference executor (the calling thread): ds2cli.load (execution/factory.py) gives it the
+    executor the options pick.
     `layers`: only that range of decoder layers, and the top weights it needs (a node of a
     cluster computes its range with Model.compute; the memory check is the placement's).
     `experts`: only those routed experts of every MoE layer, stacked from 0, the layers outside
-    `layers` holding nothing else (a node of a cluster spread by experts: cluster/experts.py).
-    `memory_budget` (bytes): the routed experts of a low-bit checkpoint or a Q8_0 GGUF streamed
-    from disk into a cache that, with everything else, fits the budget (weights/streaming.py)."""
+    `layers` holding nothing else (a node of a cluster spread by experts: execution/remote.py).
+    `memory_budget` (bytes): the routed experts of a low-bit checkpoint or a Q8_0 GGUF read from
+    disk, as they are needed, into a cache that, with everything else, fits the budget
+    (weights/streaming.py; the Model's `streamed`)."""
     source = open_model(path)
     model_dir, cfg, stored = source.path, source.config, source.stored
     quantize, recipe = load_form(source, quantize, context)
@@ -299,7 +297,7 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     qc = formats_of(source, quantize, recipe)
     plan = None
     if memory_budget is not None:
-        plan = stream_plan(source, qc, context, memory_budget, memory_check, executor)
+        plan = stream_plan(source, qc, context, memory_budget, memory_check)
     elif memory_check:
         streamable = source.gguf is not None and source.gguf.stream_problem(qc) is None
         memory.check(cfg, model_dir, stored, quantize, context, recipe=recipe, streamable=streamable)
@@ -309,13 +307,11 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
         weights = load_weights(model_dir, cfg, progress, qc, tensors, layers, experts if plan is None else range(0))
     if plan is not None:
         experts = source.gguf.streamed_experts(qc) if source.gguf else expert_cache.StoredExperts(cfg, stored, tensors)
-        executor = streaming.StreamingExecutor(streaming.streamed_weights(weights, cfg, experts, plan["slots"]))
-    return Model(cfg, Weights(**weights), tokenizer, gen, model_dir, executor=executor or CoreExecutor(),
-                 quantization=qc)
+        weights["streamed"] = streaming.streamed_weights(weights, cfg, experts, plan["slots"])
+    return Model(cfg, Weights(**weights), tokenizer, gen, model_dir, quantization=qc)
 
 
-def stream_plan(source: Source, qc, context: int | None, budget: int, memory_check: bool,
-                executor: Executor | None) -> dict:
+def stream_plan(source: Source, qc, context: int | None, budget: int, memory_check: bool) -> dict:
     """memory.streamed's plan for `--memory-budget`, once the model is known to stream: a ds2
     low-bit checkpoint, or a GGUF whose experts some ds2 format holds as stored (Q8_0); a
     float checkpoint must be quantized first."""
@@ -327,9 +323,6 @@ def stream_plan(source: Source, qc, context: int | None, budget: int, memory_che
         raise ConfigError(f"--memory-budget streams the routed experts of a low-bit ds2 checkpoint or a Q8_0 GGUF; "
                           f"{source.path} is a float checkpoint: make a low-bit copy first with "
                           f"ds2 quantize {source.path} OUT --bits 4 (or 8)")
-    if executor is not None:
-        raise ConfigError("memory_budget streams experts through weights.streaming.StreamingExecutor: "
-                          "give no executor with it")
     plan = memory.streamed(source.config, qc, context, budget)
     available = memory.available_bytes() if memory_check else None
     if available is not None and budget > available:

@@ -5,9 +5,11 @@ to nearest. This runs once, in `ds2 quantize` and `--quantize`; the kernels neve
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
-from ds2cli.parallel.cores import split_rows, workers
 from ds2cli.weights.formats import Format, QuantMatrix, bfloat16_dtype, to_panels
 
 # The candidate scales tried per row or group, as multiples of the round-to-nearest inverse scale
@@ -41,8 +43,7 @@ def quantize(w: np.ndarray, f: Format, importance: np.ndarray | None = None,
 
         # the matrices of a stack (a layer's experts) share the cores: the search's NumPy calls
         # on 4 MB blocks release the GIL (27-layer V2-Lite at 4 bits: 411 s on one core)
-        pool = workers()
-        pool.run(part, split_rows(len(stack), pool.parts, 1))
+        on_cores(part, len(stack))
         return qweight, scales
     w = np.asarray(w, dtype=np.float32)
     if f.name not in SEARCHED:
@@ -201,3 +202,20 @@ def bf16_up(x: np.ndarray) -> np.ndarray:
 def quantize_matrix(w: np.ndarray, f: Format) -> QuantMatrix:
     """A float weight (..., out, in) as a QuantMatrix in format f, its scales searched."""
     return f(*quantize(w, f))
+
+
+def on_cores(part, count: int) -> None:
+    """part(a, b) over [0, count) cut into one consecutive span a core this process may use, the
+    spans on threads at once, BLAS at one thread meanwhile (each span already has a core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = max(1, min(cores, 8, count))
+    bounds = [count * k // n for k in range(n + 1)]
+    spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    if len(spans) < 2:
+        for a, b in spans:
+            part(a, b)
+        return
+    from threadpoolctl import threadpool_limits
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(len(spans)) as pool:
+        for f in [pool.submit(part, a, b) for a, b in spans]:
+            f.result()

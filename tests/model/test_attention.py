@@ -8,7 +8,10 @@ import pytest
 
 import ds2cli
 from ds2cli.model import rope
-from ds2cli.model.attention import REFERENCE, Span, mla
+from ds2cli.model.attention import Span, mla
+from ds2cli.model.executor import Executor
+
+REFERENCE = Executor()      # the calling thread
 from ds2cli.weights.source import bundled_model_dir
 
 T = 12

@@ -12,9 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ds2cli
-from ds2cli.model import attention, transformer
+from ds2cli.execution.compute import CoreCompute
+from ds2cli.execution.executor import Executor
+from ds2cli.execution.machine import Machine
+from ds2cli.model import attention
+from ds2cli.model.passes import PREFILL_CHUNK
 from ds2cli.model.transformer import Step
-from ds2cli.parallel import cores
 from ds2cli.weights import memory
 
 LONG = Path(__file__).parents[1] / "data" / "long" / "long_yarn_3k"
@@ -59,7 +62,7 @@ def test_long_yarn_case_with_small_blocks_and_chunks(long_case, monkeypatch):
     skip a block, diagonal blocks masked, blocks wholly visible) in both attention forms."""
     model, ids, rows, ref = long_case
     monkeypatch.setattr(attention, "ATTENTION_BUDGET_BYTES", 1)
-    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 100)
+    monkeypatch.setattr(model, "prefill_chunk", 100)
     check_rows(logits_of(model, ids, [3072]), rows, ref)
 
 
@@ -77,6 +80,16 @@ def direct_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale):
     return np.einsum("hts,hsv->thv", p, value)
 
 
+def split_keys_executor() -> Executor:
+    """Two cores whose few-token passes split any cache's keys between them."""
+    machine = Machine(threads=2, helpers=False)
+    machine.workers.shared_keys = 1
+    return Executor(CoreCompute(machine))
+
+
+SPLIT_KEYS = split_keys_executor()
+
+
 @settings(max_examples=40, deadline=None)
 @given(T=st.integers(1, 40), past=st.integers(0, 60), H=st.integers(1, 4), budget=st.integers(1, 20_000),
        shared=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
@@ -90,18 +103,20 @@ def test_blockwise_attention_against_float64(T, past, H, budget, shared, seed):
     w_uk = rng.standard_normal((H, d, C), np.float32) * 0.3
     w_uv = rng.standard_normal((H, C, v), np.float32) * 0.3
     want = direct_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, 0.2)
-    old, old_shared = attention.ATTENTION_BUDGET_BYTES, cores.SHARED_KEYS
-    attention.ATTENTION_BUDGET_BYTES, cores.SHARED_KEYS = budget, 1 if shared else old_shared
+    old = attention.ATTENTION_BUDGET_BYTES
+    attention.ATTENTION_BUDGET_BYTES = budget
+    ex = SPLIT_KEYS if shared else Executor()
     try:
-        for form in (attention.attend_absorbed, attention.attend_expanded):
-            got = form(q_nope, q_pe, latent, k_pe, w_uk, w_uv, 0.2)
+        for name, got in (("absorbed", attention.attend_absorbed(ex, q_nope, q_pe, [(slice(0, T), latent, k_pe)],
+                                                                 w_uk, w_uv, 0.2)),
+                          ("expanded", ex.attend_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, 0.2))):
             # outputs are convex mixtures of values of size ~|latent| |w_uv|: float32 rounding of
             # sums over C and S terms, a few ulps each
             bound = 64 * np.finfo(np.float32).eps * np.abs(want).max() * np.sqrt(C * S)
             assert got.dtype == np.float32 and got.shape == (T, H, v)
-            assert np.abs(got - want).max() <= bound, form.__name__
+            assert np.abs(got - want).max() <= bound, name
     finally:
-        attention.ATTENTION_BUDGET_BYTES, cores.SHARED_KEYS = old, old_shared
+        attention.ATTENTION_BUDGET_BYTES = old
 
 
 @settings(max_examples=40, deadline=None)
@@ -112,11 +127,11 @@ def test_sums_over_any_split_of_the_keys_merge_to_the_whole(T, past, cuts, seed)
     number of cores: the split is made here), rows that see none of a range included."""
     rng = np.random.default_rng(seed)
     S, H, C, R = past + T, 2, 16, 4
-    q_lat, q_pe = rng.standard_normal((T * H, C), np.float32), rng.standard_normal((T * H, R), np.float32)
+    q_lat, q_pe = rng.standard_normal((T, H, C), np.float32), rng.standard_normal((T, H, R), np.float32)
     latent, k_pe = rng.standard_normal((S, C), np.float32), rng.standard_normal((S, R), np.float32)
-    _, l, acc = attention.absorbed_sums(q_lat, q_pe, latent, k_pe, 0.3, H, slice(0, S))
+    _, l, acc = attention.absorbed_sums(q_lat, q_pe, latent, k_pe, 0.3, slice(0, S))
     edges = sorted({0, S, *(k for k in cuts if k < S)})
-    parts = [attention.absorbed_sums(q_lat, q_pe, latent, k_pe, 0.3, H, slice(a, b)) for a, b in zip(edges, edges[1:])]
+    parts = [attention.absorbed_sums(q_lat, q_pe, latent, k_pe, 0.3, slice(a, b)) for a, b in zip(edges, edges[1:])]
     _, l2, acc2 = attention.merge_sums(parts)
     whole, merged = acc / l[:, None], acc2 / l2[:, None]
     assert np.abs(merged - whole).max() <= 64 * np.finfo(np.float32).eps * np.abs(latent).max() * np.sqrt(S)
@@ -145,12 +160,12 @@ def test_online_softmax_equals_the_direct_softmax(rows, n, c, cuts, spread, seed
     assert np.abs(got - want).max() <= bound
 
 
-def test_chunked_prefill_equals_one_pass_within_rounding(monkeypatch):
+def test_chunked_prefill_equals_one_pass_within_rounding():
     """The bundled model: a prompt read in passes of 7 tokens gives the logits of one pass."""
     model = ds2cli.load()
     ids = model.tokenizer.encode("ROMEO: But soft, what light through yonder window breaks? " * 3)
     one = model.forward(ids, model.new_cache(len(ids)), all_logits=True)
-    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 7)
+    model.prefill_chunk = 7
     seen = []
     cache = model.new_cache(len(ids))
     chunked = model.forward(ids, cache, all_logits=True, progress=lambda done, total: seen.append((done, total)))
@@ -161,13 +176,13 @@ def test_chunked_prefill_equals_one_pass_within_rounding(monkeypatch):
     np.testing.assert_allclose(last, one[-1], atol=1e-4, rtol=0)
 
 
-def test_a_batch_is_chunked_with_each_sequence_in_order(monkeypatch):
+def test_a_batch_is_chunked_with_each_sequence_in_order():
     """Two sequences of a pass larger than the chunk: each gets its own logits, as alone."""
     model = ds2cli.load()
     a = model.tokenizer.encode("To be, or not to be, that is the question. " * 2)
     b = model.tokenizer.encode("What is 12 + 30?")
     alone = [model.forward(x, model.new_cache(len(x)), all_logits=True) for x in (a, b)]
-    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 9)
+    model.prefill_chunk = 9
     ca, cb = model.new_cache(len(a)), model.new_cache(len(b))
     out = model.forward_batch([Step(a, ca, "all"), Step(b, cb, "last")])
     np.testing.assert_allclose(out[0], alone[0], atol=1e-4, rtol=0)
@@ -175,14 +190,14 @@ def test_a_batch_is_chunked_with_each_sequence_in_order(monkeypatch):
     assert (ca.length, cb.length) == (len(a), len(b))
 
 
-def test_an_interrupted_chunked_prefill_keeps_the_passes_it_finished(monkeypatch):
+def test_an_interrupted_chunked_prefill_keeps_the_passes_it_finished():
     """Ctrl-C while a long prompt is read keeps the passes already read (a chat's session or a
     prompt cache saves them); an error keeps the cache as it was."""
     model = ds2cli.load()
     ids = model.tokenizer.encode("ROMEO: " * 30)
     cache = model.new_cache(len(ids) + 5)
     model.forward(ids[:5], cache)
-    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 8)
+    model.prefill_chunk = 8
 
     def interrupt(done, total):
         if done >= 16:
@@ -219,7 +234,7 @@ def test_working_memory_is_bounded_whatever_the_prompt_length(long_case, monkeyp
     the whole score matrix of the last chunk alone would be H*1024*3072*4 = 37.7 MB."""
     model = long_case[0]
     monkeypatch.setattr(attention, "ATTENTION_BUDGET_BYTES", 1 << 20)
-    short, long = peak_of_forward(model, transformer.PREFILL_CHUNK), peak_of_forward(model, 3072)
+    short, long = peak_of_forward(model, PREFILL_CHUNK), peak_of_forward(model, 3072)
     counted = memory.pass_bytes(model.config)
     assert long <= counted, f"a 3,072-token prefill peaked at {long} bytes, the memory check counts {counted}"
     assert long <= 1.25 * short + (1 << 20), (short, long)
@@ -239,9 +254,9 @@ def test_a_batch_mixing_the_two_forms_gives_each_sequence_its_own_logits(monkeyp
     cache_d.truncate(len(history) - 1)
     alone_p = model.forward(prompt, model.new_cache(len(prompt)), all_logits=True)
     ran = []
-    for form in ("attend_latent", "attend_expanded"):
-        real = getattr(attention, form)
-        monkeypatch.setattr(attention, form, lambda *a, _real=real, _form=form: ran.append(_form) or _real(*a))
+    for form in ("attend_latent", "attend_expanded"):     # the executor's, as the math asks them
+        real = getattr(model.executor, form)
+        monkeypatch.setattr(model.executor, form, lambda *a, _real=real, _form=form: ran.append(_form) or _real(*a))
     out = model.forward_batch([Step(history[-1:], cache_d, "all"), Step(prompt, model.new_cache(len(prompt)), "all")])
     assert {"attend_latent", "attend_expanded"} <= set(ran)
     np.testing.assert_allclose(out[0], alone_d, atol=1e-4, rtol=0)

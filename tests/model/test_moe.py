@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import ds2cli
-from ds2cli.model.attention import REFERENCE
+from ds2cli.model.executor import Executor
+
+REFERENCE = Executor()      # the calling thread
 from ds2cli.model.moe import moe, route
 from ds2cli.weights.source import bundled_model_dir
 
@@ -56,7 +58,7 @@ def expert(h, gate_up, down):
 def test_the_mixture_sums_each_tokens_experts_and_the_shared_ones(model):
     cfg, w = model.config, model.layers[1].mlp
     x = np.random.default_rng(1).standard_normal((9, cfg.hidden_size)).astype(np.float32)
-    got = moe(REFERENCE, x, w, cfg)
+    got = moe(REFERENCE, 0, x, w, cfg)
     idx, weight = route(x, np.asarray(w.gate, np.float32), cfg)
     x64 = x.astype(np.float64)
 

@@ -8,6 +8,7 @@ import pytest
 
 import ds2cli
 from ds2cli.model import attention
+from ds2cli.model.executor import Executor
 from ds2cli.model import rope
 from ds2cli.errors import ContextFullError, Ds2Error
 from ds2cli.weights.source import bundled_model_dir
@@ -65,47 +66,6 @@ def test_a_head_stack_multiplies_each_head_by_its_own_matrix(dtype, T):
     assert np.all(np.abs(y.reshape(T, H, n_out) - exact) <= bound)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8", "q4"])
-@pytest.mark.parametrize("T", [1, 3])
-@pytest.mark.parametrize("R", [8, 16])
-def test_q_and_its_w_uk_as_one_product(fmt, T, R):
-    """q with its fold through W_UK, the product (q_proj, x, w_uk) the math asks the executor
-    for: y[t, h] = [q[t, h] | q[t, h, :d] @ W_UK[h]] with q = x @ Wq.T, each head within float32
-    rounding of the float64 computation from the stored weights, from the reference executor,
-    and as absorbed.AbsorbedQuery in spans of whole heads (a unit of a decode plan), any cut. A head's d+R rows that a q4
-    group (32 rows) does not divide cannot be cut by head: the product is still right, unsplit."""
-    import ml_dtypes
-    from ds2cli.model.executor import Executor
-    from ds2cli.model.linear import Heads
-    from ds2cli.parallel.absorbed import AbsorbedQuery
-    from ds2cli.weights.formats import Dense
-    from ds2cli.weights import formats as quant, scales
-    rng = np.random.default_rng(2)
-    H, d, C, D = 4, 16, 24, 64
-    wq = rng.standard_normal((H * (d + R), D), dtype=np.float32) * 0.1
-    q_w = Dense(wq) if fmt == "f32" else scales.quantize_matrix(wq, quant.FORMATS[fmt])
-    wq = wq if fmt == "f32" else q_w.dequantize()                           # what is stored
-    uk = rng.standard_normal((H, d, C), dtype=np.float32).astype(ml_dtypes.bfloat16)
-    w = AbsorbedQuery(q_w, Heads(uk))
-    assert w.shape == (H * (d + R + C), D)
-    x = rng.standard_normal((T, D), dtype=np.float32)
-    q = (x.astype(np.float64) @ wq.astype(np.float64).T).reshape(T, H, d + R)
-    q_abs = np.abs(x.astype(np.float64)) @ np.abs(wq.astype(np.float64)).T
-    exact = np.concatenate([q, np.einsum("thi,hio->tho", q[..., :d], uk.astype(np.float64))], axis=-1)
-    bound = 1e-5 * np.concatenate([q_abs.reshape(T, H, d + R), np.einsum(
-        "thi,hio->tho", q_abs.reshape(T, H, d + R)[..., :d], np.abs(uk.astype(np.float64)))], axis=-1)
-    whole, = Executor().matmul_all([(q_w, x, Heads(uk))])
-    assert np.all(np.abs(whole.reshape(T, H, -1) - exact) <= bound)
-    if fmt == "f32" or (d + R) % q_w.row_align:
-        return                      # float32 weights (one BLAS call each) or rows not cut by head
-    A = d + R + C
-    for cut in range(1, H):
-        y = np.full((T, H * A), np.nan, np.float32)
-        w.span(x, y, 0, cut * A)
-        w.span(x, y, cut * A, H * A)
-        assert np.all(np.abs(y.reshape(T, H, A) - exact) <= bound), cut
-
-
 def test_absorbed_equals_expanded():
     rng = np.random.default_rng(0)
     T, S, H, C, R, d, v = 5, 12, 3, 32, 8, 16, 16
@@ -115,7 +75,7 @@ def test_absorbed_equals_expanded():
     k_pe = rng.standard_normal((S, R), dtype=np.float32)
     w_uk = rng.standard_normal((H, d, C), dtype=np.float32) * 0.2
     w_uv = rng.standard_normal((H, C, v), dtype=np.float32) * 0.2
-    a = attention.attend_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv, 0.3)
+    a = attention.attend_absorbed(Executor(), q_nope, q_pe, [(slice(0, T), latent, k_pe)], w_uk, w_uv, 0.3)
     b = attention.attend_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, 0.3)
     assert a.shape == (T, H, v)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -14,7 +14,7 @@ from ds2cli.cli.bench.measure import fill_cache
 from ds2cli.cli.bench.report import bench_table
 from ds2cli.cli.bench.settings import cache_tokens
 from ds2cli.cli.bench.timing import seconds, summary
-from ds2cli.cluster import driver
+from ds2cli.execution.factory import cluster_model
 from ds2cli.weights import memory
 from ds2cli.weights.source import Source
 from ds2cli.wording import plural
@@ -24,10 +24,10 @@ def run_cluster_bench(source: Source, address: str, repeats: int, prompt_lengths
                       contexts: list[int], steps: int, quantize: int | None, spread: str = "layers") -> dict:
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    model = driver.load(source, address, quantize, cache_tokens(prompt_lengths, contexts, steps), show=console.info,
-                        spread=spread)
+    model = cluster_model(source, address, quantize, cache_tokens(prompt_lengths, contexts, steps), show=console.info,
+                          spread=spread)
     load_s = time.perf_counter() - t0
-    ex, V = model.executor, model.config.vocab_size
+    ex, V = model.executor.passes, model.config.vocab_size
     warm = min(prompt_lengths)      # one untimed pass first, as llama-bench does
     model.forward(rng.integers(V, size=warm), model.new_cache(warm))
     prefill = []

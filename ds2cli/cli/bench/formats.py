@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 
 from ds2cli.cli import console
-from ds2cli.parallel import processes as helpers
 from ds2cli.weights import memory
 from ds2cli.cli.bench.measure import fill_cache
 from ds2cli.cli.bench.settings import BenchError, cache_tokens
 from ds2cli.cli.bench.timing import seconds, summary
 from ds2cli.model.config import DeepseekV2Config
-from ds2cli.weights.loader import load
+from ds2cli.execution.factory import load
+from ds2cli.execution.machine import Machine
 from ds2cli.weights.source import read_quant_config
 from ds2cli.weights.quantize import quantize_checkpoint
 
@@ -80,12 +80,13 @@ def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[in
                      f"{memory.gb(available)} is available")
         return None
     console.info("== side by side: every format in this process, samples interleaved")
-    # each low-bit load forks the decode helpers anew, so the last ones know every model here
-    models = {}
+    # one machine for them all: each low-bit load forks its decode helpers anew, so the last
+    # ones know every model here (one helper a core, not one a model)
+    machine, models = Machine(), {}
     for name, t in targets.items():
         progress = console.LoadProgress()
         try:
-            models[name] = load(t, progress=progress, context=context, memory_check=False)
+            models[name] = load(t, progress=progress, context=context, memory_check=False, machine=machine)
         finally:
             progress.close()
     rng = np.random.default_rng(0)
@@ -116,7 +117,7 @@ def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[in
                 caches[name].truncate(context)
     models.clear()
     caches.clear()
-    helpers.stop_helpers_now()     # a helper's copy of this process would keep the models alive
+    machine.stop_helpers()         # a helper's copy of this process would keep the models alive
     gc.collect()
     first = next(iter(targets))
     out = {}

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from ds2cli.cli import console
-from ds2cli.parallel import processes as helpers
 from ds2cli.weights import memory
 from ds2cli.cli.bench.accounting import (ceiling_tok_per_s, forward_values_by_format, forward_weight_bytes,
                                          prefill_flops, total_params, weight_nbytes)
@@ -23,7 +22,7 @@ from ds2cli.cli.bench.profile import profile_decode
 from ds2cli.cli.bench.probes import machine_info, probe_beside, probe_machine
 from ds2cli.cli.bench.settings import cache_tokens
 from ds2cli.cli.bench.timing import seconds, summary
-from ds2cli.weights.loader import load
+from ds2cli.execution.factory import load
 from ds2cli.model.transformer import Model
 
 FILL_CHUNK = 512            # the decode cache is filled by prefilling this many real tokens at a time
@@ -155,7 +154,7 @@ def streamed_point(before: dict, after: dict, tokens: int, samples: list[float],
 def disk_bound(bytes_per_token: float, samples: list[float], executor) -> dict:
     """The disk's rate for expert reads (measured now, after the steps) and the decode step
     against the time a token's reads take at that rate: 1.0 would be reads and nothing else."""
-    rate = executor.disk_rate()
+    rate = executor.experts_part.disk_rate()
     at_rate = bytes_per_token / rate
     step = 1 / summary(samples)["median"]
     return {"disk_gb_per_s": rate / 1e9, "disk_seconds_per_token": at_rate,
@@ -222,10 +221,10 @@ def memory_section(model: Model, cache_tokens: int) -> dict:
     """Peak RSS so far against what must be resident: the weights as stored (memory-mapped ones
     count once their pages are touched) and the largest cache; and against the float32 weights.
     The peak includes what the decode helper processes hold that this one does not map
-    (helpers.helper_private_bytes), so pages split between the processes count once and in full."""
+    (Compute.helper_bytes), so pages split between the processes count once and in full."""
     weights = weight_nbytes(model)
     cache = cache_tokens * model.new_cache(1).bytes_per_token
-    private = helpers.helper_private_bytes()
+    private = model.executor.compute.helper_bytes()
     rss = peak_rss_bytes() + private
     return {"peak_rss_bytes": rss, "helper_private_bytes": private, "weight_bytes": weights, "cache_bytes": cache,
             "float32_weight_bytes": 4 * total_params(model), "rss_ratio": rss / (weights + cache)}

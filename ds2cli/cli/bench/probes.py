@@ -171,18 +171,18 @@ def probe_ceiling(runs: int, matvec_gb_per_s: float) -> dict:
     core's at once ("cores_at_once"), and the ceiling, min(every core's, memory GB/s / bytes a
     value) ("g_weights_per_s"), from the best run of each: a ceiling is what NumPy reaches at
     best, and on a shared machine one busy core slows every core's run."""
-    from ds2cli.parallel import cores
-    n = cores.workers().n
+    from ds2cli.execution.cores import Blas, allowed_cores, split_rows
+    n = allowed_cores()
     rows = CEILING_VALUES // CEILING_ROW
     values = CEILING_PASSES * CEILING_VALUES
     core, together, ceiling = {}, {}, {}
-    with cores.blas_threads(1):
+    with Blas().threads(1):
         for fmt in BYTES_PER_VALUE:
             w = _ceiling_matrix(fmt, rows)
             _passes(fmt, w, slice(0, rows))           # pages warm, outside the timing
             core[fmt] = summary([values / seconds(lambda: _passes(fmt, w, slice(0, rows))) / 1e9
                                  for _ in range(runs)])
-            shares = cores.split_rows(rows, n, CEILING_BLOCK_ROWS)
+            shares = split_rows(rows, n, CEILING_BLOCK_ROWS)
             together[fmt] = summary([values / t / 1e9 for t in _best_of(
                 lambda i: _passes(fmt, w, slice(*shares[i]) if i < len(shares) else slice(0, 0)), n, runs)])
             ceiling[fmt] = min(together[fmt]["max"], matvec_gb_per_s / BYTES_PER_VALUE[fmt])
@@ -215,7 +215,7 @@ def stored_rows(w) -> tuple[str, np.ndarray]:
 def _replay(matrices: list[tuple[str, np.ndarray]], i: int, n: int) -> None:
     """Core i's share of every matrix, in order: its rows (an even split in multiples of 8, as
     the threads split a product) widened and multiplied a block of about BLOCK_VALUES at a time."""
-    from ds2cli.parallel.cores import split_rows
+    from ds2cli.execution.cores import split_rows
     buf, tmp = _scratch()
     xs: dict[int, np.ndarray] = {}
     for fmt, a in matrices:
@@ -233,14 +233,14 @@ def probe_step_shapes(matrices: list, steps: int, runs: int = STEP_SHAPES_RUNS) 
     """Per format: plain NumPy's G weights/s over the weights a decode step multiplied
     (`matrices`: those of `steps` steps, in order), every core at once, the best of `runs`;
     and the seconds a step's products take at those rates, summed over the formats."""
-    from ds2cli.parallel import cores
-    n = cores.workers().n
+    from ds2cli.execution.cores import Blas, allowed_cores
+    n = allowed_cores()
     by_format: dict[str, list] = {}
     for w in matrices:
         fmt, a = stored_rows(w)
         by_format.setdefault(fmt, []).append((fmt, a))
     out = {}
-    with cores.blas_threads(1):
+    with Blas().threads(1):
         for fmt, group in by_format.items():
             values = sum(a.size * (2 if fmt == "q4" else 1) for _, a in group)
             best = min(_best_of(lambda i: _replay(group, i, n), n, runs))

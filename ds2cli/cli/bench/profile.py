@@ -20,11 +20,11 @@ import time
 
 from ds2cli.cli.bench.accounting import storage_format
 from ds2cli.cli.bench.probes import probe_step_shapes
-from ds2cli.model import linear, moe, transformer
+from ds2cli.execution import helpers
+from ds2cli.execution.compute import CoreCompute
+from ds2cli.execution.cores import Workers
+from ds2cli.model import block, linear, moe
 from ds2cli.model.transformer import Model
-from ds2cli.parallel import cores, processes
-from ds2cli.parallel.absorbed import AbsorbedQuery
-from ds2cli.parallel.executor import CoreExecutor
 from ds2cli.weights import formats
 
 
@@ -38,14 +38,13 @@ class Clock:
         self.own: dict[str, float] = {}      # ... in this process's own row spans, x the processes
         self.weights: list = []              # the weight of each product, in order
         self.stack: list[list] = []          # [label, start, time of the regions inside]
-        self.products = 0                    # product calls open: one inside another (the
-                                             # parts of an AbsorbedQuery run unsplit) is its
+        self.products = 0                    # product calls open: one inside another is its
                                              # product's, counted once
 
     def timed(self, label_of, fn, values_of=None, count: bool = True, own_of=None):
         """fn timed under label_of(*args), exclusive of the timed regions inside it; a call
         counted where `count`, values_of(*args) weights added to the label's (a product, asked
-        of the executor: (executor, w, x[, heads]); its weights recorded too) and own_of(*args)
+        of the compute part: (compute, w, x); its weight recorded too) and own_of(*args)
         to its own where given."""
         def run(*args, **kwargs):
             label = label_of(*args)
@@ -54,7 +53,7 @@ class Clock:
                 self.calls[label] = self.calls.get(label, 0) + 1
             if values_of is not None and outer:
                 self.values[label] = self.values.get(label, 0.0) + values_of(*args)
-                self.weights.extend(w for w in args[1:2] + args[3:4] if w is not None)   # q and W_UK
+                self.weights.append(args[1])
             if own_of is not None:
                 self.own[label] = self.own.get(label, 0.0) + own_of(*args)
             self.stack.append([label, time.perf_counter(), 0.0])
@@ -75,36 +74,37 @@ def product_label(_executor, w, *_) -> str:
     return f"products {storage_format(w)}"
 
 
-def product_values(_executor, w, x, heads=None) -> float:
-    return sum(len(x) * p.shape[-1] * p.shape[-2] for p in (w, heads) if p is not None)
+def product_values(_compute, w, x) -> float:
+    return len(x) * w.shape[-1] * w.shape[-2]
 
 
 def span_label(w, *_) -> str:
     return f"products {storage_format(w)}"
 
 
-def span_values(m, x, y, a: int, b: int) -> float:
+def span_values(pool: Workers):
     """A row span's weights x tokens, times the processes that run a plan's units meanwhile:
     this process's rate on its own units while every core works, scaled to all the cores."""
-    pool = cores.workers()
-    return (b - a) * (x.size // x.shape[-1]) * m.shape[-1] * min(pool.n, pool.using)
+    def values(m, x, y, a: int, b: int) -> float:
+        return (b - a) * (x.size // x.shape[-1]) * m.shape[-1] * min(pool.n, pool.using)
+    return values
 
 
 COORDINATION = "coordination: plans sent, helpers awaited"
 
 
 @contextlib.contextmanager
-def instrumented(clock: Clock):
-    """The timers in place for the block, the originals restored after."""
-    patches = [(CoreExecutor, "start_product", product_label, product_values, True, None),   # q with w_uk too
-               (CoreExecutor, "heads", product_label, product_values, True, None),           # w_uk, w_uv
-               (formats.QuantMatrix, "span", span_label, None, False, span_values),  # the calls are the products'
-               (linear.Heads, "span", span_label, None, False, span_values),
-               (AbsorbedQuery, "span", span_label, None, False, None),   # its parts' spans: theirs
-               (processes.Helpers, "send", lambda *a: COORDINATION, None, True, None),
-               (processes.Helpers, "finish", lambda *a: COORDINATION, None, False, None),   # a plan: send's
-               (processes.Helpers, "claim", lambda *a: COORDINATION, None, False, None),    # each unit taken
-               (transformer, "mla", lambda *a: "attention (latent cache, heads)", None, True, None),
+def instrumented(clock: Clock, pool: Workers):
+    """The timers in place for the block (`pool`: the cores of the model profiled), the
+    originals restored after."""
+    patches = [(CoreCompute, "start_product", product_label, product_values, True, None),
+               (CoreCompute, "heads", product_label, product_values, True, None),            # w_uk, w_uv
+               (formats.QuantMatrix, "span", span_label, None, False, span_values(pool)),  # the calls are the products'
+               (linear.Heads, "span", span_label, None, False, span_values(pool)),
+               (helpers.Helpers, "send", lambda *a: COORDINATION, None, True, None),
+               (helpers.Helpers, "finish", lambda *a: COORDINATION, None, False, None),   # a plan: send's
+               (helpers.Helpers, "claim", lambda *a: COORDINATION, None, False, None),    # each unit taken
+               (block, "mla", lambda *a: "attention (latent cache, heads)", None, True, None),
                (moe, "route", lambda *a: "router", None, True, None)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, *_ in patches]
     try:
@@ -134,7 +134,7 @@ def profile_decode(model: Model, cache, context: int, steps: int, rng) -> dict:
     cache.truncate(context)
     ids = rng.integers(model.config.vocab_size, size=steps)
     marks = []
-    with instrumented(clock):
+    with instrumented(clock, model.executor.compute.machine.workers):
         t0 = time.perf_counter()
         for token in ids:
             marks.append(len(clock.weights))

@@ -93,13 +93,13 @@ class QuantMatrix:
     def __new__(cls, qweight=None, scales=None, f: type["QuantMatrix"] | None = None, **_):
         return object.__new__(f if cls is QuantMatrix and f is not None else cls)
 
-    def __init__(self, qweight: np.ndarray, scales: np.ndarray, f=None, key: tuple[int, int] | None = None):
+    def __init__(self, qweight: np.ndarray, scales: np.ndarray, f=None, origin: tuple | None = None):
         if type(self) is QuantMatrix:
             raise QuantError("QuantMatrix needs a format (FORMATS[name])")
         self.qweight, self.scales = qweight, scales
         self.shape = self.weight_shape(qweight.shape)
-        if key is not None:
-            self.key = key          # how a helper process finds it (given by the executor)
+        self.origin = origin        # (stack, e) for expert e's view of a stack, else None: how a
+                                    # helper process that knows the stack finds the view
         self.experts: dict[int, QuantMatrix] = {}   # a stack's expert views, made once each
 
     # ---- the format as stored ----
@@ -162,9 +162,7 @@ class QuantMatrix:
             e = int(e)
             if not -len(self) <= e < len(self):
                 raise IndexError(f"expert {e} of {len(self)}")
-            key = getattr(self, "key", None)
-            view = self.experts[e] = type(self)(self.qweight[e], self.scales[e],
-                                                key=None if key is None else (key[0], e % len(self)))
+            view = self.experts[e] = type(self)(self.qweight[e], self.scales[e], origin=(self, e % len(self)))
         return view
 
     @property

@@ -1,0 +1,299 @@
+"""A model's layers on a Ray cluster's nodes (--ray): the passes part that drives the stages, the
+stage actors themselves, and a latent cache whose layers live on them.
+
+The driver (the `ds2` process) keeps the tokenizer, sampling, the server and its scheduler; it
+holds no weights. Each stage is a Ray actor pinned to its node, which loads its range of layers
+(and the embedding or the head) from that node's own disk and composes its own executor
+(factory.load): the same compute and experts parts one machine uses. A forward pass is the same
+Model.compute on every stage: the pass's description (passes.Pass, with each cache named by a
+number) goes to every stage, the hidden state from stage to stage as an object reference (Ray
+hands it on between the nodes without a round trip through the driver), and the driver waits
+once, for the last stage's logits. Joining the cluster and Ray's errors: cluster/ray_cluster.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import weakref
+
+import numpy as np
+
+from ds2cli.cluster.placement import Placement
+from ds2cli.cluster.ray_cluster import LOST_TYPES, ClusterError, causes
+from ds2cli.errors import Ds2Error
+from ds2cli.execution.passes import Passes
+from ds2cli.execution.remote import empty_traffic
+from ds2cli.model.cache import LatentCache
+
+
+class StageActor:
+    """A node's range of layers: its weights, loaded from its own disk, its own executor (compute
+    on its machine's `threads` cores, its experts part: resident, streamed within
+    `memory_budget`, or spread with the other nodes), and its part of every cache (by the
+    driver's cache number). Made a Ray actor by RayPasses."""
+
+    def __init__(self, path: str, first: int, stop: int, quantize, threads: int, experts: tuple | None = None,
+                 memory_budget: int | None = None):
+        from ds2cli.execution.factory import load
+        self.layers = range(first, stop)
+        # spread by experts: its routed experts of every MoE layer too, computed where asked
+        own = None if experts is None else range(*experts)
+        self.model = load(path, quantize=quantize, memory_check=False, layers=self.layers, experts=own,
+                          threads=threads, memory_budget=memory_budget, spread_experts=own is not None)
+        self.caches: dict[int, LatentCache] = {}
+
+    def connect(self, peers: list) -> None:
+        """Spread by experts: the other stages, [(first expert, stop, actor)], asked for theirs."""
+        self.model.executor.experts_part.connect([(range(a, b), actor) for a, b, actor in peers])
+
+    def experts(self, layer: int, ids, rows, where):
+        return self.model.executor.experts_part.answer(layer, self.model.layers[layer].mlp, ids, rows, where)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def cache(self, number: int, capacity: int) -> LatentCache:
+        if number not in self.caches:
+            cfg = self.model.config
+            self.caches[number] = LatentCache(cfg.num_hidden_layers, capacity, cfg.kv_lora_rank,
+                                              cfg.qk_rope_head_dim, layers=self.layers)
+        return self.caches[number]
+
+    def compute(self, p, x):
+        caches = [self.cache(*c) for c in p.caches]
+        trace = [] if p.trace is not None else None
+        with self.model.executor.forward_pass(int(sum(p.lengths))):
+            out = self.model.compute(p.with_caches(caches, trace), self.layers, x)
+        sent = self.model.executor.experts_part.take_traffic()
+        return out, (trace, sent)
+
+    def prefix(self, number: int, capacity: int, n: int):
+        return self.cache(number, capacity).prefix(n)
+
+    def set_prefix(self, number: int, capacity: int, latent, k_pe) -> None:
+        self.cache(number, capacity).set_prefix(latent, k_pe)
+
+    def copy_prefix(self, src: tuple, dst: tuple, n: int) -> None:
+        self.cache(*dst).copy_prefix(self.cache(*src), n)
+
+    def repeat(self, number: int, capacity: int, n: int, at: int) -> None:
+        self.cache(number, capacity).repeat(n, at)
+
+    def drop(self, number: int) -> None:
+        self.caches.pop(number, None)
+
+    def memory(self) -> dict:
+        """This process's resident and peak resident bytes (Linux)."""
+        out = {}
+        try:
+            with open("/proc/self/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith(("VmRSS:", "VmHWM:")):
+                        out[line.split(":")[0]] = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return out
+
+
+class ClusterCache(LatentCache):
+    """A latent cache whose layers live on the stages: the driver keeps its length and capacity;
+    each stage holds its range's slots under this cache's number, made when first used and
+    dropped when this object goes."""
+
+    _numbers = itertools.count()
+
+    def __init__(self, executor: "RayPasses", num_layers: int, capacity: int, kv_lora_rank: int,
+                 qk_rope_head_dim: int):
+        if capacity < 1:
+            super().__init__(num_layers, capacity, kv_lora_rank, qk_rope_head_dim)   # its error
+        self.layers, self.capacity, self.length = range(num_layers), capacity, 0
+        self.width = kv_lora_rank + qk_rope_head_dim
+        self.number = next(self._numbers)
+        self.executor = executor
+        weakref.finalize(self, executor.drop, self.number)
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        return self.number, self.capacity
+
+    @property
+    def bytes_per_token(self) -> int:
+        return len(self.layers) * self.width * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.bytes_per_token
+
+    def layer(self, i: int):
+        raise Ds2Error("a cluster's cache lives on its nodes: only a stage reads its layers")
+
+    def prefix(self, n: int):
+        parts = self.executor.each("prefix", *self.ref, n)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def set_prefix(self, latent: np.ndarray, k_pe: np.ndarray) -> None:
+        n = latent.shape[1]
+        if n > self.capacity:
+            super().set_prefix(latent, k_pe)      # its error
+        self.executor.each("set_prefix", *self.ref, split=(latent, k_pe))
+        self.length = n
+
+    def copy_prefix(self, src: "ClusterCache", n: int) -> None:
+        self.executor.each("copy_prefix", src.ref, self.ref, n)
+        self.length = n
+
+    def repeat(self, n: int, at: int) -> None:
+        self.executor.each("repeat", *self.ref, n, at)
+
+
+class RayPasses(Passes):
+    """The driver's passes part: runs each pass over the stages in order, waits for the last.
+    `memory_budget`: what each stage's routed experts are streamed within (None: resident)."""
+
+    def __init__(self, ray, placement: Placement, path: str, quantize=None, memory_budget: int | None = None):
+        self.ray, self.placement, self.path, self.quantize = ray, placement, str(path), quantize
+        self.memory_budget = memory_budget
+        self.stages = []
+        self.lost: str | None = None          # why the cluster is degraded, once a node is lost
+        # what the passes sent, for bench: actor calls, bytes of hidden states and logits moved
+        # between processes (the pass's description aside), seconds the driver waited
+        # spread by experts also the stages' calls for experts (remote.py), their bytes
+        # of hidden rows and outputs, and the seconds the stages waited for them
+        self.traffic = {"passes": 0, "tokens": 0, "calls": 0, "bytes": 0, "seconds": 0.0, **empty_traffic()}
+
+    def start(self, model) -> None:
+        """Create a stage on each node of the placement and wait until every one has loaded."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        actor = self.ray.remote(StageActor)
+        by_experts = self.placement.spread == "experts"
+        for s in self.placement.stages:
+            # spread by experts a stage answers other stages' calls for its experts while its own
+            # pass waits on theirs: two threads (a pass visits one stage at a time)
+            self.stages.append(actor.options(
+                num_cpus=s.node.cpus, max_restarts=0, max_task_retries=0, max_concurrency=2 if by_experts else 1,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(s.node.node_id, soft=False),
+            ).remote(self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus,
+                     (s.experts.start, s.experts.stop) if s.experts is not None else None, self.memory_budget))
+        self.get([a.ready.remote() for a in self.stages])
+        if by_experts:
+            peers = [(s.experts.start, s.experts.stop, a) for s, a in zip(self.placement.stages, self.stages)]
+            self.get([a.connect.remote([p for p in peers if p[2] is not a]) for a in self.stages])
+
+    def stop(self) -> None:
+        for a in self.stages:
+            try:
+                self.ray.kill(a)
+            except Exception:       # noqa: BLE001 - already gone with its node
+                pass
+        self.stages = []
+
+    def new_cache(self, model, capacity: int):
+        cfg = model.config
+        return ClusterCache(self, cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+    def run_pass(self, model, p):
+        return self.start_pass(model, p)()
+
+    def pipeline_depth(self) -> int:
+        """By layers, as many passes as stages may be under way: each stage runs the passes in
+        the order they were sent, and a later pass's first stages work while an earlier one is
+        on the last. By experts one: a stage answering expert calls is not also computing."""
+        return len(self.computing()) if self.placement.spread == "layers" else 1
+
+    def start_pass(self, model, p):
+        """Every stage's call for pass p sent (each hands its hidden state to the next as an
+        object reference); the call returned waits for the logits."""
+        wire = p.with_caches([c.ref for c in p.caches], [] if p.trace is not None else None)
+        x, infos = None, []
+        stages = self.computing()
+        for a in stages:
+            x, info = a.compute.options(num_returns=2).remote(wire, x)
+            infos.append(info)
+        return lambda: self.finish_pass(model, p, stages, infos, x)
+
+    def finish_pass(self, model, p, stages: list, infos: list, x):
+        t0 = time.perf_counter()
+        *infos, logits = self.get(infos + [x])
+        n, D = int(sum(p.lengths)), model.config.hidden_size
+        t = self.traffic
+        t["passes"], t["tokens"], t["calls"] = t["passes"] + 1, t["tokens"] + n, t["calls"] + len(stages)
+        t["bytes"] += (len(stages) - 1) * n * D * 4 + (0 if logits is None else logits.nbytes)
+        t["seconds"] += time.perf_counter() - t0
+        for _, sent in infos:
+            for k, v in sent.items():
+                t[k] += v
+        if p.trace is not None:
+            for trace, _ in infos:
+                p.trace.extend(trace)
+        return logits
+
+    def computing(self) -> list:
+        """The stages a pass visits, in order: those holding layers (spread by experts, a node
+        may hold experts alone)."""
+        return [a for s, a in zip(self.placement.stages, self.stages) if len(s.layers)]
+
+    def each(self, method: str, *args, split=None) -> list:
+        """`method` on every stage, all at once; `split`: arrays (L, ...) each stage gets its rows of."""
+        refs = []
+        for s, a in zip(self.placement.stages, self.stages):
+            if not len(s.layers):
+                continue        # experts alone: no part of any cache
+            part = () if split is None else tuple(arr[s.layers.start:s.layers.stop] for arr in split)
+            refs.append(getattr(a, method).remote(*args, *part))
+        return self.get(refs)
+
+    def drop(self, number: int) -> None:
+        if self.lost is None and self.ray.is_initialized():
+            for a in self.stages:
+                try:
+                    a.drop.remote(number)
+                except Exception:   # noqa: BLE001 - a lost stage's caches went with it
+                    pass
+
+    def health(self) -> str | None:
+        """None while every stage's node is alive; else what was lost."""
+        if self.lost is None and self.stages:
+            alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
+            gone = [s.node.name for s in self.placement.stages if s.node.node_id not in alive]
+            if gone:
+                self.lost = f"node {', '.join(gone)} left the cluster"
+        return self.lost
+
+    def get(self, refs):
+        """ray.get, with a lost node or stage as one ClusterError naming it; a ds2 error a stage
+        raised (a bug's, or a full context's) as itself."""
+        if self.lost is not None:
+            raise ClusterError(f"the cluster is degraded: {self.lost}")
+        try:
+            return self.ray.get(refs)
+        except Exception as e:      # noqa: BLE001 - Ray's errors, classified below
+            errors = self.ray.exceptions
+            if not isinstance(e, errors.RayError):
+                raise
+            chain = list(causes(e))
+            gone = any(isinstance(c, LOST_TYPES(errors)) for c in chain) or "could not be computed" in str(e)
+            ds2 = next((c for c in chain if isinstance(c, Ds2Error)), None)
+            if ds2 is not None and not gone:
+                raise type(ds2)(str(ds2)) from None
+            if not gone and not self.dead_stages():
+                raise ClusterError(f"a stage failed: {str(e).strip().splitlines()[-1][:300]}") from None
+            self.lost = self.which_lost(e)
+            raise ClusterError(f"lost a node of the cluster: {self.lost}") from None
+
+    def dead_stages(self) -> list | None:
+        """The stages whose node the head no longer counts alive (None: the head does not answer)."""
+        try:
+            alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
+        except Exception:           # noqa: BLE001 - the head itself is gone
+            return None
+        return [s for s in self.placement.stages if s.node.node_id not in alive]
+
+    def which_lost(self, error) -> str:
+        gone = self.dead_stages()
+        if gone is None:
+            return "the cluster's head does not answer"
+        if gone:
+            return "; ".join(f"node {s.node.name} (layers {s.layers.start}-{s.layers.stop - 1}) died" for s in gone)
+        return f"a stage's process ended ({type(error).__name__})"
