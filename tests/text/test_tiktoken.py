@@ -181,13 +181,13 @@ def test_conversion_is_cached_by_content_outside_the_model_dir(tmp_path, monkeyp
     files = list(cache.iterdir())
     assert len(files) == 1 and files[0].suffix == ".json"
     assert sorted(p.name for p in model_dir.iterdir()) == ["tiktoken.model", "tokenizer_config.json"]
-
-    def no_conversion(*args):
-        raise AssertionError("converted again")
-    monkeypatch.setattr(tiktoken_convert, "build", no_conversion)
-    assert Tokenizer.load(model_dir).encode("Hello 世界") == first      # read from the cache
-    monkeypatch.undo()
-    monkeypatch.setenv("DS2_TOKENIZER_CACHE", str(cache))
+    assert Tokenizer.load(model_dir).encode("Hello 世界") == first
+    merged = Tokenizer.load(model_dir).encode("世界", add_special_tokens=False)
+    # read from the cache, not converted again: with the entry's merges taken out, 世界 is its 6 bytes
+    entry = json.loads(files[0].read_text(encoding="utf-8"))
+    entry["model"]["merges"] = []
+    files[0].write_text(json.dumps(entry), encoding="utf-8")
+    assert len(Tokenizer.load(model_dir).encode("世界", add_special_tokens=False)) == 6 > len(merged)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     config["added_tokens_decoder"]["3850"] = {"content": "<|new|>"}
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
@@ -297,12 +297,13 @@ def test_generate_on_a_malformed_tiktoken_model_prints_one_error_line(moonlight_
                                      f"'not-base64!' is not valid base64"]
 
 
-def test_a_tokenizer_json_beside_tiktoken_model_is_what_loads(moonlight_checkpoint, monkeypatch):
+def test_a_tokenizer_json_beside_tiktoken_model_is_what_loads(moonlight_checkpoint, monkeypatch, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REFERENCE_V3 / "moonlight_like" / name, moonlight_checkpoint)
-    monkeypatch.setattr(tiktoken_convert, "build", None)               # never converts
+    monkeypatch.setenv("DS2_TOKENIZER_CACHE", str(tmp_path / "cache"))
     tok = Tokenizer.load(moonlight_checkpoint)
     assert tok.vocab_size == 4096 and tok.encode("<|im_end|>", add_special_tokens=False) != [3842]
+    assert not (tmp_path / "cache").exists()                           # never converted
 
 
 @pytest.mark.slow
