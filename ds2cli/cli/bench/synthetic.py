@@ -10,6 +10,7 @@ import struct
 import time
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -97,8 +98,10 @@ def plan_shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int) -> list[li
     return shards
 
 
-def write_checkpoint(out: Path, config: dict, seed: int, shard_bytes: int) -> None:
-    """Shards, index, config.json and ds2-tiny's tokenizer files into the (empty) folder `out`."""
+def write_checkpoint(out: Path, config: dict, seed: int, shard_bytes: int,
+                     show: Callable[[str], None] = console.info) -> None:
+    """Shards, index, config.json and ds2-tiny's tokenizer files into the (empty) folder `out`;
+    a line to `show` after each shard."""
     shapes = checkpoint.expected_shapes(DeepseekV2Config.from_dict(config))
     shards = plan_shards(shapes, shard_bytes)
     weight_map = {}
@@ -107,7 +110,7 @@ def write_checkpoint(out: Path, config: dict, seed: int, shard_bytes: int) -> No
         file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
         write_shard(out / file, {name: shapes[name] for name in names}, seed)
         weight_map.update(dict.fromkeys(names, file))
-        console.info(f"  wrote {file} ({(out / file).stat().st_size / 1e9:.2f} GB, "
+        show(f"  wrote {file} ({(out / file).stat().st_size / 1e9:.2f} GB, "
                      f"{time.perf_counter() - t0:.0f} s)")
     index = {"metadata": {"total_size": 2 * sum(math.prod(s) for s in shapes.values())},
              "weight_map": weight_map}
@@ -117,16 +120,18 @@ def write_checkpoint(out: Path, config: dict, seed: int, shard_bytes: int) -> No
         shutil.copyfile(bundled_model_dir() / name, out / name)
 
 
-def synthesise(target: Path, config: dict, seed: int = 0, shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write a random-weight bf16 checkpoint for `config` at `target`. It is built in a sibling
-    folder and renamed into place only when complete, so an interrupted synthesis is never reused."""
+def synthesise(target: Path, config: dict, seed: int = 0, shard_bytes: int = SHARD_BYTES,
+               show: Callable[[str], None] = console.info) -> Path:
+    """Write a random-weight bf16 checkpoint for `config` at `target`, a line to `show` a shard.
+    It is built in a sibling folder and renamed into place only when complete, so an interrupted
+    synthesis is never reused."""
     cfg = DeepseekV2Config.from_dict(config)
     target.parent.mkdir(parents=True, exist_ok=True)
     needed = 2 * sum(math.prod(s) for s in checkpoint.expected_shapes(cfg).values())     # bf16
     files.check_free_disk(target.parent, int(needed * 1.05), "the benchmark checkpoint", BenchError,
                           "pick another place with --cache-dir or DS2_BENCH_DIR, or fewer --layers")
     with files.building(target, replace=False) as partial:
-        write_checkpoint(partial, config, seed, shard_bytes)
+        write_checkpoint(partial, config, seed, shard_bytes, show)
     return target
 
 
