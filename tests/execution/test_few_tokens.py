@@ -6,20 +6,27 @@ a float32 rounding bound: the kernel and the reference use different BLAS call s
 import numpy as np
 import pytest
 
-from ds2cli.parallel import cores
-from ds2cli.parallel.executor import CoreExecutor
+import sys
+
+from ds2cli.execution.compute import CoreCompute
+from ds2cli.execution.machine import Machine
+from ds2cli.model.linear import FEW_TOKENS
 from ds2cli.weights.formats import base as quant
 from ds2cli.weights import scales
-from ds2cli.parallel import processes as procs
 from ds2cli.weights.formats import FORMATS, QuantMatrix
+from support.machines import quiet_machine
 
 EPS = np.finfo(np.float32).eps
 
 
-def split(m, x: np.ndarray) -> np.ndarray:
-    """m's product with x, its rows cut over the cores (and, in a low-bit few-token pass, the
-    helper processes) by the default executor."""
-    return CoreExecutor().matmul_all([(m, x)])[0]
+MACHINE = Machine(helpers=False)
+ONE_CORE = Machine(threads=1)
+
+
+def split(m, x: np.ndarray, machine: Machine = MACHINE) -> np.ndarray:
+    """m's product with x, its rows cut over the machine's cores (and, in a low-bit few-token
+    pass, its helper processes) by the compute part."""
+    return CoreCompute(machine).matmul_all([(m, x)])[0]
 
 
 def assert_product(m: QuantMatrix, x: np.ndarray, y: np.ndarray) -> None:
@@ -56,36 +63,36 @@ def test_small_row_blocks_and_odd_spans(name, monkeypatch):
     for k in range(2, 65, 9):
         x = rng.standard_normal((k, 320), dtype=np.float32)
         assert_product(m, x, split(m, x))
-        with cores.kernel_threads(1):
-            assert_product(m, x, split(m, x))
+        assert_product(m, x, split(m, x, ONE_CORE))
 
 
-@pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes: Linux, two cores or more")
+@pytest.mark.skipif(not Machine(helpers=True).helpers_allowed or sys.platform != "linux",
+                    reason="helper processes: Linux, two cores or more")
 @pytest.mark.parametrize("name", ["q8", "q4", "q8b", "bf16"])
 def test_the_helper_processes_take_their_rows_of_a_few_token_pass(name, monkeypatch):
     """In a pass of few tokens the products are split with the helper processes, whose shared
     memory holds k rows of x and y; the result is the same product."""
     monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
-    monkeypatch.setattr(procs, "_helpers_failed", False)
-    monkeypatch.delenv("DS2_HELPERS", raising=False)
     rng = np.random.default_rng(5)
     m = scales.quantize_matrix(rng.standard_normal((1536, 512), dtype=np.float32), FORMATS[name])
-    procs.start_helpers([m])
+    machine = quiet_machine()
+    machine.register([m])
+    machine.start_helpers()
     try:
-        helpers = procs.running()
+        helpers = machine.helpers
         assert helpers is not None
         for k in (2, 5, 64):
             x = rng.standard_normal((k, 512), dtype=np.float32)
             sent = helpers.seq
-            with cores.forward_pass(low_bit=True, tokens=k):
-                y = split(m, x)
+            with machine.forward_pass(low_bit=True, tokens=k):
+                y = split(m, x, machine)
             assert helpers.seq > sent                         # the helpers did take part
             assert_product(m, x, y)
-        x = rng.standard_normal((cores.FEW_TOKENS + 1, 512), dtype=np.float32)
+        x = rng.standard_normal((FEW_TOKENS + 1, 512), dtype=np.float32)
         sent = helpers.seq
-        with cores.forward_pass(low_bit=True, tokens=len(x)):
+        with machine.forward_pass(low_bit=True, tokens=len(x)):
             y = m.matmul(x)                                   # a prefill: threads, not helpers
         assert helpers.seq == sent
         assert_product(m, x, y)
     finally:
-        procs.stop_helpers_now()
+        machine.stop_helpers()

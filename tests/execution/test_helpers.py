@@ -12,24 +12,47 @@ import numpy as np
 import pytest
 
 import ds2cli
-from ds2cli.parallel import cores
+from ds2cli.execution import plans
+from ds2cli.execution.cores import split_rows
+from ds2cli.execution.machine import Machine
+from ds2cli.model.linear import Rows
 from ds2cli.weights import formats as quant
 from ds2cli.weights import scales
-from ds2cli.parallel import processes as procs
 from support.decoding import decode
+from support.machines import quiet_machine
 
-pytestmark = pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes are used on Linux "
-                                "with two cores or more (and not with DS2_HELPERS=0)")
+pytestmark = pytest.mark.skipif(not Machine(helpers=True).helpers_allowed or sys.platform != "linux",
+                                reason="helper processes are used on Linux with two cores or more")
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    monkeypatch.setattr(procs, "_helpers_failed", False)   # a test that kills a helper sets it
-    monkeypatch.delenv("DS2_HELPERS", raising=False)
     # most of ds2-tiny's matrices are small enough to run whole on one core; split them all
     monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)
-    yield
-    procs.stop_helpers_now()
+
+
+def load(**kwargs):
+    """ds2cli.load on a machine of its own whose cores all count as free."""
+    return ds2cli.load(machine=kwargs.pop("machine", None) or quiet_machine(), **kwargs)
+
+
+@pytest.fixture
+def machine():
+    """A machine of its own for the test, its helpers stopped after."""
+    m = quiet_machine()
+    yield m
+    m.stop_helpers()
+
+
+def machine_of(model) -> Machine:
+    return model.executor.compute.machine
+
+
+def forked_for(machine: Machine, *weights):
+    """The machine's helpers forked knowing `weights`."""
+    machine.register(weights)
+    machine.start_helpers()
+    return machine.helpers
 
 
 def alive(pid: int) -> bool:
@@ -55,11 +78,13 @@ def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
     """One-token steps with the helpers and with threads, the rows cut in the same halves (the
     units cut as the threads cut the rows: a one-token plan's guided units are other call
     shapes, held to float32 rounding below), bit for bit."""
-    monkeypatch.setattr(procs, "cut", lambda plan, n=0: [(j, a, b) for j, p in enumerate(plan)
-                                                           for a, b in cores.split_rows(p.rows, cores.workers().n, p.align)])
-    model = ds2cli.load(quantize=bits)
-    helpers = procs.running()
-    assert helpers is not None and len(helpers.procs) == cores.workers().n - 1
+    model = load(quantize=bits)
+    machine = machine_of(model)
+    n = machine.workers.n
+    helpers = machine.helpers
+    monkeypatch.setattr(helpers, "cut", lambda plan: [(j, a, b) for j, p in enumerate(plan)
+                                                      for a, b in split_rows(p.rows, n, p.align)])
+    assert helpers is not None and len(helpers.procs) == n - 1
     assert all(alive(h.pid) for h in helpers.procs)
     ids = [0, 74, 75, 76, 77]
     sent, plans = helpers.products, helpers.seq
@@ -68,7 +93,7 @@ def test_helpers_give_exactly_the_threads_results(monkeypatch, bits):
     # in plans of several: q with kv, the experts' gate/up products, then their down products
     # (w_uk's, w_uv's and o_proj's, each needing the one before, are a plan each)
     assert helpers.seq - plans < 0.7 * (helpers.products - sent)
-    monkeypatch.setenv("DS2_HELPERS", "0")
+    machine.helpers_allowed = False           # as DS2_HELPERS=0 would have made it
     sent = helpers.seq
     with_threads = decode(model, ids)
     assert helpers.seq == sent
@@ -81,13 +106,13 @@ def test_a_few_token_pass_with_helpers_is_the_same_pass(monkeypatch, bits):
     """A pass of a few tokens splits each product's rows with the helpers; without them the
     threads share whole experts and heads instead: other call shapes, so the logits agree to
     float32 rounding (as a low-bit prefill's shared heads do), not bit for bit."""
-    model = ds2cli.load(quantize=bits)
+    model = load(quantize=bits)
     ids = [0, 74, 75, 76, 77, 78, 79, 80]
-    helpers = procs.running()
+    helpers = machine_of(model).helpers
     sent = helpers.seq
     with_helpers = model.forward(ids, model.new_cache(16), all_logits=True)
     assert helpers.seq > sent
-    monkeypatch.setenv("DS2_HELPERS", "0")
+    machine_of(model).helpers_allowed = False
     with_threads = model.forward(ids, model.new_cache(16), all_logits=True)
     np.testing.assert_allclose(with_helpers, with_threads, rtol=0, atol=1e-5 * np.abs(with_threads).max())
 
@@ -110,26 +135,25 @@ def test_a_one_token_product_split_anywhere_gives_its_rows(fmt):
         assert np.all(np.abs(y - exact) <= bound), cut
 
 
-def test_an_interrupted_step_leaves_no_stale_rows():
+def test_an_interrupted_step_leaves_no_stale_rows(machine):
     """Ctrl-C in this process's part of a plan leaves tokens in the claims pipe and a helper's
     answer unread: the next plan takes them and reads it first, and gets only its own rows."""
     m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((4096, 256), dtype=np.float32),
                                quant.FORMATS["q8"])
-    procs.start_helpers([m])                 # m registered, then the helper forked: it knows m
-    helpers = procs.running()
+    helpers = forked_for(machine, m)         # m registered, then the helper forked: it knows m
     x1, x2 = np.random.default_rng(1).standard_normal((2, 256), dtype=np.float32)
 
     class Interrupted:
-        key = m.key
+        origin = (m, -1)                     # the helpers know it as m itself
 
         def span(self, *args):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):   # the helper's reply to this step stays unread
-        helpers.run([cores.Rows(Interrupted(), x1, np.empty(4096, np.float32), 8)])
+        helpers.run([Rows(Interrupted(), x1, np.empty(4096, np.float32), 8)])
     assert helpers.settled < helpers.seq
     y = np.empty(4096, np.float32)
-    product = cores.Rows(m, x2, y, 8)
+    product = Rows(m, x2, y, 8)
     assert helpers.run([product]) == [] and len(product.spans) >= 2
     assert helpers.settled == helpers.seq
     expected = np.empty(4096, np.float32)
@@ -138,52 +162,23 @@ def test_an_interrupted_step_leaves_no_stale_rows():
     np.testing.assert_array_equal(y, expected)
 
 
-@pytest.mark.slow
-def test_q_and_its_w_uk_go_to_the_helpers_as_one_product():
-    """absorbed.AbsorbedQuery in a plan: a helper rebuilds it from the two matrices' keys, takes
-    units of whole heads, and its rows are the bits this process's own spans give."""
-    import ml_dtypes
-    from ds2cli.model.linear import Heads
-    from ds2cli.parallel.absorbed import AbsorbedQuery
-    rng = np.random.default_rng(3)
-    H, d, R, C, D = 16, 128, 64, 512, 2048
-    q_w = scales.quantize_matrix(rng.standard_normal((H * (d + R), D), dtype=np.float32), quant.FORMATS["bf16"])
-    uk = Heads(rng.standard_normal((H, d, C), dtype=np.float32).astype(ml_dtypes.bfloat16))
-    procs.start_helpers([q_w, uk])           # both registered, then the helper forked
-    helpers = procs.running()
-    w = AbsorbedQuery(q_w, uk)
-    units = helpers.helper_units
-    for k in (1, 3) * 5:                     # (a helper just forked may wake too late for a plan)
-        x = rng.standard_normal((k, D), dtype=np.float32)
-        y = np.empty((k, w.shape[0]), np.float32)
-        product = cores.Rows(w, x, y, w.align, depth=w.depth)
-        assert helpers.run([product]) == [] and len(product.spans) >= 2
-        assert all(a % w.align == 0 for a, _ in product.spans)
-        expected = np.empty_like(y)
-        for a, b in product.spans:           # the same kernel calls on the same heads
-            w.span(x, expected, a, b)
-        np.testing.assert_array_equal(y, expected)
-    assert helpers.helper_units > units and not procs._helpers_failed     # the helper took heads
-
-
-def test_a_plan_cut_short_before_its_messages_is_settled_without_them(monkeypatch):
+def test_a_plan_cut_short_before_its_messages_is_settled_without_them(machine):
     """Ctrl-C after a plan's tokens were written but before its PLAN messages: the next plan
     takes the stale tokens and waits for no answer that was never asked for."""
-    monkeypatch.setattr(procs, "HELPER_TIMEOUT", 5.0)
     m = scales.quantize_matrix(np.random.default_rng(0).standard_normal((4096, 256), dtype=np.float32),
                                quant.FORMATS["q8"])
-    procs.start_helpers([m])
-    helpers = procs.running()
+    helpers = forked_for(machine, m)
+    helpers.timeout = 5.0
     helpers.seq += 1                          # what send had done when the Ctrl-C came
-    os.write(helpers.claims_w, b"".join(procs.TOKEN.pack(helpers.seq, u) for u in range(3)))
+    os.write(helpers.claims_w, b"".join(plans.TOKEN.pack(helpers.seq, u) for u in range(3)))
     x = np.random.default_rng(1).standard_normal(256, dtype=np.float32)
     y = np.empty(4096, np.float32)
-    assert helpers.run([cores.Rows(m, x, y, 8)]) == [] and not procs._helpers_failed
+    assert helpers.run([Rows(m, x, y, 8)]) == [] and not helpers.failed
     np.testing.assert_allclose(y, m.dequantize() @ x, rtol=1e-4, atol=1e-4 * np.abs(y).max())
 
 
 @pytest.mark.slow
-def test_a_slow_helper_takes_fewer_units(monkeypatch):
+def test_a_slow_helper_takes_fewer_units(monkeypatch, machine):
     """The units go to whichever process is free: a helper that another program slows down (here
     a sleep in each of its units) takes one or two, or loses them to this process, which takes
     the rest, and the rows still come out right. A plan of several tokens too, and its cut is
@@ -199,23 +194,21 @@ def test_a_slow_helper_takes_fewer_units(monkeypatch):
         return span(self, *args)
 
     monkeypatch.setattr(quant.QuantMatrix, "span", slow_in_a_helper)
-    procs.start_helpers([m])                  # forked now: the helpers run the slow span
-    helpers = procs.running()
+    helpers = forked_for(machine, m)          # forked now: the helpers run the slow span
     x = np.random.default_rng(1).standard_normal(512, dtype=np.float32)
     expected = m.dequantize() @ x
     y = np.empty(16384, np.float32)
-    product = cores.Rows(m, x, y, 8)
+    product = Rows(m, x, y, 8)
     assert helpers.run([product]) == []
     assert len(product.spans) >= 5 and helpers.helper_units <= len(helpers.procs) * 2
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     x2 = np.random.default_rng(2).standard_normal((8, 512), dtype=np.float32)
     y2 = np.empty((8, 16384), np.float32)
-    product2 = cores.Rows(m, x2, y2, 8)
+    product2 = Rows(m, x2, y2, 8)
     assert helpers.run([product2]) == [] and len(product2.spans) >= 3
-    assert product2.spans == [(a, b) for _, a, b in procs.cut([product2])]
-    assert procs.cut([product2]) == procs.cut([product2], cores.workers().n)   # whoever takes part
+    assert product2.spans == [(a, b) for _, a, b in plans.cut([product2], machine.workers.n)]
     expected2 = np.empty((8, 16384), np.float32)
-    with cores.blas_threads(1):
+    with machine.blas_threads(1):
         for a, b in product2.spans:           # the same kernel calls on the same rows: the same bits
             m.span(x2, expected2, a, b)
     np.testing.assert_array_equal(y2, expected2)
@@ -231,7 +224,7 @@ class Product:
 
 
 @pytest.mark.parametrize("shapes", [[(2816, 2048)] * 7, [(3072, 2048), (576, 2048)], [(102400, 2048)],
-                                    [(16, 64)] * procs.PLAN_PRODUCTS, [(8192, 2048)] * procs.PLAN_PRODUCTS,
+                                    [(16, 64)] * plans.PLAN_PRODUCTS, [(8192, 2048)] * plans.PLAN_PRODUCTS,
                                     [(1408, 2048, 1, 32), (2048, 1408, 1, 512)], [(2816, 2048, 8)] * 7,
                                     [(2816, 2048, 64)] * 7 + [(2048, 1408, 3)],
                                     [(16 * 512, 16 * 128, 1, 512, 128)], [(16 * 128, 16 * 512, 4, 128, 512)],
@@ -243,67 +236,69 @@ def test_a_plans_units_cover_its_rows_largest_first(shapes, processes):
     below UNIT_MIN_VALUES weights, whatever the tokens) except where a product ends, and never
     more than the tables hold."""
     plan = [Product(*shape) for shape in shapes]
-    units = procs.cut(plan, processes)
-    assert len(units) <= procs.PLAN_UNITS
+    units = plans.cut(plan, processes)
+    assert len(units) <= plans.PLAN_UNITS
     for j, p in enumerate(plan):
         mine = [(a, b) for i, a, b in units if i == j]
         assert mine[0][0] == 0 and mine[-1][1] == p.rows
         assert all(b0 == a1 for (_, b0), (a1, _) in zip(mine, mine[1:]))
         assert all(a % p.align == 0 and b > a for a, b in mine)
     sizes = [(b - a) * plan[j].row_values for j, a, b in units]
-    floor = max(procs.UNIT_MIN_VALUES, 2 * sum(p.rows * p.row_values for p in plan) // procs.PLAN_UNITS)
+    floor = max(plans.UNIT_MIN_VALUES, 2 * sum(p.rows * p.row_values for p in plan) // plans.PLAN_UNITS)
     ends_of_products = {k for k, (j, a, b) in enumerate(units) if b == plan[j].rows}
     whole = [s for k, s in enumerate(sizes) if k not in ends_of_products]
     assert all(s >= floor - max(p.align * p.row_values for p in plan) for s in whole)
     tokens = [p.x.size // p.x.shape[-1] for p in plan]
     weights = [(b - a) * plan[j].row_values // tokens[j] for k, (j, a, b) in enumerate(units) if k not in ends_of_products]
-    assert all(w >= procs.UNIT_MIN_VALUES - max(p.align * p.row_values for p in plan) for w in weights)
+    assert all(w >= plans.UNIT_MIN_VALUES - max(p.align * p.row_values for p in plan) for w in weights)
     assert all(later <= earlier + max(p.align * p.row_values for p in plan)
                for earlier, later in zip(whole, whole[1:]))
 
 
 @pytest.mark.slow
-def test_a_killed_helper_falls_back_to_threads(monkeypatch):
-    model = ds2cli.load(quantize=8)
+def test_a_killed_helper_falls_back_to_threads():
+    model = load(quantize=8)
+    machine = machine_of(model)
     ids = [0, 74, 75, 76, 77]
-    monkeypatch.setenv("DS2_HELPERS", "0")
+    machine.helpers_allowed = False
     expected = decode(model, ids)
-    monkeypatch.delenv("DS2_HELPERS")
-    pids = [h.pid for h in procs.running().procs]
+    machine.helpers_allowed = True
+    pids = [h.pid for h in machine.helpers.procs]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     assert wait_gone(pids)
     np.testing.assert_array_equal(decode(model, ids), expected)
-    assert procs.running() is None and procs._helpers_failed
+    assert machine.helpers is None and machine.workers.helpers_failed
     for pid in pids:                          # reaped, not left as zombies
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
 
 
 @pytest.mark.slow
-def test_a_stuck_helper_is_ended_and_threads_take_over(monkeypatch):
-    model = ds2cli.load(quantize=4)
+def test_a_stuck_helper_is_ended_and_threads_take_over():
+    model = load(quantize=4)
+    machine = machine_of(model)
     ids = [0, 74, 75]
-    monkeypatch.setenv("DS2_HELPERS", "0")
+    machine.helpers_allowed = False
     expected = decode(model, ids, steps=2)
-    monkeypatch.delenv("DS2_HELPERS")
-    monkeypatch.setattr(procs, "HELPER_TIMEOUT", 0.5)
-    pids = [h.pid for h in procs.running().procs]
+    machine.helpers_allowed = True
+    machine.helpers.timeout = 0.5
+    pids = [h.pid for h in machine.helpers.procs]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)         # alive, but never answers
     np.testing.assert_array_equal(decode(model, ids, steps=2), expected)    # this process ran their units
-    time.sleep(procs.HELPER_TIMEOUT)         # then, inside one plan that long, they are taken as stuck
+    time.sleep(0.5)                          # then, inside one plan that long, they are taken as stuck
     np.testing.assert_array_equal(decode(model, ids, steps=2), expected)
-    assert procs.running() is None and not any(alive(pid) for pid in pids)
+    assert machine.helpers is None and wait_gone(pids)
 
 
 @pytest.mark.slow
-def test_loading_another_model_replaces_the_helpers():
-    first = ds2cli.load(quantize=8)
-    old = [h.pid for h in procs.running().procs]
-    second = ds2cli.load(quantize=4)
+def test_loading_another_model_on_one_machine_replaces_its_helpers(machine):
+    first = load(quantize=8, machine=machine)
+    old = [h.pid for h in machine.helpers.procs]
+    second = load(quantize=4, machine=machine)
     assert wait_gone(old)
-    helpers = procs.running()
+    helpers = machine.helpers
     assert [h.pid for h in helpers.procs] != old
     sent = helpers.seq
     decode(first, [0, 74], steps=2)          # the new helpers know the first model too
@@ -312,24 +307,47 @@ def test_loading_another_model_replaces_the_helpers():
 
 
 @pytest.mark.slow
+def test_two_models_have_machines_of_their_own():
+    """Each load makes its own machine: its own helpers, which know its own weights; stopping
+    one model's leaves the other's running, and each decodes as it did alone."""
+    first, second = load(quantize=8), load(quantize=4)
+    a, b = machine_of(first), machine_of(second)
+    assert a is not b and a.registry is not b.registry and a.workers is not b.workers
+    pids_a, pids_b = [h.pid for h in a.helpers.procs], [h.pid for h in b.helpers.procs]
+    assert set(pids_a).isdisjoint(pids_b) and all(alive(p) for p in pids_a + pids_b)
+    alone = decode(first, [0, 74], steps=2)
+    sent = b.helpers.seq
+    decode(second, [0, 74], steps=2)
+    assert b.helpers.seq > sent              # its own helpers took its plans
+    first.executor.stop()
+    assert wait_gone(pids_a) and all(alive(p) for p in pids_b)
+    second.executor.stop()
+    assert wait_gone(pids_b)
+    again = load(quantize=8)                 # the same weights, a third machine: the same steps
+    np.testing.assert_array_equal(decode(again, [0, 74], steps=2), alone)
+    again.executor.stop()
+
+
+@pytest.mark.slow
 def test_a_model_loaded_on_a_thread_that_ends_keeps_its_helpers():
     import threading
     loaded = {}
-    t = threading.Thread(target=lambda: loaded.setdefault("model", ds2cli.load(quantize=8)))
+    t = threading.Thread(target=lambda: loaded.setdefault("model", load(quantize=8)))
     t.start()
     t.join()
-    helpers = procs.running()
+    machine = machine_of(loaded["model"])
+    helpers = machine.helpers
     sent = helpers.seq
     decode(loaded["model"], [0, 74], steps=2)
-    assert helpers.seq > sent and procs.running() is helpers and all(alive(h.pid) for h in helpers.procs)
+    assert helpers.seq > sent and machine.helpers is helpers and all(alive(h.pid) for h in helpers.procs)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "SIGKILL"])
 def test_helpers_never_outlive_their_process(how):
-    script = ("import sys, time, ds2cli\nfrom ds2cli.parallel import processes as procs\n"
+    script = ("import sys, time, ds2cli\n"
               "m = ds2cli.load(quantize=8)\nm.forward([0, 74], m.new_cache(8))\n"
-              "print(*[h.pid for h in procs.running().procs], flush=True)\n"
+              "print(*[h.pid for h in m.executor.compute.machine.helpers.procs], flush=True)\n"
               "sys.stdin.readline()\n")            # held until the test has seen the helpers
     p = subprocess.Popen([sys.executable, "-c", script, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True)

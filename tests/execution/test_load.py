@@ -1,4 +1,4 @@
-"""A machine doing other things (parallel/load.py): the cores a pass uses follow the cores other
+"""A machine doing other things (execution/load.py): the cores a pass uses follow the cores other
 programs leave free, never fewer than one, and whoever computes a unit, and however many take
 part, a decode step's logits are the same bits."""
 
@@ -11,50 +11,51 @@ import numpy as np
 import pytest
 
 import ds2cli
-from ds2cli.parallel import cores, load
-from ds2cli.parallel import processes as procs
+from ds2cli.execution import load
+from ds2cli.execution.machine import Machine
 from ds2cli.weights.formats import base as quant
 
 from support.decoding import decode
 
 
 class Readings:
-    """Scripted /proc readings: each CPU's busy ticks and this process's own, in turn."""
+    """Scripted /proc readings: each CPU's busy ticks and this process's own, in turn (None: no
+    /proc once `gone`)."""
 
-    def __init__(self, monkeypatch, busy, ours):
-        self.busy, self.ours = iter(busy), iter(ours)
-        monkeypatch.setattr(load, "cpus_busy", lambda cpus: next(self.busy))
-        monkeypatch.setattr(load, "process_ticks", lambda pids: next(self.ours))
+    def __init__(self, busy, ours):
+        self.busy, self.ours, self.gone = iter(busy), iter(ours), False
+
+    def cpus(self, cpus):
+        return None if self.gone else next(self.busy)
+
+    def ticks(self, pids):
+        return next(self.ours)
 
 
-def test_the_cores_used_are_those_others_leave(monkeypatch):
+def test_the_cores_used_are_those_others_leave():
     """Two CPUs, 100 ticks a second: other programs' time is the CPUs' busy time less this
     process's, over the last reading's window; the count is at least 1 and at most `most`."""
     clock = iter(np.arange(0.0, 10.0, 0.2))
-    monkeypatch.setattr(load.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(load.os, "sysconf", lambda name: 100)
     # windows of 0.2 s = 20 ticks a CPU: ours 20 (one core), others 0, 20, 40, 40, then 4
-    Readings(monkeypatch, busy=[0, 20, 60, 120, 180, 204], ours=[0, 20, 40, 60, 80, 100, 120])
-    machine = load.Load({0, 1})                      # the first window starts here
+    r = Readings(busy=[0, 20, 60, 120, 180, 204], ours=[0, 20, 40, 60, 80, 100, 120])
+    machine = load.Load({0, 1}, clock=lambda: next(clock), busy=r.cpus, ticks=r.ticks, tick=100)
     assert machine.free(8) == 2 and machine.others == 0
     assert machine.free(8) == 1                      # one core busy elsewhere (smoothed: 0.5)
     assert machine.free(8) == 1                      # two: never below one
     assert machine.free(2) == 1
     assert machine.free(1) == 1 and 0.9 < machine.others < 1.0
-    monkeypatch.setattr(load, "cpus_busy", lambda cpus: None)     # no /proc: the estimate stays
+    r.gone = True                                    # no /proc: the estimate stays
     assert machine.free(2) == 1
 
 
-def test_no_proc_means_every_core(monkeypatch):
-    monkeypatch.setattr(load, "cpus_busy", lambda cpus: None)
-    machine = load.Load({0, 1, 2, 3})
+def test_no_proc_means_every_core():
+    machine = load.Load({0, 1, 2, 3}, busy=lambda cpus: None)
     assert machine.free(3) == 3 and machine.free(3) == 3
 
 
-def test_before_a_window_has_passed_every_core_counts(monkeypatch):
+def test_before_a_window_has_passed_every_core_counts():
     """A pass that starts within INTERVAL of the pool's making has no reading yet: all cores."""
-    monkeypatch.setattr(load.time, "perf_counter", lambda: 5.0)
-    machine = load.Load({0, 1, 2, 3})
+    machine = load.Load({0, 1, 2, 3}, clock=lambda: 5.0)
     assert machine.others is None and machine.free(3) == 3
 
 
@@ -71,20 +72,19 @@ def busy_loops(n: int):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not procs.helpers_wanted(), reason="helper processes: Linux, two cores or more")
+@pytest.mark.skipif(not Machine(helpers=True).helpers_allowed or sys.platform != "linux",
+                    reason="helper processes: Linux, two cores or more")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_same_bits_alone_and_beside_two_busy_programs(monkeypatch, bits):
     """A decode with helpers on a quiet machine and the same decode beside two programs that
     keep every core busy (where this process runs the units itself, or a helper late for its
     unit loses it): the same units, the same kernel calls, BLAS at one thread in each process,
     so the same logits bit for bit."""
-    monkeypatch.setattr(procs, "_helpers_failed", False)
-    monkeypatch.delenv("DS2_HELPERS", raising=False)
     monkeypatch.setattr(quant, "SMALL_MATRIX", 0)   # ds2-tiny's matrices split, not run whole,
-    monkeypatch.setattr(procs, "UNIT_MIN_VALUES", 1 << 13)   # and in several units each
-    procs.cut_shapes.cache_clear()
-    model = ds2cli.load(quantize=bits)
-    pool, helpers = cores.workers(), procs.running()
+    model = ds2cli.load(quantize=bits, machine=Machine(helpers=True))
+    machine = model.executor.compute.machine
+    pool, helpers = machine.workers, machine.helpers
+    helpers.unit_min_values = 1 << 13               # and in several units each
     ids = [0, 74, 75, 76, 77]
     try:
         with monkeypatch.context() as quiet:
@@ -103,10 +103,10 @@ def test_the_same_bits_alone_and_beside_two_busy_programs(monkeypatch, bits):
         np.testing.assert_array_equal(alone, beside)
         assert ran > 0                               # alone, the helpers took units
         assert min(used) == 1 and max(used) <= pool.n
-        assert len(cores.blas_controllers()) == 0 or cores.blas_controllers()[0].num_threads >= 1
+        blas = pool.blas.controllers()
+        assert len(blas) == 0 or blas[0].num_threads >= 1
     finally:
-        procs.stop_helpers_now()
-        procs.cut_shapes.cache_clear()
+        machine.stop_helpers()
 
 
 @pytest.mark.slow
@@ -125,17 +125,16 @@ def test_greedy_text_is_the_same_on_one_two_and_every_core():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
-def test_logits_on_one_core_and_on_every_core_agree_to_rounding(monkeypatch, bits):
+def test_logits_on_one_core_and_on_every_core_agree_to_rounding(bits):
     from threadpoolctl import threadpool_limits
-    monkeypatch.setattr(procs, "_helpers_failed", False)
-    monkeypatch.delenv("DS2_HELPERS", raising=False)
-    model = ds2cli.load(quantize=bits)
+    every_core = ds2cli.load(quantize=bits, machine=Machine(helpers=True))
+    one_core = ds2cli.load(quantize=bits, machine=Machine(threads=1))
     ids = [0, 74, 75, 76, 77]
     try:
-        every = decode(model, ids, steps=8)
-        with threadpool_limits(limits=1, user_api="blas"), cores.kernel_threads(1):
-            one = decode(model, ids, steps=8)
+        every = decode(every_core, ids, steps=8)
+        with threadpool_limits(limits=1, user_api="blas"):
+            one = decode(one_core, ids, steps=8)
     finally:
-        procs.stop_helpers_now()
+        every_core.executor.stop()
     assert (every.argmax(-1) == one.argmax(-1)).all()
     np.testing.assert_allclose(every, one, rtol=0, atol=1e-5 * np.abs(one).max())
