@@ -84,6 +84,7 @@ class Workers:
         self.held = 0                    # > 0 while a low-bit forward pass holds BLAS (forward_pass)
         self.few = 0                     # > 0 while that pass has at most FEW_TOKENS tokens
         self.helpers = None              # the helper processes (helpers.py) while they run
+        self.helpers_failed = False      # they failed once (a helper died): never again
         self.helpers_on = False          # whether they take this pass's products (set by the
                                          # machine's forward_pass)
 
@@ -172,7 +173,11 @@ class Workers:
         """Products' spans over the helper processes at once; whatever they leave, on threads
         (all of them if the helpers were stopped meanwhile: a helper died, another model loaded)."""
         helpers = self.helpers
-        for product in helpers.run(products) if helpers is not None and products else products:
+        left = helpers.run(products) if helpers is not None and products else products
+        if helpers is not None and helpers.failed:      # one died or got stuck: threads from now on
+            helpers.stop()
+            self.helpers, self.helpers_failed = None, True
+        for product in left:
             self.run(product.span, product.spans)
 
     def helpers_ready(self) -> bool:

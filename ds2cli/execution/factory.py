@@ -29,23 +29,26 @@ def load(path=None, progress=None, quantize: int | str | None = None, context: i
          memory_check: bool = True, layers: range | None = None, experts: range | None = None,
          memory_budget: int | None = None, threads: int | None = None, machine: Machine | None = None,
          spread_experts: bool = False, ray: str | None = None, spread: str = "layers",
-         show: Callable[[str], None] | None = None) -> Model:
+         show: Callable[[str], None] | None = None, executor: Executor | None = None) -> Model:
     """A model (default: the bundled ds2-tiny) loaded (weights/loader.py: `path`, `progress`,
     `quantize`, `context`, `memory_check`, `layers`, `experts`, `memory_budget` as there) and
     given its executor, started: this process's cores (`threads` at most, or the `machine`
     given), its routed experts resident or streamed from disk within `memory_budget`, and with
     `spread_experts` (a node of a cluster spread by experts) the other nodes' experts asked of
-    them. `ray`: the model's layers over that Ray cluster's nodes instead (cluster_model)."""
+    them. `ray`: the model's layers over that Ray cluster's nodes instead (cluster_model).
+    `executor`: one composed already (or any of model/executor.py's interface), used as given."""
     if ray is not None:
         return cluster_model(open_model(path), ray, quantize, context, show, memory_check, spread, memory_budget)
     if machine is not None and threads is not None:
         raise ConfigError("give threads= or a machine=, not both: a machine's cores are its own")
     model = loader.load(path, progress, quantize, context, memory_check, layers=layers,
                         memory_budget=memory_budget, experts=experts)
-    own = Experts() if model.streamed is None else StreamedExperts(model.streamed)
-    if spread_experts:
-        own = RemoteExperts(experts, local=own)
-    model.executor = Executor(CoreCompute(machine or Machine(threads)), own)
+    if executor is None:
+        own = Experts() if model.streamed is None else StreamedExperts(model.streamed)
+        if spread_experts:
+            own = RemoteExperts(experts, local=own)
+        executor = Executor(CoreCompute(machine or Machine(threads)), own)
+    model.executor = executor
     model.executor.start(model)
     return model
 

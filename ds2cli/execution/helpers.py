@@ -43,7 +43,8 @@ import weakref
 import numpy as np
 
 from ds2cli.execution.plans import (GRACE, HELPER_TIMEOUT, HELPER_VALUES, PLAN, TABLE_BYTES, TOKEN, Fence,
-                                    Registry, cut_shapes, ends, plans, receive, shapes_of, shared_views)
+                                    Registry, UNIT_MIN_VALUES, cut_shapes, ends, plans, receive, shapes_of,
+                                    shared_views)
 
 CUTS = 1024           # plan shapes whose cut a Helpers object keeps (a decode step repeats ~10)
 
@@ -78,7 +79,9 @@ class Helpers:
         self.horizon = len(registry)
         self.failed = False          # a helper died or got stuck: the machine stops them all
         self.fence = Fence()
+        self.timeout = HELPER_TIMEOUT     # a helper inside one plan this long is taken as stuck
         self.cuts: dict[tuple, tuple] = {}    # plan shapes -> their cut (shared: never changed)
+        self.unit_min_values = UNIT_MIN_VALUES   # the smallest unit (plans.cut)
         self.seq = 0                 # plans sent
         self.settled = 0             # the last plan whose every unit was run
         self.products = 0            # products the plans held
@@ -184,7 +187,7 @@ class Helpers:
         if units is None:
             if len(self.cuts) >= CUTS:
                 self.cuts.clear()
-            units = self.cuts[shapes] = cut_shapes(shapes, self.workers.n)
+            units = self.cuts[shapes] = cut_shapes(shapes, self.workers.n, self.unit_min_values)
         return units
 
     def send(self, plan: list, keys: list, units: list, most: int) -> list[Helper]:
@@ -224,7 +227,7 @@ class Helpers:
 
     def check(self) -> None:
         """OSError if a helper still inside a plan has exited, or has been inside it longer than
-        HELPER_TIMEOUT (stopped, or stuck)."""
+        `timeout` (stopped, or stuck)."""
         now = time.perf_counter()
         for h in self.procs:
             if h.idle:
@@ -232,8 +235,8 @@ class Helpers:
             with contextlib.suppress(ChildProcessError):
                 if os.waitid(os.P_PID, h.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
                     raise OSError("a helper process exited")
-            if now - h.sent_at > HELPER_TIMEOUT:
-                raise OSError(f"a helper process was inside one plan for {HELPER_TIMEOUT:.0f} s")
+            if now - h.sent_at > self.timeout:
+                raise OSError(f"a helper process was inside one plan for {self.timeout:.0f} s")
 
     def claim(self) -> int | None:
         """The next unit of this plan from the claims pipe (an earlier plan's tokens, left by a

@@ -6,7 +6,7 @@ machine doing other things, one core used well beats two used in turns. So the c
 uses follow the cores that are free, read from the kernel's own accounting: the busy time of
 the CPUs this process may run on (/proc/stat) minus this process's and its helpers' own CPU
 time (/proc/PID/stat), over the last INTERVAL seconds at least. `--threads N` stays the upper
-bound (cores.kernel_threads); where /proc is not there, every allowed core counts as free.
+bound (Machine's `threads`); where /proc is not there, every allowed core counts as free.
 """
 
 from __future__ import annotations
@@ -23,17 +23,21 @@ ROUND_UP = 0.3       # a core counts as free once other programs leave it 70% of
 class Load:
     """The CPU time other programs take on this process's CPUs, as a number of cores."""
 
-    def __init__(self, cpus: set[int] | None = None):
+    def __init__(self, cpus: set[int] | None = None, clock=time.perf_counter, busy=None, ticks=None,
+                 tick: int | None = None):
+        """`clock`, `busy(cpus)`, `ticks(pids)` and `tick` (ticks a second) read the time and the
+        kernel's accounting (/proc, sysconf): given, they replace it (a test's script)."""
         self.cpus = cpus if cpus is not None else allowed_cpus()
-        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.clock, self.busy, self.ticks = clock, busy or cpus_busy, ticks or process_ticks
+        self.tick = tick or (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self.others: float | None = None      # cores other programs keep busy (smoothed)
         self.last: tuple[float, int, int] | None = None     # (time, CPUs' busy ticks, ours)
-        self.read(time.perf_counter(), ())   # the first window starts now (the model loads meanwhile)
+        self.read(self.clock(), ())          # the first window starts now (the model loads meanwhile)
 
     def free(self, most: int, own_pids=()) -> int:
         """How many cores to use now: at least 1, at most `most`, one for each allowed core that
         other programs leave free; re-read at most every INTERVAL seconds."""
-        now = time.perf_counter()
+        now = self.clock()
         if self.last is None or now - self.last[0] >= INTERVAL:
             self.read(now, own_pids)
         if self.others is None:
@@ -41,7 +45,7 @@ class Load:
         return max(1, min(most, int(len(self.cpus) - self.others + ROUND_UP)))
 
     def read(self, now: float, own_pids) -> None:
-        busy, ours = cpus_busy(self.cpus), process_ticks([0, *own_pids])
+        busy, ours = self.busy(self.cpus), self.ticks([0, *own_pids])
         if busy is None or ours is None:
             return
         if self.last is not None:

@@ -49,7 +49,7 @@ class Machine:
         of this process, are gone. Forked right after the load, the copy holds no scratch
         buffers or caches of this process yet. A fork that fails leaves threads alone."""
         self.stop_helpers()
-        if self.helpers_allowed:
+        if self.helpers_allowed and not self.workers.helpers_failed:
             try:
                 self.workers.helpers = Helpers(self.workers.n - 1, self.registry, self.workers)
             except OSError:
@@ -61,10 +61,9 @@ class Machine:
             self.workers.helpers = None
 
     def forward_pass(self, low_bit: bool, tokens: int):
-        """What a pass of `tokens` tokens runs in (cores.Workers.forward_pass); helpers that failed
-        in the last pass (one died, one got stuck) are stopped first: threads from then on."""
-        if self.workers.helpers is not None and self.workers.helpers.failed:
-            self.stop_helpers()
+        """What a pass of `tokens` tokens runs in (cores.Workers.forward_pass); once helpers have
+        failed (one died, one got stuck: Workers stopped them), threads from then on."""
+        if self.workers.helpers_failed:
             self.helpers_allowed = False
         return self.workers.forward_pass(low_bit, tokens, self.helpers_allowed)
 

@@ -116,7 +116,7 @@ def shapes_of(plan: list) -> tuple:
     return tuple((p.rows, p.row_values, p.align, p.x.size // p.x.shape[-1]) for p in plan)
 
 
-def cut(plan: list, processes: int) -> tuple[tuple[int, int, int], ...]:
+def cut(plan: list, processes: int, min_values: int = UNIT_MIN_VALUES) -> tuple[tuple[int, int, int], ...]:
     """A plan's units, (product's row in the plan, a, b), in order; each product's rows a..b
     start at multiples of its alignment. Guided (see UNIT_SPLIT): the plan's weights x tokens
     still to cut divided by UNIT_SPLIT x the process's cores (`processes`: the pool's
@@ -127,16 +127,16 @@ def cut(plan: list, processes: int) -> tuple[tuple[int, int, int], ...]:
     all). The cut depends on the shapes and that bound alone, never on the timing nor on the processes taking
     part (a decode step's plans repeat their shapes every step: Helpers keeps each shape's
     cut, 20-30 us a plan of experts)."""
-    return cut_shapes(shapes_of(plan), processes)
+    return cut_shapes(shapes_of(plan), processes, min_values)
 
 
-def cut_shapes(shapes: tuple, processes: int) -> tuple[tuple[int, int, int], ...]:
+def cut_shapes(shapes: tuple, processes: int, min_values: int = UNIT_MIN_VALUES) -> tuple[tuple[int, int, int], ...]:
     """cut, for the products' (rows, weights x tokens a row, alignment, tokens)."""
     left = sum(rows * values for rows, values, _, _ in shapes)
-    floor = max(UNIT_MIN_VALUES, 2 * left // PLAN_UNITS)
+    floor = max(min_values, 2 * left // PLAN_UNITS)
     units = []
     for j, (rows, values, align, tokens) in enumerate(shapes):
-        least = max(floor, UNIT_MIN_VALUES * tokens)
+        least = max(floor, min_values * tokens)
         a = 0
         while a < rows:
             want = max(least, left // (UNIT_SPLIT * processes))
