@@ -97,10 +97,12 @@ def shard_name(k: int, n: int) -> str:
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool = False,
                         progress: Callable[[int, int], None] | None = None,
-                        calibration_text: str | Path | None = None) -> dict:
+                        calibration_text: str | Path | None = None,
+                        write_shard: Callable[[Path, list], int] | None = None) -> dict:
     """Write the `bits` recipe of checkpoint `src` into directory `dst`; return a summary. With
     `calibration_text` (a file, or calibration.BUILTIN), the scales are chosen from the float
-    model's inputs on that text (calibration.py)."""
+    model's inputs on that text (calibration.py). `write_shard(path, arrays)` writes a shard and
+    returns its bytes (default: qcheckpoint.write_safetensors)."""
     src, dst = check_model_dir(src), Path(dst).expanduser()
     qc = qcheckpoint.QuantConfig.recipe(bits)
     gguf = gguf_model.open_model(src)    # a GGUF: its metadata is the config, its tokenizer is written out
@@ -123,7 +125,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool
                           QuantizeError)
     try:
         with files.building(dst, replace=True) as partial:
-            written = write_all(src, partial, raw, cfg, qc, tensors, progress, gguf, calib)
+            written = write_all(src, partial, raw, cfg, qc, tensors, progress, gguf, calib, write_shard)
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise QuantizeError(f"no space left on the device writing {dst}; nothing was kept") from None
@@ -134,14 +136,16 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int, force: bool
 
 
 def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensors: dict, progress,
-              gguf: gguf_model.GGUFModel | None = None, calib: calibration.Calibration | None = None) -> int:
+              gguf: gguf_model.GGUFModel | None = None, calib: calibration.Calibration | None = None,
+              write_shard: Callable[[Path, list], int] | None = None) -> int:
     n = cfg.num_hidden_layers + 1          # shards: one a layer, then the embeddings, norm and lm_head
     weight_map, total = {}, 0
+    write_shard = write_shard or qcheckpoint.write_safetensors
 
     def write(k: int, arrays: list) -> None:
         nonlocal total
         name = shard_name(k, n)
-        total += qcheckpoint.write_safetensors(out / name, arrays)
+        total += write_shard(out / name, arrays)
         weight_map.update((tensor, name) for tensor, _ in arrays)
 
     for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):

@@ -19,6 +19,7 @@ from ds2cli.cli.main import main
 from ds2cli.weights.memory import MemoryCheckError
 from ds2cli.weights.source import bundled_model_dir
 from ds2cli.weights.qcheckpoint import QuantConfig
+from ds2cli.weights.quantize import QuantizeError, quantize_checkpoint
 
 
 def run(*args, env=None):
@@ -147,38 +148,35 @@ def leftovers(parent):
     return sorted(p.name for p in parent.iterdir())
 
 
-def test_full_disk_leaves_nothing_behind(tmp_path, monkeypatch):
+def test_full_disk_leaves_nothing_behind(tmp_path):
     calls = []
 
-    def full(path, arrays):
+    def full(path, arrays):            # the disk fills at the third shard
         calls.append(path)
         if len(calls) == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, arrays)
+        return qcheckpoint.write_safetensors(path, arrays)
 
-    real = qcheckpoint.write_safetensors
-    monkeypatch.setattr(qcheckpoint, "write_safetensors", full)
     out = tmp_path / "out"
     out.mkdir()
-    line = one_error_line(run("quantize", bundled_model_dir(), out / "q8", "--bits", "8"))
-    assert "no space left" in line and leftovers(out) == []
+    with pytest.raises(QuantizeError, match=f"no space left on the device writing {out / 'q8'}; nothing was kept"):
+        quantize_checkpoint(bundled_model_dir(), out / "q8", 8, write_shard=full)
+    assert len(calls) == 3 and leftovers(out) == []
 
 
-def test_disk_too_small_is_refused_before_writing(tmp_path, monkeypatch):
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
-    line = one_error_line(run("quantize", bundled_model_dir(), tmp_path / "q8", "--bits", "8"))
-    assert "free" in line and "needs" in line and leftovers(tmp_path) == []
+def test_disk_too_small_is_refused_before_writing():
+    """/proc is a file system with no free byte: the need is named before anything is written."""
+    line = one_error_line(run("quantize", bundled_model_dir(), "/proc/self/q8", "--bits", "8"))
+    assert "not enough disk" in line and "it needs" in line and "0.0 GB is free" in line
 
 
-def test_interrupted_quantize_leaves_nothing_behind(tmp_path, monkeypatch):
-    from ds2cli.weights import quantize
-
-    def interrupt(*args, **kwargs):
+def test_interrupted_quantize_leaves_nothing_behind(tmp_path):
+    def interrupt(done, total):        # Ctrl-C after the first layer was written
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(quantize, "load_top", interrupt)
-    r = run("quantize", bundled_model_dir(), tmp_path / "q8", "--bits", "8")
-    assert r.exit_code == 130 and leftovers(tmp_path) == []
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(bundled_model_dir(), tmp_path / "q8", 8, progress=interrupt)
+    assert leftovers(tmp_path) == []
 
 
 def test_broken_source_gives_one_error_and_no_output(tmp_path):
