@@ -41,25 +41,6 @@ def sigint_as_it_was():
 
 
 @pytest.fixture
-def all_cores(monkeypatch):
-    """Every allowed core counts as free, whatever else the machine runs at the time
-    (parallel/load.py): for tests of how work is shared between this process, its threads and
-    its helper processes."""
-    from ds2cli.parallel import cores
-    monkeypatch.setattr(cores.workers().load, "free", lambda most, own_pids=(): most)
-
-
-@pytest.fixture(autouse=True)
-def every_core_free_in_parallel_tests(request):
-    """tests/parallel checks how work is shared: all_cores there (but in test_load.py, which
-    gives the load a machine of its own, or the real one)."""
-    path = request.node.path
-    if path.parent.name == "parallel" and path.name != "test_load.py":
-        request.getfixturevalue("all_cores")
-    yield
-
-
-@pytest.fixture
 def checkpoint_copy(tmp_path):
     """`checkpoint_copy("plain_rope_tied_fp16")` -> a copy of that reference case in tmp_path
     (without ref.npz); `checkpoint_copy("ds2-tiny")` copies the bundled model."""

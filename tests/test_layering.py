@@ -134,7 +134,7 @@ def test_every_module_is_on_the_map():
         parts = name.split(".")
         if len(parts) == 1 or parts[-1] == "__main__" or parts[-2:-1] == ["bench"]:
             continue
-        if name.endswith(("ds2cli.parallel", "ds2cli.model", "ds2cli.text", "ds2cli.weights", "ds2cli.cluster",
+        if name.endswith(("ds2cli.execution", "ds2cli.model", "ds2cli.text", "ds2cli.weights", "ds2cli.cluster",
                           "ds2cli.generation", "ds2cli.server", "ds2cli.cli", "ds2cli.cli.bench",
                           "ds2cli.weights.gguf")):
             continue

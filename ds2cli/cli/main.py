@@ -223,7 +223,7 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
         context = opts["ctx"] or min(len(ids) + max_new_tokens_for(source.generation_config, opts["max_new_tokens"]),
                                      limit)
         model, load_s = load_model(source, quantize, context, not no_memory_check, opts["ray"], opts["memory_budget"],
-                                   opts["ray_spread"])
+                                   opts["ray_spread"], opts["threads"])
         run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts, prompt_cache,
                      ends=fim_tokens.ends if fill else ())
 
@@ -278,7 +278,7 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
             tokenizer_of(source, chat_template)
             model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
                                         opts["ray"], opts["memory_budget"],
-                                   opts["ray_spread"])
+                                   opts["ray_spread"], opts["threads"])
             capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
             session = ChatSession(model, capacity, warn=console.warn,
                                   split_reasoning=opts["reasoning_format"] != "none", special=opts["special"])

@@ -70,7 +70,7 @@ def cluster_model(source, address: str, quantize=None, context: int | None = Non
     for line in driver.describe(source, placement) if show else ():
         show(line)
     cfg = source.config
-    passes = RayPasses(ray, placement, source.path, bits if quantize == "auto" else quantize, memory_budget)
+    passes = RayPasses(ray, placement, source.path, load, bits if quantize == "auto" else quantize, memory_budget)
     weights = Weights(embed_tokens=None, layers=[None] * cfg.num_hidden_layers, norm=None, lm_head=None)
     model = Model(cfg, weights, source.tokenizer, source.generation_config, source.path,
                   executor=Executor(Compute(), Experts(), passes), quantization=qc)

@@ -34,9 +34,9 @@ class StageActor:
     `memory_budget`, or spread with the other nodes), and its part of every cache (by the
     driver's cache number). Made a Ray actor by RayPasses."""
 
-    def __init__(self, path: str, first: int, stop: int, quantize, threads: int, experts: tuple | None = None,
+    def __init__(self, load, path: str, first: int, stop: int, quantize, threads: int, experts: tuple | None = None,
                  memory_budget: int | None = None):
-        from ds2cli.execution.factory import load
+        """`load`: factory.load, handed over by the driver (Ray sends a function by its name)."""
         self.layers = range(first, stop)
         # spread by experts: its routed experts of every MoE layer too, computed where asked
         own = None if experts is None else range(*experts)
@@ -152,9 +152,10 @@ class RayPasses(Passes):
     """The driver's passes part: runs each pass over the stages in order, waits for the last.
     `memory_budget`: what each stage's routed experts are streamed within (None: resident)."""
 
-    def __init__(self, ray, placement: Placement, path: str, quantize=None, memory_budget: int | None = None):
+    def __init__(self, ray, placement: Placement, path: str, load, quantize=None, memory_budget: int | None = None):
+        """`load`: what a stage loads its range with and composes its executor (factory.load)."""
         self.ray, self.placement, self.path, self.quantize = ray, placement, str(path), quantize
-        self.memory_budget = memory_budget
+        self.load, self.memory_budget = load, memory_budget
         self.stages = []
         self.lost: str | None = None          # why the cluster is degraded, once a node is lost
         # what the passes sent, for bench: actor calls, bytes of hidden states and logits moved
@@ -174,7 +175,7 @@ class RayPasses(Passes):
             self.stages.append(actor.options(
                 num_cpus=s.node.cpus, max_restarts=0, max_task_retries=0, max_concurrency=2 if by_experts else 1,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(s.node.node_id, soft=False),
-            ).remote(self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus,
+            ).remote(self.load, self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus,
                      (s.experts.start, s.experts.stop) if s.experts is not None else None, self.memory_budget))
         self.get([a.ready.remote() for a in self.stages])
         if by_experts:

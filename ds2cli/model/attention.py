@@ -19,16 +19,12 @@ they run and how they are cut (by heads, by keys): the math here states them who
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from ds2cli.model.layers import Attention
 from ds2cli.model.linear import as_heads
 from ds2cli.model.rope import apply_rope
 
-if TYPE_CHECKING:                   # the executor interface calls the functions below
-    from ds2cli.model.executor import Executor
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     variance = np.mean(np.square(x), axis=-1, keepdims=True)
@@ -97,7 +93,7 @@ def visible(start: int, T: int, s0: int, s1: int) -> tuple[int, np.ndarray | Non
     return t0, np.arange(s0, s1)[None, :] > (start + np.arange(t0, T))[:, None]
 
 
-def attend_absorbed(ex: Executor, q_nope, q_pe, seqs, w_uk, w_uv, scale) -> np.ndarray:
+def attend_absorbed(ex, q_nope, q_pe, seqs, w_uk, w_uv, scale) -> np.ndarray:
     """The absorbed form, the paper's three steps, for sequences whose new queries are stacked in
     q_nope (n, H, d) and q_pe (n, H, R); seqs[i] = (rows, latent, k_pe): sequence i's rows of them
     and its cache (S_i, C), (S_i, R), its new tokens last. The latent is never expanded:
@@ -216,7 +212,7 @@ class Span:
         return self.latent[:self.start + self.T], self.k_pe[:self.start + self.T]
 
 
-def mla(ex: Executor, x, w: Attention, spans, cos, sin, eps, scale) -> np.ndarray:
+def mla(ex, x, w: Attention, spans, cos, sin, eps, scale) -> np.ndarray:
     """One MLA block for a batch: x (N, D) stacks each sequence's new tokens (span.rows, at
     positions [span.start, span.start+T)). The projections run on all rows at once; each
     sequence writes its latent and k_pe into its own cache slots and attends to its own cache,

@@ -12,27 +12,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from typing import TYPE_CHECKING
-
 from ds2cli.model.attention import softmax
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.model.layers import MoE
 from ds2cli.model.linear import float32
 
-if TYPE_CHECKING:                   # the executor interface calls swiglu_all
-    from ds2cli.model.executor import Executor
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
-def swiglu(ex: Executor, x: np.ndarray, gate_up, down) -> np.ndarray:
+def swiglu(ex, x: np.ndarray, gate_up, down) -> np.ndarray:
     """down(silu(gate(x)) * up(x)) with gate and up fused as one (2I, D) matrix."""
     return swiglu_all(ex, [(x, gate_up, down)])[0]                          # (T, D)
 
 
-def swiglu_all(ex: Executor, experts: list) -> list[np.ndarray]:
+def swiglu_all(ex, experts: list) -> list[np.ndarray]:
     """[swiglu(x, gate_up, down) for x, gate_up, down in experts] for independent experts: the
     gate/up products of all of them together, then the down products of all of them."""
     hs = ex.matmul_all([(gate_up, x) for x, gate_up, _ in experts])        # each (T_e, 2I)
@@ -127,7 +123,7 @@ def gate(h: np.ndarray, w: MoE, cfg: DeepseekV2Config, weights: np.ndarray | Non
     return route(h, float32(w.gate) if weights is None else weights, cfg, w.e_score_correction_bias)
 
 
-def moe(ex: Executor, i: int, x: np.ndarray, w: MoE, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
+def moe(ex, i: int, x: np.ndarray, w: MoE, cfg: DeepseekV2Config, trace: list | None = None) -> np.ndarray:
     """MoE layer i over x (T, D): the gate picks k experts a token; each chosen expert runs once
     over the tokens routed to it, the shared experts over every token; the output is the
     routed outputs weighted by the gate, summed in expert order, plus the shared ones. The

@@ -19,7 +19,6 @@ import pytest
 import ds2cli
 from ds2cli.generation import saved_cache
 from ds2cli.generation.conversation import read_messages
-from ds2cli.model import transformer
 from ds2cli.model.transformer import Step
 from ds2cli.user_files import Lock, LockedError, TooLargeError, read_bounded, write_atomic
 
@@ -215,7 +214,7 @@ def test_a_symlinked_session_updates_its_target_and_keeps_the_mode(tmp_path, ses
 def test_sigint_in_a_long_prefill_keeps_the_passes_read(model, monkeypatch):
     """Ctrl-C while a long prompt is read in passes: the cache keeps the passes finished (what a
     session or prompt cache then saves); an error keeps nothing."""
-    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(model, "prefill_chunk", 16)      # the memory chunk: passes of 16 tokens
     ids = list(range(3, 60))
 
     def interrupt_after(k, exc):

@@ -353,7 +353,7 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
             ready()                  # the ready line, logged once the real one's handlers are in place
         from threadpoolctl import threadpool_info
         seen.update(state=state, blas=[p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"],
-                    cores=ds2cli.parallel.cores.workers().n)
+                    cores=state.scheduler.model.executor.compute.machine.workers.n)
         server.shutdown()            # the port was bound, and served, before the model loaded
         server.server_close()
 

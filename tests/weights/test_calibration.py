@@ -44,7 +44,7 @@ def test_a_routed_expert_counts_only_the_tokens_routed_to_it():
     layer = Layer(None, Attention(), None, w)
     moments = calibration.record(layer)
     trace = []
-    moe(Executor(), x, layer.mlp, cfg, trace)
+    moe(Executor(), 0, x, layer.mlp, cfg, trace)
     calibration.unrecord(layer)
     assert [set(r) for r in trace[0].tolist()] == [set(r) for r in routes]   # the routing is as built
     up, down = moments["mlp", "experts_gate_up"], moments["mlp", "experts_down"]

@@ -9,7 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli.parallel import cores
+from ds2cli.execution.cores import Workers, allowed_cores
+from ds2cli.execution.machine import Machine
+from ds2cli.model.linear import FEW_TOKENS
+from support.machines import quiet_machine
 from ds2cli.weights import formats as quant
 from ds2cli.weights import scales
 from ds2cli.cli.main import main
@@ -82,20 +85,29 @@ def test_bf16_scales_round_up_so_the_extreme_never_clips():
     assert np.all(np.abs(m.qweight) <= 127)
 
 
+def narrow_panels(m: quant.QuantMatrix, r: int = 8) -> quant.QuantMatrix:
+    """q8b `m` laid out again in panels of `r` rows, several a tile as in a large matrix (a
+    matrix as small as the tests' is one panel)."""
+    q = m.qweight.transpose(0, 2, 1).reshape(m.shape)                           # (out, in)
+    s = m.scales.transpose(0, 2, 1).reshape(m.shape[0], -1)                     # (out, in/32)
+    return type(m)(*quant.to_panels(q, s, r))
+
+
 @pytest.mark.parametrize("name, shape", [(name, shape) for name in ["q8", "q4", "q8b", "bf16"]   # (81, 30): odd byte counts
                                          for shape in [(80, 256), (2816 // 8, 2048 // 8), (512, 384), (81, 30)]
                                          if FORMATS[name].supports(shape)])   # q8b: rows of whole 32-blocks
 @pytest.mark.parametrize("threaded", [False, True])
-def test_kernels_equal_float32_products_of_the_dequantized_weight(monkeypatch, name, threaded, shape):
-    if threaded:  # force the row-block path with its thread split, and chunked prefill
-        monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)
-        monkeypatch.setattr(quant.base, "L2_BLOCK_BYTES", 64 * 4 * shape[1])
-        monkeypatch.setattr(quant.base, "DEQUANTIZE_BLOCK_BYTES", 32 * 4 * shape[1])
-        monkeypatch.setattr(quant.base, "PREFILL_CHUNK_BYTES", 96 * 4 * shape[1])
+def test_kernels_equal_float32_products_of_the_dequantized_weight(name, threaded, shape):
     m = scales.quantize_matrix(weights(shape), FORMATS[name])
+    if threaded:  # force the row-block path with its thread split, and chunked prefill
+        m = narrow_panels(m) if name == "q8b" else m
+        m.small_matrix = 0
+        m.l2_block_bytes = 64 * 4 * shape[1]
+        m.dequantize_block_bytes = 32 * 4 * shape[1]
+        m.prefill_chunk_bytes = 96 * 4 * shape[1]
     w = m.dequantize().astype(np.float64)
     rng = np.random.default_rng(1)
-    for tokens in (1, 3, 40):
+    for tokens in (1, 3, 40, 100):     # 100: more than FEW_TOKENS, a prefill
         x = rng.standard_normal((tokens, shape[1]), dtype=np.float32)
         exact = x.astype(np.float64) @ w.T
         got = m.matmul(x)
@@ -369,28 +381,26 @@ def test_quality_against_float32(reference, bits, max_kl, min_top1, min_addition
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(cores.workers().n < 2, reason="needs two cores")
-def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch, all_cores):
-    model = ds2cli.load(quantize=8)
-    ids = list(range(0, 800, 10))      # more than cores.FEW_TOKENS: a prefill, not a few-token pass
-    assert len(ids) > cores.FEW_TOKENS
-    seen = []
-    real = cores.map
+@pytest.mark.skipif(allowed_cores() < 2, reason="needs two cores")
+def test_a_low_bit_prefill_shares_its_heads_across_the_cores(monkeypatch):
+    machine = quiet_machine()
+    model = ds2cli.load(quantize=8, machine=machine)
+    ids = list(range(0, 800, 10))      # more than FEW_TOKENS: a prefill, not a few-token pass
+    assert len(ids) > FEW_TOKENS
+    splits = []
+    real = machine.workers.heads
 
-    def spy(fn, items, cost=None):     # attention's pieces are (sequence, tokens, heads)
-        items = list(items)
-        seen.append(items)
-        return real(fn, items, cost)
+    def spy(n, tokens):                # how a sequence's heads are cut for the cores
+        splits.append(real(n, tokens))
+        return splits[-1]
 
-    monkeypatch.setattr(cores, "map", spy)
+    monkeypatch.setattr(machine.workers, "heads", spy)
     shared = model.forward(ids, model.new_cache(128), all_logits=True)
     heads = model.config.num_attention_heads
-    splits = [[p[-1] for p in items] for items in seen
-              if items and all(isinstance(p, tuple) and isinstance(p[-1], slice) for p in items)]
     assert len(splits) == model.config.num_hidden_layers
-    assert all(len(s) == cores.workers().n and s[0].start == 0 and s[-1].stop == heads for s in splits)
-    with cores.kernel_threads(1):     # one core: every head in one call, nothing shared
-        whole = model.forward(ids, model.new_cache(128), all_logits=True)
+    assert all(len(s) == machine.workers.n and s[0].start == 0 and s[-1].stop == heads for s in splits)
+    one_core = ds2cli.load(quantize=8, machine=Machine(threads=1))   # every head in one call
+    whole = one_core.forward(ids, one_core.new_cache(128), all_logits=True)
     np.testing.assert_allclose(shared, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
 
@@ -398,7 +408,7 @@ def test_the_cores_take_the_next_item_when_they_are_free():
     """Workers.map hands items out one at a time: a core held up by a long item leaves the rest
     to the other cores, rather than owning every other item from the start."""
     import threading
-    pool = cores.Workers(2)
+    pool = Workers(2)
     pool.held = 1                    # as in a low-bit forward pass: items go to both cores
     ran, done, lock, rest_done = {}, set(), threading.Lock(), threading.Event()
 
@@ -425,7 +435,7 @@ def test_the_cores_take_the_next_item_when_they_are_free():
 def test_an_item_that_fails_stops_the_other_cores_after_their_current_one():
     """Ctrl-C (or any error) in one core's item: the others take no new items, and map raises."""
     import threading
-    pool = cores.Workers(2)
+    pool = Workers(2)
     pool.held = 1
     started = []
     # the pool's one thread is busy until item 0 has begun, so this thread's core takes item 0

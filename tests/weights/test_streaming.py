@@ -1,4 +1,4 @@
-"""Routed experts streamed from disk within a budget (weights/streaming.py): the same logits as
+"""Routed experts streamed from disk within a budget (weights/streaming.py, execution/experts.py): the same logits as
 a run with every expert in memory, the cache within its slots, misses and reads ahead counted,
 and the ways it can fail, each one error. Bounded by counts, never the clock."""
 
@@ -43,7 +43,7 @@ def test_two_experts_a_layer_give_the_same_logits(q8):
     full = ds2cli.load(q8)
     k = full.config.num_experts_per_tok
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, k))
-    cache = m.executor.cache
+    cache = m.streamed
     assert cache.slots == k and isinstance(m.layers[1].mlp.experts_gate_up, expert_cache.StreamedStack)
     ids = np.array(full.tokenizer.encode("What is 451 - 123? Think of it as 451 minus 100, then 23."))
     c1, c2 = full.new_cache(64), m.new_cache(64)
@@ -148,7 +148,7 @@ def test_a_q8_0_gguf_streams_two_experts_a_layer_with_the_same_logits(q8_0):
     assert set(full.quantization.formats.values()) == {"q8b"}
     budget = budget_for(q8_0, 2)
     m = ds2cli.load(q8_0, context=64, memory_budget=budget)
-    cache = m.executor.cache
+    cache = m.streamed
     moe = [layer for layer in m.layers if layer.is_moe]
     assert cache.slots == 2 and all(isinstance(layer.mlp.experts_gate_up, expert_cache.StreamedStack)
                                     and isinstance(layer.mlp.experts_down, expert_cache.StreamedStack) for layer in moe)
@@ -187,7 +187,7 @@ def test_a_gguf_truncated_mid_run_is_one_error(q8_0, tmp_path):
     import shutil
     copy = shutil.copy(q8_0, tmp_path / "copy.gguf")
     m = ds2cli.load(copy, context=64, memory_budget=budget_for(copy, 2))
-    first = min(m.executor.cache.source.where[1, "experts_gate_up"][0][1], m.executor.cache.source.where[1, "experts_down"][0][1])
+    first = min(m.streamed.source.where[1, "experts_gate_up"][0][1], m.streamed.source.where[1, "experts_down"][0][1])
     os.truncate(copy, first)                         # every expert of every layer now lies past the end
     with pytest.raises(expert_cache.StreamingError, match="copy.gguf ends before expert"):
         m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
@@ -219,7 +219,7 @@ def test_inspect_gives_the_least_budget_that_loads_and_what_a_budget_caches(q8):
     assert form["resident_weight_bytes"] + form["routed_bytes"] == form["weight_bytes"]
     assert form["routed_bytes"] == form["experts"] * form["expert_bytes"] and form["resident_bytes"] < form["ram_bytes"]
     m = ds2cli.load(q8, context=form["context"], memory_budget=form["least_budget_bytes"])   # what it says loads
-    assert m.executor.cache.slots >= m.config.num_experts_per_tok
+    assert m.streamed.slots >= m.config.num_experts_per_tok
     m.executor.stop()
     with pytest.raises(memory.MemoryCheckError, match="cannot stream this model"):
         ds2cli.load(q8, context=form["context"], memory_budget=form["least_budget_bytes"] - 10**8)
@@ -299,7 +299,7 @@ def test_ctrl_c_during_a_read_leaves_the_cache_whole(q8, monkeypatch):
     again (not taken for the expert), and the next pass computes the same logits as ever."""
     full = ds2cli.load(q8)
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 2))
-    cache, real = m.executor.cache, expert_cache.ExpertCache.pread
+    cache, real = m.streamed, expert_cache.ExpertCache.pread
     calls = []
 
     def interrupted(self, *args):
@@ -311,7 +311,7 @@ def test_ctrl_c_during_a_read_leaves_the_cache_whole(q8, monkeypatch):
     ids = np.array(full.tokenizer.encode("What is 451 - 123?"))
     with pytest.raises(KeyboardInterrupt):
         m.forward(ids, m.new_cache(64))
-    m.executor.settle()
+    m.executor.experts_part.settle()
     assert len(cache.slot_of) + len(cache.free) == cache.slots and not cache.in_use
     np.testing.assert_array_equal(m.forward(ids, m.new_cache(64), all_logits=True),
                                   full.forward(ids, full.new_cache(64), all_logits=True))
@@ -336,7 +336,7 @@ def test_experts_queued_as_the_reader_leaves_are_read(q8):
     queued between the two (its thread still alive) start a new reader instead of waiting forever."""
     import threading
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 4))
-    ex, release = m.executor, threading.Event()
+    ex, release = m.executor.experts_part, threading.Event()
     leaving = threading.Thread(target=release.wait, daemon=True)   # a reader leaving: alive, counted out
     leaving.start()
     ex.readers = [leaving]
@@ -347,7 +347,7 @@ def test_experts_queued_as_the_reader_leaves_are_read(q8):
     waiting.join(timeout=30)
     release.set()
     assert not waiting.is_alive() and ex.cache.holds(layer, 0) and ex.cache.holds(layer, 1)
-    ex.stop()
+    m.executor.stop()
 
 
 def test_an_expert_the_reader_is_reading_is_waited_for_not_read_twice(q8, monkeypatch):
@@ -355,7 +355,7 @@ def test_an_expert_the_reader_is_reading_is_waited_for_not_read_twice(q8, monkey
     waits for that read, and the expert is read once, into one slot."""
     import threading
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 4))
-    cache, real = m.executor.cache, expert_cache.ExpertCache.read
+    cache, real = m.streamed, expert_cache.ExpertCache.read
     started, go, reads = threading.Event(), threading.Event(), []
 
     def slow(self, layer, e, slot):
@@ -398,7 +398,7 @@ def test_without_o_direct_the_buffered_reads_give_the_same_logits(q8, monkeypatc
     monkeypatch.setattr(os, "open", no_direct)
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 3))
     np.testing.assert_array_equal(m.forward(ids, m.new_cache(64), all_logits=True), want)
-    assert m.executor.cache.files and not any(d for _, d in m.executor.cache.files.values())
+    assert m.streamed.files and not any(d for _, d in m.streamed.files.values())
     m.executor.stop()
 
 
@@ -407,12 +407,11 @@ def test_the_next_layers_experts_are_queued_before_this_layers_compute(q8, monke
     MLP runs, so the disk reads for i+1 while i computes; a layer's own queued experts go to
     the queue's head when it waits for them."""
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 8))
-    ex, events = m.executor, []
-    real_ahead, real_experts = ex.read_ahead, ex.experts
+    ex, events = m.executor.experts_part, []
+    real_ahead, real_run = ex.read_ahead, ex.run
     monkeypatch.setattr(ex, "read_ahead", lambda layer, experts, first=False:
                         (events.append(("ahead", layer)), real_ahead(layer, experts, first))[1])
-    monkeypatch.setattr(ex, "experts", lambda w, ids, *a:
-                        (events.append(("experts", w.experts_gate_up.layer)), real_experts(w, ids, *a))[1])
+    monkeypatch.setattr(ex, "run", lambda i, *a: (events.append(("experts", i)), real_run(i, *a))[1])
     m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
     moe_layers = [i for i, layer in enumerate(m.layers) if layer.is_moe]
     for i, j in zip(moe_layers, moe_layers[1:]):
@@ -430,7 +429,7 @@ def test_a_fetch_stopped_midway_leaves_nothing_marked_in_use(q8, monkeypatch):
     """A fetch of several experts for use that fails (or is interrupted) after the first is in
     a slot gives that one back: no slot stays in use, unevictable, after the error."""
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 4))
-    cache, real = m.executor.cache, expert_cache.ExpertCache.read
+    cache, real = m.streamed, expert_cache.ExpertCache.read
     layer = next(i for i, layer in enumerate(m.layers) if layer.is_moe)
     cache.fetch(layer, [0])                                   # in a slot: a hit next time
 
@@ -450,7 +449,7 @@ def test_two_reading_threads_open_a_file_once(q8, monkeypatch):
     import threading
     import time as time_module
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 4))
-    cache, real, opened = m.executor.cache, expert_cache.ExpertCache.open, []
+    cache, real, opened = m.streamed, expert_cache.ExpertCache.open, []
 
     def slow_open(self, path):
         opened.append(path)

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from ds2cli.model.executor import Executor
-from ds2cli.weights import formats, loader, qcheckpoint, source
+from ds2cli.weights import loader, qcheckpoint, source
 from ds2cli.weights.formats import FORMATS, QuantMatrix
 from ds2cli.weights.formats.base import row_block
 from ds2cli.weights.quantize import quantize_checkpoint
@@ -23,6 +23,7 @@ class U8(QuantMatrix):
     name, bits = "u8", 8
     qweight_dtype = np.dtype(np.uint8)
     scale_dtype = np.dtype(np.float32)
+    small_matrix = 0                  # every product cut for the cores, ds2-tiny's as V2-Lite's are
 
     @classmethod
     def spec(cls) -> dict:
@@ -65,8 +66,7 @@ def u8(monkeypatch):
     return U8
 
 
-def test_a_format_of_ones_own_loads_runs_and_is_inspected(u8, tmp_path, monkeypatch):
-    monkeypatch.setattr(formats.base, "SMALL_MATRIX", 0)       # ds2-tiny's matrices cut, as V2-Lite's are
+def test_a_format_of_ones_own_loads_runs_and_is_inspected(u8, tmp_path):
     dst = tmp_path / "tiny-u8"
     quantize_checkpoint(source.bundled_model_dir(), dst, 8)
     config = json.loads((dst / "config.json").read_text())["quantization_config"]
@@ -85,7 +85,7 @@ def test_a_format_of_ones_own_loads_runs_and_is_inspected(u8, tmp_path, monkeypa
     np.testing.assert_allclose(cores, alone, rtol=0, atol=1e-4 * np.abs(alone).max())
 
     # close to the float model: the format's rounding, nothing else
-    float_model = loader.load(None, executor=Executor())
+    float_model = loader.load(None)             # the calling thread: the reference executor
     want = float_model.forward(ids, float_model.new_cache(64), all_logits=True)
     p, q = softmax(want), softmax(alone)
     kl = float(np.mean(np.sum(p * (np.log(p) - np.log(q)), axis=-1)))

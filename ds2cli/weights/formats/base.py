@@ -70,6 +70,18 @@ def register(cls: type["QuantMatrix"]) -> type["QuantMatrix"]:
     return cls
 
 
+class KernelSize:
+    """A size a weight's kernels read as its attribute (`w.small_matrix`): this module's constant
+    of that name, looked up when read, unless the weight was given its own (a test sends one
+    small matrix through the cut kernels in small blocks: `m.small_matrix = 0`)."""
+
+    def __init__(self, constant: str):
+        self.constant = constant
+
+    def __get__(self, obj, owner=None) -> int:
+        return globals()[self.constant]
+
+
 def row_block(inp: int, align: int, nbytes: int | None = None) -> int:
     """Rows of a block of about nbytes of float32 (default: a decode block, L2-sized)."""
     return max(align, (nbytes or L2_BLOCK_BYTES) // (4 * inp) // align * align)
@@ -89,6 +101,10 @@ class QuantMatrix:
     per_element = 1               # weights a stored qweight element holds (a q4 byte holds two)
     output_scales = False         # one scale a row, applied to the output rows (q8)
     ROW_ALIGN = ROW_ALIGN
+    small_matrix = KernelSize("SMALL_MATRIX")
+    l2_block_bytes = KernelSize("L2_BLOCK_BYTES")
+    prefill_chunk_bytes = KernelSize("PREFILL_CHUNK_BYTES")
+    dequantize_block_bytes = KernelSize("DEQUANTIZE_BLOCK_BYTES")
 
     def __new__(cls, qweight=None, scales=None, f: type["QuantMatrix"] | None = None, **_):
         return object.__new__(f if cls is QuantMatrix and f is not None else cls)
@@ -189,11 +205,13 @@ class QuantMatrix:
                                    np.empty(cls.weight_shape(qweight.shape), np.float32) if out is None else out)
 
     @classmethod
-    def dequantize_into(cls, qweight: np.ndarray, scales: np.ndarray, r0: int, out: np.ndarray) -> np.ndarray:
+    def dequantize_into(cls, qweight: np.ndarray, scales: np.ndarray, r0: int, out: np.ndarray,
+                        block_bytes: int | None = None) -> np.ndarray:
         """Rows r0 .. r0 + len(qweight) of a matrix whose scales are `scales` (qweight: those
-        rows), as float32 into `out`, a few MB at a time (dequantize_arrays says why)."""
+        rows), as float32 into `out`, `block_bytes` at a time (default: DEQUANTIZE_BLOCK_BYTES, a
+        few MB: dequantize_arrays says why)."""
         rows, inp = cls.weight_shape(qweight.shape)
-        block = row_block(inp, cls.ROW_ALIGN, DEQUANTIZE_BLOCK_BYTES)
+        block = row_block(inp, cls.ROW_ALIGN, block_bytes or DEQUANTIZE_BLOCK_BYTES)
         for b0 in range(0, rows, block):
             b1 = min(rows, b0 + block)
             cls.scale_rows(cls.unpack(qweight[b0:b1], out[b0:b1]), scales, r0 + b0)
@@ -226,7 +244,7 @@ class QuantMatrix:
         A few tokens keep y (k, out) and meet each row block while it is in cache; many tokens
         are computed transposed, W's rows as y's rows (out, T), chunks of rows dequantized once."""
         out, inp = self.shape
-        if out * inp <= SMALL_MATRIX:
+        if out * inp <= self.small_matrix:
             return None
         k = len(x)
         if k > FEW_TOKENS:
@@ -272,7 +290,7 @@ class QuantMatrix:
         """Rows a..b of yt = W @ xt (xt (in, T), yt (out, T)) for many tokens: each chunk of rows
         dequantized once (scales on the weights), then one GEMM."""
         inp = self.shape[1]
-        chunk = row_block(inp, self.ROW_ALIGN, PREFILL_CHUNK_BYTES)
+        chunk = row_block(inp, self.ROW_ALIGN, self.prefill_chunk_bytes)
         with scratch(min(b - a, chunk) * inp, slot="chunk") as buf:
             for c0 in range(a, b, chunk):
                 c1 = min(b, c0 + chunk)
@@ -282,7 +300,7 @@ class QuantMatrix:
 
     def dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
         """Rows r0..r1 of the weight as float32 into out."""
-        return self.dequantize_into(self.qweight[r0:r1], self.scales, r0, out)
+        return self.dequantize_into(self.qweight[r0:r1], self.scales, r0, out, self.dequantize_block_bytes)
 
 
 def dequantize(qweight: np.ndarray, scales: np.ndarray, f: type[QuantMatrix], out: np.ndarray | None = None) -> np.ndarray:

@@ -36,11 +36,10 @@ class BFloat16(Q8):
             return out
         return float32(qweight.view(bfloat16_dtype()), out)
 
-    @classmethod
-    def unpack_chunk(cls, qweight: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def unpack_chunk(self, qweight: np.ndarray, out: np.ndarray) -> np.ndarray:
         """A prefill chunk's values as float32, a few MB at a time: widening is two passes, and
         the second finds a block still in cache (its scales are 1: dequantizing is widening)."""
-        return cls.dequantize_into(qweight, None, 0, out)
+        return self.dequantize_into(qweight, None, 0, out, self.dequantize_block_bytes)
 
     @classmethod
     def scale_rows(cls, w: np.ndarray, scales: np.ndarray, r0: int) -> None:

@@ -111,7 +111,7 @@ class Q4(QuantMatrix):
         else:
             xs = xs[None] * x[:, None, :]                                             # (k, G, in)
         offset = np.repeat(np.float32(8) * xs.sum(axis=2), g, axis=1)[:, :b - a]     # (k, b - a)
-        block = row_block(inp, self.ROW_ALIGN)
+        block = row_block(inp, self.ROW_ALIGN, self.l2_block_bytes)
         chunk = 4 * block
         with scratch(block * inp) as buf, scratch(chunk * inp // 4 + 1, "nibbles") as nbuf:
             for c0 in range(a, b, chunk):
@@ -139,7 +139,7 @@ class Q4(QuantMatrix):
         large), then multiplied by all k rows in one GEMM."""
         inp = self.shape[1]
         half = inp // 2
-        block = row_block(inp, self.ROW_ALIGN)
+        block = row_block(inp, self.ROW_ALIGN, self.l2_block_bytes)
         chunk = 4 * block
         with (scratch(block * inp) as buf, scratch(chunk * inp // 4 + 1, "nibbles") as nbuf,
               scratch(block * len(x), "gemm out") as tmp):

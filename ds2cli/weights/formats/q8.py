@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 
 from ds2cli.model.linear import scratch
-from ds2cli.weights.formats import base
 from ds2cli.weights.formats.base import QuantMatrix, register, row_block
 
 
@@ -54,7 +53,7 @@ class Q8(QuantMatrix):
         """y[:, a:b] = s * (q @ x[t]) for each token t: a block is cast once, then one gemv a
         token while it is in cache."""
         inp = self.shape[1]
-        block = row_block(inp, self.ROW_ALIGN)
+        block = row_block(inp, self.ROW_ALIGN, self.l2_block_bytes)
         with scratch(block * inp) as buf:
             for r0 in range(a, b, block):
                 r1 = min(b, r0 + block)
@@ -67,7 +66,7 @@ class Q8(QuantMatrix):
     def span_gemm(self, x: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
         """y[:, a:b] = s * (x @ q.T): one cast and one GEMM (block, in) x (in, k) a row block."""
         inp = self.shape[1]
-        block = row_block(inp, self.ROW_ALIGN)
+        block = row_block(inp, self.ROW_ALIGN, self.l2_block_bytes)
         with scratch(block * inp) as buf, scratch(block * len(x), "gemm out") as tmp:
             for r0 in range(a, b, block):
                 r1 = min(b, r0 + block)
@@ -78,16 +77,15 @@ class Q8(QuantMatrix):
                 y[:, r0:r1] = yt.T
         self.output_rows(y, a, b)
 
-    @classmethod
-    def unpack_chunk(cls, qweight: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def unpack_chunk(self, qweight: np.ndarray, out: np.ndarray) -> np.ndarray:
         """A prefill chunk's values as float32: int8 in one cast."""
-        return cls.unpack(qweight, out)
+        return self.unpack(qweight, out)
 
     def span_many(self, xt: np.ndarray, yt: np.ndarray, a: int, b: int) -> None:
         """Rows a..b of yt = W @ xt for many tokens: each chunk cast once and multiplied; the
         per-row scales go on the output rows, not on every weight."""
         inp = self.shape[1]
-        chunk = row_block(inp, self.ROW_ALIGN, base.PREFILL_CHUNK_BYTES)
+        chunk = row_block(inp, self.ROW_ALIGN, self.prefill_chunk_bytes)
         with scratch(min(b - a, chunk) * inp, slot="chunk") as buf:
             for c0 in range(a, b, chunk):
                 c1 = min(b, c0 + chunk)

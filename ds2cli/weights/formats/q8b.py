@@ -41,10 +41,11 @@ def panel_width(out: int, inp: int) -> int:
     return even[0] if even else fits[-1]
 
 
-def to_panels(q: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Row-major q8b (q (out, in), s (out, in/32)) -> its panels (qweight_shape, scales_shape)."""
+def to_panels(q: np.ndarray, s: np.ndarray, r: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Row-major q8b (q (out, in), s (out, in/32)) -> its panels of `r` rows (default:
+    panel_width's, the layout of qweight_shape and scales_shape)."""
     out, inp = q.shape
-    r = panel_width(out, inp)
+    r = r or panel_width(out, inp)
     return (np.ascontiguousarray(q.reshape(out // r, r, inp).transpose(0, 2, 1)),
             np.ascontiguousarray(s.reshape(out // r, r, -1).transpose(0, 2, 1)))
 
@@ -168,7 +169,7 @@ class Q8b(QuantMatrix):
         dequantized side by side into W.T's columns (in, n R), scales broadcast along each
         slab's 32 rows, then one GEMM x @ W.T a chunk."""
         inp, r, T = self.shape[1], self.qweight.shape[-1], len(x)
-        per = max(1, base.PREFILL_CHUNK_BYTES // (4 * inp * r))                        # panels a chunk
+        per = max(1, self.prefill_chunk_bytes // (4 * inp * r))                        # panels a chunk
         with scratch(min(per, (b - a) // r) * inp * r, slot="chunk") as buf, \
                 scratch(T * min(per, (b - a) // r) * r, slot="gemm out") as tmp:
             for p0 in range(a // r, b // r, per):
