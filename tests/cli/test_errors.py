@@ -1007,10 +1007,9 @@ def test_json_interrupted_by_ctrl_c_is_one_valid_object(checkpoint_copy, tmp_pat
     (["generate", "--chat-template", "{}", "hi", "-n", "1"], "chat template"),
     (["chat", "--load", "{}"], "conversation file"),
 ])
-def test_a_directory_or_a_missing_file_as_an_input_file_exit_alike(args, what, monkeypatch, tmp_path):
+def test_a_directory_or_a_missing_file_as_an_input_file_exit_alike(args, what, no_loading, tmp_path):
     """A file option given a directory fails as one given a missing file does: exit 1, one line
     naming the file, found before any weight loads."""
-    monkeypatch.setattr("ds2cli.weights.loader.load", lambda *a, **k: pytest.fail("weights loaded"))
     missing, directory = tmp_path / "missing.txt", tmp_path / "dir"
     directory.mkdir()
     for path, says in ((directory, f"{what} {directory} is a directory"), (missing, str(missing))):
