@@ -18,6 +18,7 @@ from ds2cli.model.executor import Executor
 from ds2cli.model.layers import Attention, Layer, MoE
 from ds2cli.weights.formats import Dense
 from ds2cli.weights.source import bundled_model_dir
+from ds2cli.text.tokenizer import Tokenizer
 from ds2cli.model.moe import moe
 from ds2cli.weights.formats import FORMATS, QuantMatrix
 
@@ -97,15 +98,15 @@ def test_gptq_lowers_the_output_error_on_the_calibration_inputs(name):
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    """ds2-tiny at 4 bits, calibrated on the first 300 tokens of the built-in text."""
-    dst = tmp_path_factory.mktemp("calibrated") / "q4"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(calibration, "MAX_TOKENS", 300)
-    try:
-        r = CliRunner().invoke(main, ["quantize", str(TINY), str(dst), "--bits", "4",
-                                      "--calibration", "builtin", "--json"])
-    finally:
-        mp.undo()
+    """ds2-tiny at 4 bits, calibrated on the built-in text's first lines (309 tokens, a quick run:
+    the whole text is 4107), written to sonnets.txt beside it."""
+    folder = tmp_path_factory.mktemp("calibrated")
+    builtin, name, _ = calibration.read_text(calibration.BUILTIN)
+    assert name == "builtin"
+    (folder / "sonnets.txt").write_text(builtin[:builtin.index("\n", 990) + 1], encoding="utf-8")
+    dst = folder / "q4"
+    r = CliRunner().invoke(main, ["quantize", str(TINY), str(dst), "--bits", "4",
+                                  "--calibration", str(folder / "sonnets.txt"), "--json"])
     assert r.exit_code == 0, r.output
     return dst, json.loads(r.output)
 
@@ -115,7 +116,8 @@ def test_quantize_records_the_calibration_and_the_result_loads(calibrated):
     dst, summary = calibrated
     recorded = json.loads((dst / "config.json").read_text())["quantization_config"]["calibration"]
     assert recorded == summary["calibration"]
-    assert recorded["text"] == "builtin" and recorded["tokens"] == 300
+    text = (dst.parent / "sonnets.txt").read_text(encoding="utf-8")
+    assert recorded["text"] == "sonnets.txt" and recorded["tokens"] == len(Tokenizer.load(TINY).encode(text)) > 256
     assert len(recorded["sha256"]) == 64
     model = ds2cli.load(dst)
     assert model.quantization.calibration == recorded
