@@ -102,15 +102,13 @@ class ClusterCache(LatentCache):
     each stage holds its range's slots under this cache's number, made when first used and
     dropped when this object goes."""
 
-    _numbers = itertools.count()
-
     def __init__(self, executor: "RayPasses", num_layers: int, capacity: int, kv_lora_rank: int,
                  qk_rope_head_dim: int):
         if capacity < 1:
             super().__init__(num_layers, capacity, kv_lora_rank, qk_rope_head_dim)   # its error
         self.layers, self.capacity, self.length = range(num_layers), capacity, 0
         self.width = kv_lora_rank + qk_rope_head_dim
-        self.number = next(self._numbers)
+        self.number = next(executor.numbers)        # the cache's name on the stages
         self.executor = executor
         weakref.finalize(self, executor.drop, self.number)
 
@@ -156,6 +154,7 @@ class RayPasses(Passes):
         """`load`: what a stage loads its range with and composes its executor (factory.load)."""
         self.ray, self.placement, self.path, self.quantize = ray, placement, str(path), quantize
         self.load, self.memory_budget = load, memory_budget
+        self.numbers = itertools.count()      # the caches' numbers, as the stages know them
         self.stages = []
         self.lost: str | None = None          # why the cluster is degraded, once a node is lost
         # what the passes sent, for bench: actor calls, bytes of hidden states and logits moved

@@ -12,6 +12,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from conftest import run_split, splits               # noqa: E402  (tests/conftest.py)
 from ds2cli.cluster import driver                   # noqa: E402
+from ds2cli.execution.factory import cluster_model  # noqa: E402
 from ds2cli.model.transformer import Step           # noqa: E402
 from ds2cli.weights.source import open_model        # noqa: E402
 
@@ -20,11 +21,10 @@ def main(address: str, out: str, cases: list[str], spread: str = "layers") -> No
     results = {}
     for case in cases:
         ids = np.load(Path(case) / "ref.npz")["ids"]
-        model = driver.load(open_model(Path(case) / "model" if (Path(case) / "model").is_dir() else
-                                       case if (Path(case) / "config.json").is_file() else None), address,
-                             spread=spread)
+        model = cluster_model(model_source(case), address, spread=spread)
+        passes = model.executor.passes                  # the RayPasses part: stages, traffic
         name = Path(case).name
-        results[f"{name}/stages"] = np.array(len(model.executor.stages))
+        results[f"{name}/stages"] = np.array(len(passes.stages))
         for split in ("all_at_once", "two_chunks_then_decode"):
             results[f"{name}/{split}"] = run_split(model, ids, splits(len(ids))[split])
         # a batched pass: the first half of ids beside the whole, each in its own cache
@@ -33,11 +33,11 @@ def main(address: str, out: str, cases: list[str], spread: str = "layers") -> No
         la, lb = model.forward_batch([Step(ids[:half], a, "all"), Step(ids, b, "all")])
         results[f"{name}/batch_a"], results[f"{name}/batch_b"] = la, lb
         # one more decode step, and the expert calls, bytes and passes it made
-        before = dict(model.executor.traffic)
+        before = dict(passes.traffic)
         model.forward(ids[half:half + 1], a)
-        results[f"{name}/step"] = np.array([model.executor.traffic[k] - before[k]
+        results[f"{name}/step"] = np.array([passes.traffic[k] - before[k]
                                             for k in ("passes", "calls", "expert_calls", "expert_bytes")])
-        results[f"{name}/placement"] = np.array("\n".join(driver.describe(model_source(case), model.executor.placement)))
+        results[f"{name}/placement"] = np.array("\n".join(driver.describe(model_source(case), passes.placement)))
         model.executor.stop()
     np.savez(out, **results)
 

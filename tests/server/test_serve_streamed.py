@@ -38,12 +38,12 @@ def test_a_streamed_model_serves_the_same_replies_and_a_read_error_is_a_500(mode
         want = [ask(port, q)[1]["choices"][0]["message"]["content"] for q in ("What is 451 - 123?", "Count from 3 to 9.")]
     with running(streamed) as (port, _, lines):
         got = [ask(port, q)[1]["choices"][0]["message"]["content"] for q in ("What is 451 - 123?", "Count from 3 to 9.")]
-        assert got == want and streamed.executor.cache.stats["misses"] > 0
+        assert got == want and streamed.streamed.stats["misses"] > 0
         real = os.preadv
 
         def failing(fd, buffers, offset):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-        cache = streamed.executor.cache
+        cache = streamed.streamed
         for key in list(cache.slot_of):              # nothing cached: the next request must read
             cache.free.append(cache.slot_of.pop(key))
         monkeypatch.setattr(os, "preadv", failing)

@@ -1,0 +1,65 @@
+"""One process's speed figures for a model, as JSON on stdout: the decode step after a prompt of
+--context tokens, a prefill of --prefill tokens, a pass of --pass-tokens tokens (a draft's
+verification), each the median of --repeats after one untimed run. ab.py runs it alternately in
+two source trees (PYTHONPATH) to compare them side by side.
+
+    python examples/execution/step_times.py MODEL [--context 128] [--steps 16] [--prefill 512]
+        [--pass-tokens 4] [--repeats 5] [--memory-budget BYTES]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import ds2cli
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default=None, help="a checkpoint (default: ds2-tiny)")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed")
+    ap.add_argument("--prefill", type=int, default=512, help="0: no prefill figure")
+    ap.add_argument("--pass-tokens", type=int, default=4, help="0: no few-token pass figure")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--memory-budget", type=int, default=None)
+    args = ap.parse_args()
+    kwargs = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
+    model = ds2cli.load(args.model, context=args.context + args.steps + max(args.prefill, 64), **kwargs)
+    rng = np.random.default_rng(0)
+    V = model.config.vocab_size
+    out = {}
+    cache = model.new_cache(args.context + args.steps + 1)
+    model.forward(rng.integers(V, size=args.context), cache)
+    model.forward(rng.integers(V, size=1), cache)                     # untimed
+    steps = [timed(lambda: model.forward(rng.integers(V, size=1), cache)) for _ in range(args.steps)]
+    out["decode_step_s"] = statistics.median(steps)
+    if args.prefill:
+        runs = [timed(lambda: model.forward(rng.integers(V, size=args.prefill), model.new_cache(args.prefill)))
+                for _ in range(args.repeats + 1)][1:]
+        out[f"pp{args.prefill}_s"] = statistics.median(runs)
+    if args.pass_tokens:
+        base = model.new_cache(args.context + args.pass_tokens)
+        model.forward(rng.integers(V, size=args.context), base)
+        runs = []
+        for _ in range(args.repeats + 1):
+            base.truncate(args.context)
+            runs.append(timed(lambda: model.forward(rng.integers(V, size=args.pass_tokens), base, all_logits=True)))
+        out[f"pass{args.pass_tokens}_s"] = statistics.median(runs[1:])
+    model.executor.stop()
+    json.dump(out, sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()
