@@ -99,6 +99,7 @@ class ExpertCache:
         self.buffers = Buffers()                          # aligned, for O_DIRECT reads
         self.files: dict = {}                             # path -> (fd, opened with O_DIRECT)
         self.opening = threading.Lock()
+        self.system = os          # the calls it opens and reads files with (open, preadv); a test's own
         self.stats = {"hits": 0, "misses": 0, "read_ahead": 0, "read_ahead_used": 0, "bytes_read": 0,
                       "read_seconds": 0.0}
 
@@ -116,11 +117,11 @@ class ExpertCache:
     def open(self, path) -> tuple[int, bool]:
         if self.direct and hasattr(os, "O_DIRECT"):
             try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+                return self.system.open(path, os.O_RDONLY | os.O_DIRECT), True
             except OSError as e:
                 if e.errno != errno.EINVAL:         # EINVAL: this file system has no O_DIRECT
                     raise
-        return os.open(path, os.O_RDONLY), False
+        return self.system.open(path, os.O_RDONLY), False
 
     def close(self) -> None:
         with self.opening:
@@ -282,13 +283,12 @@ class ExpertCache:
             raise StreamingError(f"cannot read expert {e} of layer {layer} from {path}: "
                                  f"{err.strerror}") from None
 
-    @staticmethod
-    def read_into(fd: int, buf, at: int, need: int) -> int:
+    def read_into(self, fd: int, buf, at: int, need: int) -> int:
         """Read into `buf` from `at` until `need` bytes are in or the file ends; how many came."""
         buf = memoryview(buf).cast("B")
         got = 0
         while got < need:
-            k = os.preadv(fd, [buf[got:]], at + got)
+            k = self.system.preadv(fd, [buf[got:]], at + got)
             if k == 0:
                 break
             got += k

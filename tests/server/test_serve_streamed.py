@@ -14,6 +14,13 @@ from ds2cli.weights.source import bundled_model_dir
 from test_serve import request, running
 
 
+class Failing:
+    """An ExpertCache's `system` (the calls it reads with) whose reads fail as a broken disk's."""
+
+    def __init__(self, preadv):
+        self.preadv, self.open = preadv, os.open
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     q8 = tmp_path_factory.mktemp("serve-streamed") / "tiny-q8"
@@ -32,24 +39,22 @@ def ask(port, question: str):
 
 
 @pytest.mark.slow
-def test_a_streamed_model_serves_the_same_replies_and_a_read_error_is_a_500(models, monkeypatch):
+def test_a_streamed_model_serves_the_same_replies_and_a_read_error_is_a_500(models):
     full, streamed = models
     with running(full) as (port, _, _):
         want = [ask(port, q)[1]["choices"][0]["message"]["content"] for q in ("What is 451 - 123?", "Count from 3 to 9.")]
     with running(streamed) as (port, _, lines):
         got = [ask(port, q)[1]["choices"][0]["message"]["content"] for q in ("What is 451 - 123?", "Count from 3 to 9.")]
         assert got == want and streamed.streamed.stats["misses"] > 0
-        real = os.preadv
-
         def failing(fd, buffers, offset):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         cache = streamed.streamed
         for key in list(cache.slot_of):              # nothing cached: the next request must read
             cache.free.append(cache.slot_of.pop(key))
-        monkeypatch.setattr(os, "preadv", failing)
+        cache.system = Failing(failing)              # the disk under the cache fails its reads
         status, body, _ = ask(port, "What is 451 - 123?")
         assert status == 500 and body["error"]["message"].startswith("cannot read expert")
         assert "Input/output error" in body["error"]["message"]
-        monkeypatch.setattr(os, "preadv", real)
+        cache.system = os
         status, body, _ = ask(port, "What is 451 - 123?")
         assert status == 200 and body["choices"][0]["message"]["content"] == want[0]

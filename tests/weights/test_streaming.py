@@ -11,7 +11,6 @@ import pytest
 
 import ds2cli
 from ds2cli.errors import ConfigError
-from ds2cli.weights import loader
 from ds2cli.model.transformer import Step
 from ds2cli.weights import expert_cache, memory
 from ds2cli.weights.quantize import quantize_checkpoint
@@ -30,6 +29,18 @@ def q8(tmp_path_factory):
 def q8_0(tmp_path_factory):
     """ds2-tiny as a Q8_0 GGUF: every stacked expert tensor (blk.N.ffn_*_exps) Q8_0."""
     return write_gguf(bundled_model_dir(), tmp_path_factory.mktemp("stream") / "tiny.Q8_0.gguf", "Q8_0")
+
+
+def NO_WEIGHTS(done: int, total: int) -> None:
+    """A load's progress callback that fails the test: no weight may be read."""
+    pytest.fail("weights loaded")
+
+
+class Failing:
+    """The calls an ExpertCache reads with (its `system`), as a disk that fails gives them."""
+
+    def __init__(self, preadv, open_=os.open):
+        self.preadv, self.open = preadv, open_
 
 
 def budget_for(path, slots: int, context: int = 64) -> int:
@@ -167,19 +178,17 @@ def test_a_q8_0_gguf_streams_two_experts_a_layer_with_the_same_logits(q8_0):
 @pytest.mark.slow
 def test_a_gguf_whose_experts_need_converting_is_refused_before_loading(tmp_path, monkeypatch):
     q4 = write_gguf(bundled_model_dir(), tmp_path / "tiny.Q4_0.gguf", "Q4_0")
-    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(ConfigError, match=r"as Q8_0; tiny.Q4_0.gguf stores them as Q4_0 \(blk.1.ffn_gate_exps.weight\)"
                                           r".*ds2 quantize .*tiny.Q4_0.gguf OUT --bits 4"):
-        ds2cli.load(q4, memory_budget=10**9)
+        ds2cli.load(q4, memory_budget=10**9, progress=NO_WEIGHTS)
     f16 = write_gguf(bundled_model_dir(), tmp_path / "tiny.F16.gguf", "F16")
     with pytest.raises(ConfigError, match=r"stores them as F16 .*--bits 8"):
         ds2cli.load(f16, memory_budget=10**9)
 
 
 def test_a_q8_0_gguf_converted_by_quantize_8_is_refused_before_loading(q8_0, monkeypatch):
-    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(ConfigError, match="leave --quantize out"):
-        ds2cli.load(q8_0, quantize=8, memory_budget=10**9)
+        ds2cli.load(q8_0, quantize=8, memory_budget=10**9, progress=NO_WEIGHTS)
 
 
 @pytest.mark.slow
@@ -196,9 +205,8 @@ def test_a_gguf_truncated_mid_run_is_one_error(q8_0, tmp_path):
 
 def test_the_memory_check_offers_a_budget_for_a_q8_0_gguf(q8_0, monkeypatch):
     monkeypatch.setenv(memory.ENV, "1M")
-    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(memory.MemoryCheckError, match=r"--memory-budget 0.1G streams the routed experts from disk"):
-        ds2cli.load(q8_0)
+        ds2cli.load(q8_0, progress=NO_WEIGHTS)
 
 
 # ---- ds2 inspect: the resident part beside the whole, the least budget, the experts a budget caches ----
@@ -262,20 +270,20 @@ def test_a_read_error_mid_run_is_one_error_line_and_leaves_nothing_open(q8, monk
     import threading
     from click.testing import CliRunner
     from ds2cli.cli.main import main
-    real = os.preadv
 
     def failing(fd, buffers, offset):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
     threads, fds = threading.active_count(), open_fds()
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 2))
-    monkeypatch.setattr(os, "preadv", failing)
+    m.streamed.system = Failing(failing)
     with pytest.raises(expert_cache.StreamingError, match=r"cannot read expert \d+ of layer \d+ from .*Input/output error"):
         m.forward(np.array(m.tokenizer.encode("What is 451 - 123?")), m.new_cache(64))
     m.executor.stop()
     assert threading.active_count() == threads and open_fds() <= fds      # the reader ended, the files closed
-    r = CliRunner().invoke(main, ["generate", "-m", str(q8), "hi", "-n", "4", "--ctx", "64",
-                                  "--memory-budget", str(budget_for(q8, 2))])
-    monkeypatch.setattr(os, "preadv", real)
+    with monkeypatch.context() as disk:         # the command's own model: the disk itself fails
+        disk.setattr(os, "preadv", failing)
+        r = CliRunner().invoke(main, ["generate", "-m", str(q8), "hi", "-n", "4", "--ctx", "64",
+                                      "--memory-budget", str(budget_for(q8, 2))])
     assert r.exit_code == 1 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot read expert") and "Input/output error" in lines[0]
@@ -389,14 +397,12 @@ def test_without_o_direct_the_buffered_reads_give_the_same_logits(q8, monkeypatc
     direct = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 3))
     want = direct.forward(ids, direct.new_cache(64), all_logits=True)
     direct.executor.stop()
-    real = os.open
-
     def no_direct(path, flags, *args):
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real(path, flags, *args)
-    monkeypatch.setattr(os, "open", no_direct)
+        return os.open(path, flags, *args)
     m = ds2cli.load(q8, context=64, memory_budget=budget_for(q8, 3))
+    m.streamed.system = Failing(os.preadv, no_direct)
     np.testing.assert_array_equal(m.forward(ids, m.new_cache(64), all_logits=True), want)
     assert m.streamed.files and not any(d for _, d in m.streamed.files.values())
     m.executor.stop()
