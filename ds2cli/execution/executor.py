@@ -39,7 +39,7 @@ class Executor(interface.Executor):
         self.compute.stop()
 
     def stats(self) -> dict:
-        return self.experts_part.stats()
+        return {**self.passes.stats(), **self.experts_part.stats()}
 
     def health(self) -> str | None:
         return self.passes.health()

@@ -20,6 +20,10 @@ class Passes:
     def stop(self) -> None:
         """Release what start set up."""
 
+    def stats(self) -> dict:
+        """What running the layers elsewhere cost beyond computing (their nodes' experts read)."""
+        return {}
+
     def health(self) -> str | None:
         """None while everything the layers run on is there; else what is missing (a lost node)."""
         return None

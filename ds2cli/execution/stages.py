@@ -84,6 +84,10 @@ class StageActor:
     def drop(self, number: int) -> None:
         self.caches.pop(number, None)
 
+    def stats(self) -> dict:
+        """Its executor's (its experts streamed: hits, bytes read)."""
+        return self.model.executor.stats()
+
     def memory(self) -> dict:
         """This process's resident and peak resident bytes (Linux)."""
         out = {}
@@ -233,6 +237,12 @@ class RayPasses(Passes):
         """The stages a pass visits, in order: those holding layers (spread by experts, a node
         may hold experts alone)."""
         return [a for s, a in zip(self.placement.stages, self.stages) if len(s.layers)]
+
+    def stats(self) -> dict:
+        """The stages' streamed experts' counts summed, slots too (every node's slots at once);
+        empty where no stage streams."""
+        parts = [st for st in self.each("stats") if st] if self.stages and self.lost is None else []
+        return {k: sum(st[k] for st in parts) for k in parts[0]} if parts else {}
 
     def each(self, method: str, *args, split=None) -> list:
         """`method` on every stage, all at once; `split`: arrays (L, ...) each stage gets its rows of."""
