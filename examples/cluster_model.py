@@ -58,7 +58,7 @@ def routing(streams: int, rng) -> list[np.ndarray]:
 def step(cfg, n: int, streams: int, spread: str, link: str, rng, samples: int = 400) -> tuple[float, float]:
     """(step ms, network ms) of one decode step of `streams` sequences over n nodes: the network's
     part on its own, and the step with it, where a stage computes its own experts and the shared
-    ones while its calls for the others' are out (as cluster/experts.py does)."""
+    ones while its calls for the others' are out (as execution/remote.py does)."""
     q4 = QuantConfig.recipe(4)
     routed = memory.routed_bytes(cfg, q4)
     moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
