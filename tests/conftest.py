@@ -81,13 +81,81 @@ def assert_reference_rows(case, split: str, tol: float) -> None:
 
 
 @pytest.fixture
-def no_loading(monkeypatch):
-    """Fail the test if any weight is loaded: options must be refused before that."""
+def command_loads(monkeypatch):
+    """command_loads(fn): the commands load their model with fn (cli/options.py's `load`)."""
     import ds2cli.cli.options as options_module   # where the commands load their model
+    return lambda fn: monkeypatch.setattr(options_module, "load", fn)
 
+
+@pytest.fixture
+def no_loading(command_loads):
+    """Fail the test if any weight is loaded: options must be refused before that."""
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
-    monkeypatch.setattr(options_module, "load", load)
+    command_loads(load)
+
+
+@pytest.fixture
+def command_samples(monkeypatch):
+    """command_samples(make): `ds2 generate` samples with make(model, opts), a sampler of
+    (logits, history) (cli/generate_run.py's `sampler_for` is the real one, passed in too)."""
+    import ds2cli.cli.generate_run as generate_run
+    real = generate_run.sampler_for
+    return lambda make: monkeypatch.setattr(generate_run, "sampler_for", lambda model, opts: make(model, opts, real))
+
+
+@pytest.fixture
+def reading_tensors(monkeypatch):
+    """reading_tensors(fn): checkpoints' tensors are read through fn(tensors, names, real), real
+    the loader's own (weights/checkpoint.py's iter_tensors)."""
+    from ds2cli.weights import checkpoint
+    real = checkpoint.iter_tensors
+    return lambda fn: monkeypatch.setattr(checkpoint, "iter_tensors", lambda *a: fn(*a, real))
+
+
+@pytest.fixture
+def every_matrix_split(monkeypatch):
+    """Every low-bit matrix's product cut over the cores, however small (weights/formats: below
+    SMALL_MATRIX values a matrix runs whole on one core): ds2-tiny's matrices then go through
+    the cut kernels and the helper processes as V2-Lite's do. Weights made inside a command are
+    out of a test's reach, hence the module's constant, once, here."""
+    from ds2cli.weights.formats import base
+    monkeypatch.setattr(base, "SMALL_MATRIX", 0)
+
+
+def use_small_probes(mp) -> None:
+    """`ds2 bench`'s probes on matrices of a few MB: the tests check the accounting, not this
+    machine (the bench's command makes its probes: their sizes are the module's, set here)."""
+    from ds2cli.cli.bench import probes
+    mp.setattr(probes, "SIZES", probes.ProbeSizes(
+        matvec_n=1024, gemm_shapes=(("prefill", (64, 256, 256)), ("expert", (8, 256, 352))), ceiling_values=1 << 20))
+
+
+@pytest.fixture
+def small_probes(monkeypatch):
+    use_small_probes(monkeypatch)
+
+
+@pytest.fixture
+def without_llguidance(monkeypatch):
+    """A machine without the grammar extra: constrained output's engine missing, as when
+    llguidance is not installed (it is a test dependency, so its absence is made here)."""
+    from ds2cli.generation import grammar as grammars
+
+    def missing():
+        raise grammars.GrammarUnavailable(grammars.INSTALL_HINT)
+    monkeypatch.setattr(grammars, "_llg", missing)
+
+
+@pytest.fixture
+def serving(monkeypatch):
+    """`ds2 serve` through its command, the serving loop replaced: serving(fn) makes
+    fn(server, state, thread, ready) run in its place (the port bound, the model loaded)."""
+    import ds2cli.cli.serve as serve_module
+
+    def replace(fn) -> None:
+        monkeypatch.setattr(serve_module, "serve_forever", fn)
+    return replace
 
 
 # ---- a real Ray cluster (tests/cluster), made by support/ray_local.py ----

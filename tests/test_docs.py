@@ -410,7 +410,7 @@ def report_like(params: dict) -> dict:
         "machine": {"cpus_usable": 2, "cpu_count": 2, "numpy": "2.4.6",
                     "blas": [{"user_api": "blas", "internal_api": "openblas", "version": "0.3.31", "num_threads": 2}]},
         "probes": {"matvec": {"gb_per_s": s, "shape": [8192, 8192]},
-                   "gemm": {name: {"gflop_per_s": s, "shape": shape} for name, shape in bench_probes.GEMM_SHAPES.items()},
+                   "gemm": {name: {"gflop_per_s": s, "shape": shape} for name, shape in bench_probes.SIZES.gemm_shapes},
                    "ceiling": {"cores": 2, "g_weights_per_s": dict.fromkeys(bench_probes.BYTES_PER_VALUE, 1.5)}},
         "load_s": s,
         "prefill": [{"tokens": t, "tok_per_s": s, "gflop_per_s": s, "probes": beside, "gemm_ratio": 0.5,

@@ -4,7 +4,7 @@ verification), each the median of --repeats after one untimed run. ab.py runs it
 two source trees (PYTHONPATH) to compare them side by side.
 
     python examples/execution/step_times.py MODEL [--context 128] [--steps 16] [--prefill 512]
-        [--pass-tokens 4] [--repeats 5] [--memory-budget BYTES]
+        [--pass-tokens 4] [--repeats 5] [--memory-budget BYTES] [--quantize 8] [--ray ADDRESS]
 """
 
 import argparse
@@ -24,6 +24,17 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def cluster_model(path, address: str, context: int):
+    """The model over the cluster at `address`, through whichever API this tree has (ds2cli.load's
+    `ray=` since the execution parts; cluster.driver.load before)."""
+    try:
+        return ds2cli.load(path, context=context, ray=address)
+    except TypeError:
+        from ds2cli.cluster import driver
+        from ds2cli.weights.source import open_model
+        return driver.load(open_model(path), address, context=context)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None, help="a checkpoint (default: ds2-tiny)")
@@ -33,9 +44,14 @@ def main() -> None:
     ap.add_argument("--pass-tokens", type=int, default=4, help="0: no few-token pass figure")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--memory-budget", type=int, default=None)
+    ap.add_argument("--quantize", type=int, choices=(4, 8), default=None, help="quantize as it loads")
+    ap.add_argument("--ray", default=None, metavar="ADDRESS", help="the model over this Ray cluster")
     args = ap.parse_args()
     kwargs = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
-    model = ds2cli.load(args.model, context=args.context + args.steps + max(args.prefill, 64), **kwargs)
+    if args.quantize:
+        kwargs["quantize"] = args.quantize
+    context = args.context + args.steps + max(args.prefill, 64)
+    model = cluster_model(args.model, args.ray, context) if args.ray else ds2cli.load(args.model, context=context, **kwargs)
     rng = np.random.default_rng(0)
     V = model.config.vocab_size
     out = {}

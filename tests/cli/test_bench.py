@@ -20,6 +20,7 @@ import ds2cli
 from ds2cli.weights import checkpoint
 from ds2cli.cli.bench import bench, compare_hf, formats, synthetic
 from ds2cli.cli.bench import probes as probes_module
+from conftest import use_small_probes
 from ds2cli.cli.bench import report as report_module
 from ds2cli.cli.bench.settings import BenchError
 from ds2cli.cli.bench.synthetic import lite_config, synthesise
@@ -34,17 +35,10 @@ def run_bench(*args):
     return CliRunner().invoke(bench, ["-m", str(bundled_model_dir()), *args])
 
 
-def small_probes(mp):
-    """Probe matrices of a few MB: the tests check the accounting, not this machine."""
-    mp.setattr(probes_module, "MATVEC_N", 1024)
-    mp.setattr(probes_module, "GEMM_SHAPES", {"prefill": (64, 256, 256), "expert": (8, 256, 352)})
-    mp.setattr(probes_module, "CEILING_VALUES", 1 << 20)
-
-
 @pytest.fixture(scope="module")
 def report():
     with pytest.MonkeyPatch.context() as mp:
-        small_probes(mp)
+        use_small_probes(mp)
         result = run_bench(*TINY_ARGS)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
@@ -180,10 +174,9 @@ def test_bad_options_are_one_line_errors():
 
 
 @pytest.mark.slow
-def test_default_counts_are_cut_to_the_positions_the_model_holds(monkeypatch):
+def test_default_counts_are_cut_to_the_positions_the_model_holds(monkeypatch, small_probes):
     """ds2-tiny holds 1024 positions and the default contexts reach 4096: with no -c, bench cuts
     them to fit and says so in one line, before loading; counts the user gave are still refused."""
-    small_probes(monkeypatch)
     result = run_bench("--repeats", "1", "--decode-steps", "2", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["settings"] == {"repeats": 1, "prompt_lengths": [16, 512],
@@ -213,7 +206,7 @@ def test_piped_table_keeps_every_row_on_one_line(report, capsys):
 
 
 @pytest.mark.slow
-def test_tables_fit_80_columns(report, monkeypatch):
+def test_tables_fit_80_columns(report, monkeypatch, small_probes):
     """Every table fits an 80-column terminal as it is: rendered 80 columns wide it is the same as
     rendered as wide as its cells want (nothing wrapped), no line is past 80 columns, and the
     figures are all there, small ones to three significant figures, never "0.0"."""
@@ -224,7 +217,6 @@ def test_tables_fit_80_columns(report, monkeypatch):
         draw(what, console)
         return console.export_text()
 
-    small_probes(monkeypatch)
     result = CliRunner().invoke(bench, ["-m", str(bundled_model_dir()), *TINY_ARGS[:-1], "--profile"],
                                 env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
@@ -327,10 +319,9 @@ def test_not_enough_disk_is_an_error():
 
 @pytest.mark.slow
 @pytest.mark.slow
-def test_without_model_bench_runs_ds2_tiny_and_writes_nothing(tmp_path, monkeypatch):
+def test_without_model_bench_runs_ds2_tiny_and_writes_nothing(tmp_path, monkeypatch, small_probes):
     """A bare `ds2 bench` (the README's first runs) benches the bundled ds2-tiny, as every command
     runs it without -m: it synthesises nothing and writes nothing into DS2_BENCH_DIR."""
-    small_probes(monkeypatch)
     result = CliRunner().invoke(bench, TINY_ARGS, env={"DS2_BENCH_DIR": str(tmp_path / "bench")})
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -344,7 +335,7 @@ def test_the_model_line_counts_layers_in_words(layers, words):
     assert report_module.model_line(m, 31_600_000, "float32").startswith(words)
 
 
-def test_layers_target_the_synthetic_lite_slice(tmp_path, monkeypatch):
+def test_layers_target_the_synthetic_lite_slice(tmp_path, monkeypatch, small_probes):
     """With --layers N, bench synthesises the slice into DS2_BENCH_DIR once, then reuses it."""
     made = []
 
@@ -353,7 +344,6 @@ def test_layers_target_the_synthetic_lite_slice(tmp_path, monkeypatch):
         return synthesise(target, small_config())
 
     monkeypatch.setattr(synthetic, "synthesise", fake_synthesise)
-    small_probes(monkeypatch)
     args = ["--layers", "2", "--repeats", "1", "--contexts", "8", "--prompt-lengths", "4", "--decode-steps", "1",
             "--json"]
     for _ in range(2):
@@ -463,14 +453,13 @@ def test_decode_is_held_against_numpys_own_ceiling(report, tiny):
 
 
 @pytest.mark.slow
-def test_profile_accounts_for_the_whole_step(monkeypatch):
+def test_profile_accounts_for_the_whole_step(monkeypatch, small_probes):
     """--profile: the step split into products (by format), attention, the router and the rest,
     each exclusive of what it calls, summing to the step's measured time; the engine's classes
     and functions are as they were afterwards."""
     from ds2cli.execution.compute import CoreCompute
     from ds2cli.model import block, moe
     originals = (CoreCompute.start_product, block.mla, moe.route)
-    small_probes(monkeypatch)
     result = run_bench(*TINY_ARGS, "--profile", "-r", "2")        # 2 repeats: steps x 2 in one cache
     assert result.exit_code == 0, result.output
     p = json.loads(result.stdout)["profile"]
@@ -488,13 +477,10 @@ def test_profile_accounts_for_the_whole_step(monkeypatch):
 
 
 @pytest.mark.slow
-def test_numpy_at_the_steps_shapes_replays_exactly_what_the_ceiling_counts(monkeypatch):
+def test_numpy_at_the_steps_shapes_replays_exactly_what_the_ceiling_counts(monkeypatch, every_matrix_split, small_probes):
     """The step-shapes probe replays the profiled steps' own matrices: a step's weights by
     format are exactly those the ceiling divides (a one-token step routes exactly top-k
     experts a layer), low-bit formats included; its rates and the decode's share of it follow."""
-    from ds2cli.weights import formats as quant
-    monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)
-    small_probes(monkeypatch)
     for extra in ([], ["--quantize", "4"]):
         result = run_bench(*TINY_ARGS, "--profile", *extra)
         assert result.exit_code == 0, result.output
@@ -528,7 +514,7 @@ def test_stored_rows_are_the_weights_own_bytes():
 
 
 @pytest.mark.slow
-def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
+def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch, every_matrix_split, small_probes):
     """At 8 bits a decode step's products go to the helper processes in plans: the products'
     rows hold this process's share of them (with the kernels' rate), the coordination its own
     row (when the helpers took part: a machine busy with other work runs the plans alone), and
@@ -536,8 +522,6 @@ def test_profile_of_a_low_bit_model_counts_the_coordination_apart(monkeypatch):
     from ds2cli.execution import helpers as processes
     from ds2cli.weights import formats as quant
     originals = (quant.QuantMatrix.span, processes.Helpers.send, processes.Helpers.finish)
-    monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)        # ds2-tiny's matrices split, as V2-Lite's do
-    small_probes(monkeypatch)
     result = run_bench(*TINY_ARGS, "--quantize", "8", "--profile")
     assert result.exit_code == 0, result.output
     p = json.loads(result.stdout)["profile"]
@@ -574,7 +558,7 @@ def test_the_ceiling_probes_team_of_several_ends_whole():
 
 
 @pytest.mark.slow
-def test_a_streamed_bench_holds_the_step_against_the_disks_own_rate(tmp_path, monkeypatch):
+def test_a_streamed_bench_holds_the_step_against_the_disks_own_rate(tmp_path, monkeypatch, small_probes):
     """--memory-budget: each decode point's `stream` counts the bytes read and measures the
     disk's rate for expert reads in the same run; the step is held against that rate."""
     from ds2cli.weights import memory
@@ -584,9 +568,7 @@ def test_a_streamed_bench_holds_the_step_against_the_disks_own_rate(tmp_path, mo
     model = ds2cli.load(q8)
     plan = memory.streamed(model.config, model.quantization, 64, 10**12)
     budget = plan["resident"] + 4 * plan["expert"]          # the context bench asks for takes a slot or two
-    with pytest.MonkeyPatch.context() as mp:
-        small_probes(mp)
-        result = CliRunner().invoke(bench, ["-m", str(q8), *TINY_ARGS, "--memory-budget", str(budget)])
+    result = CliRunner().invoke(bench, ["-m", str(q8), *TINY_ARGS, "--memory-budget", str(budget)])
     assert result.exit_code == 0, result.output
     for point in json.loads(result.stdout)["decode"]:
         st = point["stream"]

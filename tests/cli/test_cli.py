@@ -328,13 +328,10 @@ def test_context_clipping_max_new_tokens_is_said_once():
 
 
 @pytest.mark.parametrize("as_json", [True, False])
-def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(monkeypatch, as_json):
+def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(command_samples, as_json):
     """An interrupted generation still says how fast its prefill and decode steps ran: --json's
     object and the --stats line carry real figures, not zeros."""
-    import ds2cli.cli.generate_run as generate_run
-    real = generate_run.sampler_for
-
-    def sampler_for(model, opts):
+    def sampler_for(model, opts, real):
         sample, calls = real(model, opts), []
 
         def interrupting(logits, history):
@@ -343,7 +340,7 @@ def test_ctrl_c_during_generation_reports_the_timings_of_what_ran(monkeypatch, a
                 raise KeyboardInterrupt      # as a Ctrl-C would, between two decode steps
             return sample(logits, history)
         return interrupting
-    monkeypatch.setattr(generate_run, "sampler_for", sampler_for)
+    command_samples(sampler_for)
     args = ["generate", "--chat", "Count from 3 to 9.", "--temp", "0", "--stats", "--ignore-eos", "-n", "50"]
     r = run(*args, *(["--json"] if as_json else []))
     assert r.exit_code == 130

@@ -817,13 +817,11 @@ def test_sigint_during_generation_exits_130(checkpoint_copy):
     assert "Traceback" not in stderr.decode() and "KeyboardInterrupt" not in stderr.decode()
 
 
-def test_sigint_while_loading_exits_130(checkpoint_copy, monkeypatch):
+def test_sigint_while_loading_exits_130(checkpoint_copy, command_loads):
     """Ctrl-C before any output (while the model loads): exit 130, no traceback, no `Aborted!`."""
-    import ds2cli.cli.options as options_module   # where the commands load their model
-
     def interrupted_load(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(options_module, "load", interrupted_load)
+    command_loads(interrupted_load)
     result = cli("generate", "hi")
     assert isinstance(result.exception, SystemExit) and result.exit_code == 130
     assert result.stdout == "" and "Traceback" not in result.stderr and "Aborted" not in result.stderr

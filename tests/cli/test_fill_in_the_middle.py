@@ -67,19 +67,18 @@ def test_suffix_file_is_the_same_as_suffix_and_an_empty_prefix_is_a_fill(coder_d
 
 @pytest.mark.slow
 @pytest.mark.parametrize("token", ["<｜fim▁end｜>", "<｜fim▁begin｜>", "<｜end▁of▁sentence｜>"])
-def test_the_fill_ends_at_a_fim_token_or_eos_unwritten(coder_dir, coder, monkeypatch, token):
+def test_the_fill_ends_at_a_fim_token_or_eos_unwritten(coder_dir, coder, command_samples, token):
     """A sampler that writes three greedy tokens and then `token`: the text is the three, ended by eos."""
-    import ds2cli.cli.generate_run as generate_run
-    real, end = generate_run.sampler_for, coder.tokenizer.added_token_id(token)
+    end = coder.tokenizer.added_token_id(token)
 
-    def sampler_for(model, opts):
+    def sampler_for(model, opts, real):
         sample, calls = real(model, opts), []
 
         def then_end(logits, history):
             calls.append(1)
             return end if len(calls) == 4 else sample(logits, history)
         return then_end
-    monkeypatch.setattr(generate_run, "sampler_for", sampler_for)
+    command_samples(sampler_for)
     r = run("generate", "-m", str(coder_dir), "--suffix", SUFFIX, "--temperature", "0", "-n", "10", "--json", PREFIX)
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)

@@ -11,7 +11,6 @@ import sys
 from ds2cli.execution.compute import CoreCompute
 from ds2cli.execution.machine import Machine
 from ds2cli.model.linear import FEW_TOKENS
-from ds2cli.weights.formats import base as quant
 from ds2cli.weights import scales
 from ds2cli.weights.formats import FORMATS, QuantMatrix
 from support.machines import quiet_machine
@@ -44,22 +43,21 @@ def assert_product(m: QuantMatrix, x: np.ndarray, y: np.ndarray) -> None:
                                          for shape in [(2816, 2048), (1000, 514), (520, 96), (33, 64), (4097, 130)]
                                          if FORMATS[name].supports(shape)])   # q8b: rows of whole 32-blocks
 @pytest.mark.parametrize("k", [2, 3, 7, 16, 33, 64])
-def test_the_few_token_kernel_is_the_product_of_the_dequantized_weights(name, shape, k, monkeypatch):
-    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)             # every matrix through the kernel
+def test_the_few_token_kernel_is_the_product_of_the_dequantized_weights(name, shape, k):
     rng = np.random.default_rng(k * 1000 + shape[0])
     m = scales.quantize_matrix(rng.standard_normal(shape, dtype=np.float32), FORMATS[name])
+    m.small_matrix = 0                                        # every matrix through the kernel
     x = rng.standard_normal((k, shape[1]), dtype=np.float32)
     assert_product(m, x, m.matmul(x))
     assert_product(m, x, split(m, x))
 
 
 @pytest.mark.parametrize("name", ["q8", "q4", "q8b", "bf16"])
-def test_small_row_blocks_and_odd_spans(name, monkeypatch):
+def test_small_row_blocks_and_odd_spans(name):
     """Blocks much smaller than the matrix, and partial last groups, at every k."""
-    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
-    monkeypatch.setattr(quant, "L2_BLOCK_BYTES", 40 * 4 * 320)
     rng = np.random.default_rng(3)
     m = scales.quantize_matrix(rng.standard_normal((1003, 320), dtype=np.float32), FORMATS[name])
+    m.small_matrix, m.l2_block_bytes = 0, 40 * 4 * 320
     for k in range(2, 65, 9):
         x = rng.standard_normal((k, 320), dtype=np.float32)
         assert_product(m, x, split(m, x))
@@ -69,12 +67,12 @@ def test_small_row_blocks_and_odd_spans(name, monkeypatch):
 @pytest.mark.skipif(not Machine(helpers=True).helpers_allowed or sys.platform != "linux",
                     reason="helper processes: Linux, two cores or more")
 @pytest.mark.parametrize("name", ["q8", "q4", "q8b", "bf16"])
-def test_the_helper_processes_take_their_rows_of_a_few_token_pass(name, monkeypatch):
+def test_the_helper_processes_take_their_rows_of_a_few_token_pass(name):
     """In a pass of few tokens the products are split with the helper processes, whose shared
     memory holds k rows of x and y; the result is the same product."""
-    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)
     rng = np.random.default_rng(5)
     m = scales.quantize_matrix(rng.standard_normal((1536, 512), dtype=np.float32), FORMATS[name])
+    m.small_matrix = 0
     machine = quiet_machine()
     machine.register([m])
     machine.start_helpers()

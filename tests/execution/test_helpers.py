@@ -26,9 +26,8 @@ pytestmark = pytest.mark.skipif(not Machine(helpers=True).helpers_allowed or sys
 
 
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    # most of ds2-tiny's matrices are small enough to run whole on one core; split them all
-    monkeypatch.setattr(quant.base, "SMALL_MATRIX", 0)
+def fresh(every_matrix_split):
+    """Most of ds2-tiny's matrices are small enough to run whole on one core: split them all."""
 
 
 def load(**kwargs):

@@ -13,7 +13,6 @@ import pytest
 import ds2cli
 from ds2cli.execution import load
 from ds2cli.execution.machine import Machine
-from ds2cli.weights.formats import base as quant
 
 from support.decoding import decode
 
@@ -75,12 +74,11 @@ def busy_loops(n: int):
 @pytest.mark.skipif(not Machine(helpers=True).helpers_allowed or sys.platform != "linux",
                     reason="helper processes: Linux, two cores or more")
 @pytest.mark.parametrize("bits", [8, 4])
-def test_the_same_bits_alone_and_beside_two_busy_programs(monkeypatch, bits):
+def test_the_same_bits_alone_and_beside_two_busy_programs(monkeypatch, bits, every_matrix_split):
     """A decode with helpers on a quiet machine and the same decode beside two programs that
     keep every core busy (where this process runs the units itself, or a helper late for its
     unit loses it): the same units, the same kernel calls, BLAS at one thread in each process,
     so the same logits bit for bit."""
-    monkeypatch.setattr(quant, "SMALL_MATRIX", 0)   # ds2-tiny's matrices split, not run whole,
     model = ds2cli.load(quantize=bits, machine=Machine(helpers=True))
     machine = model.executor.compute.machine
     pool, helpers = machine.workers, machine.helpers

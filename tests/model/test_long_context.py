@@ -24,6 +24,13 @@ LONG = Path(__file__).parents[1] / "data" / "long" / "long_yarn_3k"
 TOL = 1e-3      # the reference README: about 1e-4 expected, above 1e-3 is a bug
 
 
+@pytest.fixture
+def attention_budget(monkeypatch):
+    """attention_budget(n): attention's working memory held to n bytes for the test (the math's
+    one constant: blocks of keys that small, every path through the block loop)."""
+    return lambda n: monkeypatch.setattr(attention, "ATTENTION_BUDGET_BYTES", n)
+
+
 @pytest.fixture(scope="module")
 def long_case():
     z = np.load(LONG / "ref.npz")
@@ -57,11 +64,11 @@ def test_long_yarn_case_matches_the_reference(long_case, pieces):
 
 
 @pytest.mark.slow
-def test_long_yarn_case_with_small_blocks_and_chunks(long_case, monkeypatch):
+def test_long_yarn_case_with_small_blocks_and_chunks(long_case, monkeypatch, attention_budget):
     """Blocks of 16 keys and passes of 100 tokens: every path through the block loop (rows that
     skip a block, diagonal blocks masked, blocks wholly visible) in both attention forms."""
     model, ids, rows, ref = long_case
-    monkeypatch.setattr(attention, "ATTENTION_BUDGET_BYTES", 1)
+    attention_budget(1)
     monkeypatch.setattr(model, "prefill_chunk", 100)
     check_rows(logits_of(model, ids, [3072]), rows, ref)
 
@@ -229,11 +236,11 @@ def peak_of_forward(model, n_tokens) -> int:
 
 
 @pytest.mark.slow
-def test_working_memory_is_bounded_whatever_the_prompt_length(long_case, monkeypatch):
+def test_working_memory_is_bounded_whatever_the_prompt_length(long_case, attention_budget):
     """3,072 tokens peak where 1,024 do, and both within what the memory check counts for a pass;
     the whole score matrix of the last chunk alone would be H*1024*3072*4 = 37.7 MB."""
     model = long_case[0]
-    monkeypatch.setattr(attention, "ATTENTION_BUDGET_BYTES", 1 << 20)
+    attention_budget(1 << 20)
     short, long = peak_of_forward(model, PREFILL_CHUNK), peak_of_forward(model, 3072)
     counted = memory.pass_bytes(model.config)
     assert long <= counted, f"a 3,072-token prefill peaked at {long} bytes, the memory check counts {counted}"

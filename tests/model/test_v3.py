@@ -296,15 +296,14 @@ def test_loaded_fp8_weights_equal_the_stored_bytes_times_their_scales():
 
 # ---- MTP layers ----
 
-def test_mtp_layer_is_never_read(monkeypatch):
+def test_mtp_layer_is_never_read(reading_tensors):
     read = []
-    original = checkpoint.iter_tensors
 
-    def recording(tensors, names):
+    def recording(tensors, names, real):
         read.extend(names)
-        return original(tensors, names)
+        return real(tensors, names)
 
-    monkeypatch.setattr(checkpoint, "iter_tensors", recording)
+    reading_tensors(recording)
     model = ds2cli.load(REFERENCE / FP8_CASE)
     assert model.config.mtp_layers == [4]
     assert read and not [n for n in read if n.startswith("model.layers.4.")]
@@ -536,10 +535,7 @@ def test_generate_runs_a_v3_checkpoint():
 
 
 @pytest.mark.slow
-def test_bench_accepts_a_v3_checkpoint(monkeypatch):
-    from ds2cli.cli.bench import probes as bench_module
-    monkeypatch.setattr(bench_module, "MATVEC_N", 1024)
-    monkeypatch.setattr(bench_module, "GEMM_SHAPES", {"prefill": (64, 256, 256), "expert": (8, 256, 352)})
+def test_bench_accepts_a_v3_checkpoint(small_probes):
     args = ["-m", str(REFERENCE / "moonlight_like"), "--repeats", "1", "--contexts", "16",
             "--prompt-lengths", "8", "--decode-steps", "2", "--json"]
     result = CliRunner().invoke(bench, args)

@@ -8,7 +8,6 @@ import json
 import pytest
 
 import ds2cli
-from ds2cli.generation import grammar as grammars
 from ds2cli.generation.sampling import SamplingParams
 from test_serve import openai_client
 from support.schemas import LIST, NESTED, PERSON
@@ -91,10 +90,7 @@ def test_stop_with_a_grammar_is_400(client):
     assert e.value.body["param"] == "stop"
 
 
-def test_without_llguidance_the_400_says_how_to_install(client, monkeypatch):
-    def missing():
-        raise grammars.GrammarUnavailable(grammars.INSTALL_HINT)
-    monkeypatch.setattr(grammars, "_llg", missing)
+def test_without_llguidance_the_400_says_how_to_install(client, without_llguidance):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="ds2-tiny", messages=[{"role": "user", "content": "x"}],
                                        response_format={"type": "json_object"})

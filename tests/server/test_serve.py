@@ -341,7 +341,7 @@ def test_serve_options_are_usage_errors_before_any_weight_loads(no_loading, args
 
 
 @pytest.mark.slow
-def test_serve_options_reach_the_server(monkeypatch, tmp_path):
+def test_serve_options_reach_the_server(tmp_path, serving):
     """--alias, --system, --chat-template and --threads, through the command (serving stubbed)."""
     template = tmp_path / "template.jinja"
     template.write_text("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -357,7 +357,7 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
         server.shutdown()            # the port was bound, and served, before the model loaded
         server.server_close()
 
-    monkeypatch.setattr(serve_module, "serve_forever", serve_forever)
+    serving(serve_forever)
     r = CliRunner().invoke(main, ["serve", "--port", "0", "--alias", "my-model", "--system", "Answer in French.",
                                   "--chat-template", str(template), "--threads", "1", "--temp", "0", "--seed", "-1",
                                   "--cors-origin", "http://localhost:3000", "--cors-origin", "*"])
@@ -374,7 +374,7 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("slash", ["", "/"])
-def test_a_model_is_served_under_its_directory_name_not_its_path(monkeypatch, tmp_path, slash):
+def test_a_model_is_served_under_its_directory_name_not_its_path(tmp_path, slash, serving):
     """-m PATH: /v1/models, a response's `model` and the start line say the directory's name, as
     llama-server says its file's basename."""
     import shutil
@@ -391,7 +391,7 @@ def test_a_model_is_served_under_its_directory_name_not_its_path(monkeypatch, tm
         server.shutdown()
         server.server_close()
 
-    monkeypatch.setattr(serve_module, "serve_forever", serve_forever)
+    serving(serve_forever)
     r = CliRunner().invoke(main, ["serve", "--port", "0", "-m", str(target) + slash])
     assert r.exit_code == 0, r.stderr
     assert [m["id"] for m in seen["models"]["data"]] == ["my-tiny"] and seen["reply"]["model"] == "my-tiny"

@@ -133,12 +133,7 @@ def test_parse_calls_and_the_stream_hold_back():
     assert plain.feed("a <｜tool") == "a " and plain.feed("ing") == "<｜tooling" and plain.finish() == ("", None, True)
 
 
-def test_without_llguidance_auto_works_and_forcing_says_how_to_install(client, monkeypatch):
-    from ds2cli.generation import grammar as grammars
-
-    def missing():
-        raise grammars.GrammarUnavailable(grammars.INSTALL_HINT)
-    monkeypatch.setattr(grammars, "_llg", missing)
+def test_without_llguidance_auto_works_and_forcing_says_how_to_install(client, without_llguidance):
     r = client.chat.completions.create(model="ds2-tiny", messages=ASK, tools=TOOLS, max_tokens=2, seed=1)
     assert r.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.BadRequestError) as e:

@@ -210,10 +210,10 @@ def needs(qc, at_load=False, context=None):
     return memory.required(TINY, qc, context, quantize_at_load=at_load)["total"]
 
 
-def test_too_little_memory_is_one_clear_error_before_loading(monkeypatch):
+def test_too_little_memory_is_one_clear_error_before_loading(monkeypatch, reading_tensors):
     available = needs(QuantConfig.recipe(8), at_load=True) + 1000    # 8-bit fits, float32 does not
     env = {"DS2_MEMORY_AVAILABLE": str(available)}
-    monkeypatch.setattr(checkpoint, "iter_tensors", lambda *a: pytest.fail("weights were read"))
+    reading_tensors(lambda *a: pytest.fail("weights were read"))
     line = one_error_line(run("generate", "hi", "-n", "2", env=env))
     assert "needs" in line and "as float32" in line and memory.gb(available) in line
     assert "--bits 8" in line and "--quantize 8" in line and "--no-memory-check" in line

@@ -4,6 +4,8 @@ prefill); and what the machine is (CPUs, numpy, BLAS)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import os
 import platform
@@ -17,17 +19,27 @@ from ds2cli.cli.bench.timing import seconds, summary
 
 PROBE_RUNS = 8
 POINT_PROBE_RUNS = 4        # the probes again beside each measured point, shorter
-MATVEC_N = 8192             # 8192 x 8192 float32 = 256 MB, far past any CPU cache
-GEMM_SHAPES = {             # (M, K, N): (M, K) @ (N, K)^T, as the engine multiplies by weights
-    "prefill": (512, 2048, 2048),   # 512 prompt tokens through a 2048 x 2048 projection
-    "expert": (48, 2048, 2816),     # one routed expert's gate_up: 512 tokens x top-6 / 64 experts
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSizes:
+    """The probes' matrices: large enough to measure this machine, not its caches."""
+    matvec_n: int = 8192                # 8192 x 8192 float32 = 256 MB, far past any CPU cache
+    # (M, K, N): (M, K) @ (N, K)^T, as the engine multiplies by weights: 512 prompt tokens through
+    # a 2048 x 2048 projection; one routed expert's gate_up, 512 tokens x top-6 / 64 experts
+    gemm_shapes: tuple = (("prefill", (512, 2048, 2048)), ("expert", (48, 2048, 2816)))
+    ceiling_values: int = 64 << 20      # weights in each ceiling probe matrix: 64M, past any CPU
+                                        # cache in every format
+
+
+SIZES = ProbeSizes()
 
 
 def probe_matvec(runs: int) -> dict:
     """GB/s of float32 W @ x with W far larger than the caches: the bandwidth decode can hope for."""
-    w = np.full((MATVEC_N, MATVEC_N), 1.0 / MATVEC_N, np.float32)   # written, so every page exists
-    x = np.ones(MATVEC_N, np.float32)
+    n = SIZES.matvec_n
+    w = np.full((n, n), 1.0 / n, np.float32)                        # written, so every page exists
+    x = np.ones(n, np.float32)
     w @ x  # BLAS threads start outside the timing
     return summary([w.nbytes / seconds(lambda: w @ x) / 1e9 for _ in range(runs)])
 
@@ -51,7 +63,6 @@ def probe_gemm(m: int, k: int, n: int, runs: int) -> dict:
 # That is what a decode step's products could reach in NumPy at best; ds2's kernels do the same
 # work plus their own bookkeeping (or, for q4, less), so decode's share of this ceiling is how
 # much of NumPy's speed ds2 keeps.
-CEILING_VALUES = 64 << 20       # weights in each probe matrix: 64M, past any CPU cache in every format
 CEILING_ROW = 4096              # values a row
 CEILING_BLOCK_ROWS = 64         # rows widened at once: 1 MB of float32, the fastest of 16-128 here
 CEILING_PASSES = 2              # passes over the matrix a timing (one pass is 10-30 ms)
@@ -173,8 +184,8 @@ def probe_ceiling(runs: int, matvec_gb_per_s: float) -> dict:
     best, and on a shared machine one busy core slows every core's run."""
     from ds2cli.execution.cores import Blas, allowed_cores, split_rows
     n = allowed_cores()
-    rows = CEILING_VALUES // CEILING_ROW
-    values = CEILING_PASSES * CEILING_VALUES
+    rows = SIZES.ceiling_values // CEILING_ROW
+    values = CEILING_PASSES * SIZES.ceiling_values
     core, together, ceiling = {}, {}, {}
     with Blas().threads(1):
         for fmt in BYTES_PER_VALUE:
@@ -255,7 +266,7 @@ def probe_beside() -> dict:
     a run, and a ratio only means something against a probe taken at the same time."""
     matvec = probe_matvec(POINT_PROBE_RUNS)
     return {"matvec_gb_per_s": matvec,
-            "gemm_gflop_per_s": probe_gemm(*GEMM_SHAPES["prefill"], POINT_PROBE_RUNS),
+            "gemm_gflop_per_s": probe_gemm(*dict(SIZES.gemm_shapes)["prefill"], POINT_PROBE_RUNS),
             "ceiling": probe_ceiling(POINT_PROBE_RUNS, matvec["max"])}
 
 
@@ -276,7 +287,7 @@ def machine_info() -> dict:
 def probe_machine() -> dict:
     console.info("probing memory bandwidth, GEMM throughput and NumPy's widening ceiling")
     matvec = probe_matvec(PROBE_RUNS)
-    return {"matvec": {"shape": [MATVEC_N, MATVEC_N], "gb_per_s": matvec},
+    return {"matvec": {"shape": [SIZES.matvec_n, SIZES.matvec_n], "gb_per_s": matvec},
             "gemm": {name: {"shape": list(shape), "gflop_per_s": probe_gemm(*shape, PROBE_RUNS)}
-                     for name, shape in GEMM_SHAPES.items()},
-            "ceiling": {"values": CEILING_VALUES, **probe_ceiling(POINT_PROBE_RUNS, matvec["max"])}}
+                     for name, shape in SIZES.gemm_shapes},
+            "ceiling": {"values": SIZES.ceiling_values, **probe_ceiling(POINT_PROBE_RUNS, matvec["max"])}}
