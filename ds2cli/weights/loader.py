@@ -90,7 +90,7 @@ def prepare_attention(t: dict, cfg: DeepseekV2Config) -> dict:
 
 
 def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None = None,
-              experts: range | None = None) -> tuple[dict, dict]:
+              experts: range | None = None, expert_batch: int | None = None) -> tuple[dict, dict]:
     """Layer i's fused MLP arrays, preallocated, and where each checkpoint tensor goes in them.
 
     gate_proj fills the first half of a (2I, D) gate_up matrix and up_proj the second, so one
@@ -104,7 +104,7 @@ def mlp_slots(cfg: DeepseekV2Config, i: int, qc: qcheckpoint.QuantConfig | None 
 
     def stack(key: str, shape: tuple[int, int, int]):
         f = qcheckpoint.format_for(qc, "mlp", key, shape)
-        return qcheckpoint.ExpertStack(shape, f) if f is not None else np.empty(shape, np.float32)
+        return qcheckpoint.ExpertStack(shape, f, expert_batch) if f is not None else np.empty(shape, np.float32)
 
     def fuse(prefix: str, gate_up: str, down: str, inter: int, lead: tuple = ()) -> None:
         slots[prefix + "gate_proj"] = (w[gate_up], lead + (slice(0, inter),))
@@ -193,11 +193,12 @@ def load_routed(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
 
 
 def load_layer(tensors, names: list[str], cfg: DeepseekV2Config, i: int,
-               qc: qcheckpoint.QuantConfig | None = None, experts: range | None = None) -> Layer:
+               qc: qcheckpoint.QuantConfig | None = None, experts: range | None = None,
+               expert_batch: int | None = None) -> Layer:
     """Layer i, prepared, in float32; with qc its routed experts already in qc's formats (the
     rest is for qcheckpoint.quantize_layer). `experts`: only those routed experts (mlp_slots)."""
     prefix = f"model.layers.{i}."
-    mlp, slots = mlp_slots(cfg, i, qc, experts)
+    mlp, slots = mlp_slots(cfg, i, qc, experts, expert_batch)
     names = kept_names(names, i, experts)
     t = {}
     # an expert's tensors together, so each one is complete (and quantized) soon after it starts

@@ -365,8 +365,9 @@ class ExpertStack:
     quantized as soon as EXPERT_BATCH experts are complete, so the layer's float32 stack (2.2 GB
     for a V2-Lite MoE layer) never exists: only the experts read but not yet quantized do."""
 
-    def __init__(self, shape: tuple[int, int, int], f: quant.Format):
+    def __init__(self, shape: tuple[int, int, int], f: quant.Format, batch: int | None = None):
         self.shape, self.f = shape, f
+        self.batch = batch or EXPERT_BATCH            # experts quantized together
         self.qweight = np.empty(f.qweight_shape(shape), f.qweight_dtype)
         self.scales = np.empty(f.scales_shape(shape), f.scale_dtype)
         self.pending: dict[int, list] = {}        # expert -> [float32 (out, in), rows filled]
@@ -380,7 +381,7 @@ class ExpertStack:
         slot[1] += slot[0][rows].shape[0]
         if slot[1] == self.shape[1]:
             self.complete.append(e)
-            if len(self.complete) >= EXPERT_BATCH:
+            if len(self.complete) >= self.batch:
                 self.flush()
 
     def flush(self) -> None:

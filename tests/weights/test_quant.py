@@ -481,7 +481,7 @@ def test_experts_quantized_as_they_load_equal_the_whole_stack_quantized(bits):
     assert seen == 2 * (len(source.layers) - 1)
 
 
-def test_a_layer_loading_never_holds_its_float32_expert_stack(monkeypatch):
+def test_a_layer_loading_never_holds_its_float32_expert_stack():
     """With a batch of one expert, loading a MoE layer with a recipe allocates at most a few
     experts' float32 at once: far less than its (E, 2I, D) + (E, D, I) float32 stacks, which
     loading it as float32 allocates."""
@@ -489,8 +489,6 @@ def test_a_layer_loading_never_holds_its_float32_expert_stack(monkeypatch):
 
     from ds2cli.weights import checkpoint
     from ds2cli.weights import loader
-    from ds2cli.weights import qcheckpoint
-    monkeypatch.setattr(qcheckpoint, "EXPERT_BATCH", 1)
     path = bundled_model_dir()
     cfg = ds2cli.DeepseekV2Config.from_file(path / "config.json")
     tensors = checkpoint.validate(cfg, path)
@@ -501,11 +499,12 @@ def test_a_layer_loading_never_holds_its_float32_expert_stack(monkeypatch):
 
     def peak(qc):
         tracemalloc.start()
-        layer = loader.load_layer(tensors, names, cfg, 1, qc)
+        layer = loader.load_layer(tensors, names, cfg, 1, qc, expert_batch=1)   # one expert at a time
         top = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         return layer, top
 
+    peak(QuantConfig.recipe(4))           # once first: what the first quantization allocates for good
     as_float, float_peak = peak(None)
     layer, low_peak = peak(QuantConfig.recipe(4))
     assert isinstance(layer.mlp.experts_gate_up, QuantMatrix)
