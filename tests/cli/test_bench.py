@@ -398,9 +398,11 @@ def test_side_by_side_pairs_samples_of_every_format_in_one_process(report, tmp_p
     quantize_checkpoint(bundled_model_dir(), q8, 8)
     targets = {"f32": bundled_model_dir(), "q8": q8}
     loaded = []
-    real_load = formats.load
-    monkeypatch.setattr(formats, "load", lambda path, **kw: loaded.append(path) or real_load(path, **kw))
-    out = formats.side_by_side(targets, 3, [8], [8, 24], 2)
+
+    def load(path, **kw):
+        loaded.append(path)
+        return ds2cli.load(path, **kw)
+    out = formats.side_by_side(targets, 3, [8], [8, 24], 2, loader=load)
     assert loaded == [bundled_model_dir(), q8]           # each format once, all in this process
     assert out["samples"] == 3 and set(out["rows"]) == {"pp8 tok/s", "tg @ 8 tok/s", "tg @ 24 tok/s"}
     for row in out["rows"].values():
@@ -425,9 +427,9 @@ def test_side_by_side_pairs_samples_of_every_format_in_one_process(report, tmp_p
     assert report_module.fig(r["tok_per_s"]["median"]) in text and " 100 " not in text   # its figures too
     assert "0.10x (0.10-0.10)" in text and "medians of 3 samples of every format" in text
     # formats that would not fit in memory together are not loaded side by side
-    monkeypatch.setattr(formats.memory, "available_bytes", lambda: 10**6)
     loaded.clear()
-    assert formats.side_by_side(targets, 3, [8], [8], 2) is None and loaded == []
+    assert formats.side_by_side(targets, 3, [8], [8], 2, loader=load, available_bytes=lambda: 10**6) is None
+    assert loaded == []
 
 
 def test_decode_is_held_against_numpys_own_ceiling(report, tiny):

@@ -63,18 +63,19 @@ def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], repe
 
 
 def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[int], contexts: list[int],
-                 steps: int) -> dict | None:
+                 steps: int, loader=load, available_bytes=memory.available_bytes) -> dict | None:
     """Speed ratios measured in one process that holds every format, their samples interleaved:
     for each point, sample k of every format runs in turn, seconds apart, on the same token ids,
     and the ratio is taken within each k. A shared machine's speed moves by 10-30% between the
     rounds' processes, minutes apart, and this pairs measurements made seconds apart instead.
-    None (said on stderr) if the formats do not fit in memory together, and for one format."""
+    None (said on stderr) if the formats do not fit in memory together, and for one format.
+    `loader` loads each (ds2cli.load), `available_bytes()` says the memory there is."""
     if len(targets) < 2:
         return None
     cfgs = {name: DeepseekV2Config.from_file(t / "config.json") for name, t in targets.items()}
     context = cache_tokens(prompt_lengths, contexts, steps)
     need = sum(memory.required(cfgs[name], read_quant_config(t), context)["total"] for name, t in targets.items())
-    available = memory.available_bytes()
+    available = available_bytes()
     if available is not None and need > available:
         console.info(f"side by side: skipped, the formats need {memory.gb(need)} together and "
                      f"{memory.gb(available)} is available")
@@ -86,7 +87,7 @@ def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[in
     for name, t in targets.items():
         progress = console.LoadProgress()
         try:
-            models[name] = load(t, progress=progress, context=context, memory_check=False, machine=machine)
+            models[name] = loader(t, progress=progress, context=context, memory_check=False, machine=machine)
         finally:
             progress.close()
     rng = np.random.default_rng(0)
