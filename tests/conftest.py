@@ -158,6 +158,20 @@ def serving(monkeypatch):
     return replace
 
 
+@pytest.fixture
+def failing_disk(monkeypatch):
+    """failing_disk(call, error): the OS call `call` (os.fsync, os.replace) raises `error`, as a
+    full disk or a Ctrl-C at that moment would: user files' atomic writes are tested against it
+    (a fault inside the kernel's own calls, which only the os module's names can stand for)."""
+    import os
+
+    def fail(call: str, error: BaseException) -> None:
+        def raising(*args, **kwargs):
+            raise error
+        monkeypatch.setattr(os, call, raising)
+    return fail
+
+
 # ---- a real Ray cluster (tests/cluster), made by support/ray_local.py ----
 
 @pytest.fixture(scope="session")

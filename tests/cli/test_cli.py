@@ -265,19 +265,25 @@ def test_chat_template_file_replaces_the_checkpoints(tmp_path):
     assert r.exit_code == 1 and "cannot read chat template" in r.stderr
 
 
-def test_threads_limits_blas_while_generating(monkeypatch):
+def test_threads_limits_blas_while_generating(command_samples):
+    """--threads 1: BLAS at one thread while each token is sampled, and the model's machine on one
+    core; BLAS as it was afterwards."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    import ds2cli.cli.generate_run as generate_run
-    seen, real = [], generate_run.stream_generate
+    seen, cores = [], []
 
-    def recording(*args, **kwargs):
-        seen.append([p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"])
-        return real(*args, **kwargs)
-    monkeypatch.setattr(generate_run, "stream_generate", recording)
+    def recording(model, opts, real):
+        cores.append(model.executor.compute.machine.workers.n)
+        sample = real(model, opts)
+
+        def sampling(logits, history):
+            seen.append([p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"])
+            return sample(logits, history)
+        return sampling
+    command_samples(recording)
     before = [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
     r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--threads", "1")
     assert r.exit_code == 0 and r.stdout == "2 + 2 = 4.\n"
-    assert seen == [[1] * len(before)] and before
+    assert seen and all(s == [1] * len(before) for s in seen) and before and cores == [1]
     assert [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"] == before
 
 

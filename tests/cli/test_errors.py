@@ -20,7 +20,6 @@ import pytest
 from click.testing import CliRunner
 
 import ds2cli
-from ds2cli import user_files as chat_module
 from ds2cli.weights import checkpoint
 from ds2cli.generation.conversation import ChatSession, read_messages, write_text_atomic as write_atomic
 from ds2cli.cli.main import main
@@ -898,28 +897,22 @@ def test_chat_cli_reply_interrupted_then_saved(monkeypatch, tmp_path):
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()],
                          ids=["disk_full", "ctrl_c"])
 @pytest.mark.parametrize("stage", ["fsync", "replace"])
-def test_write_atomic_never_leaves_a_partial_file(tmp_path, monkeypatch, failure, stage):
+def test_write_atomic_never_leaves_a_partial_file(tmp_path, failing_disk, failure, stage):
     path = tmp_path / "conversation.json"
     path.write_text("[\"the old conversation\"]\n")
-
-    def fail(*args, **kwargs):
-        raise failure
-    monkeypatch.setattr(chat_module.os, stage, fail)
+    failing_disk(stage, failure)
     with pytest.raises(type(failure)):
         write_atomic(path, "[\"the new conversation, half written\"]\n")
     assert path.read_text() == "[\"the old conversation\"]\n"
     assert os.listdir(tmp_path) == ["conversation.json"]
 
 
-def test_save_failure_is_an_error_and_keeps_the_old_file(tiny_model, tmp_path, monkeypatch):
+def test_save_failure_is_an_error_and_keeps_the_old_file(tiny_model, tmp_path, monkeypatch, failing_disk):
     session = ChatSession(tiny_model, capacity=64)
     session.load([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"}])
     path = tmp_path / "conversation.json"
     path.write_text("[]\n")
-
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(chat_module.os, "fsync", disk_full)
+    failing_disk("fsync", OSError(28, "No space left on device"))
     with pytest.raises(Ds2Error, match="No space left on device"):
         session.save(path)
     assert path.read_text() == "[]\n" and os.listdir(tmp_path) == ["conversation.json"]

@@ -130,13 +130,10 @@ def test_a_saved_cache_longer_than_the_context_names_both(model, tmp_path):
         saved_cache.load(path, model, 4)
 
 
-def test_a_failed_save_leaves_the_previous_file_whole(model, tmp_path, monkeypatch):
+def test_a_failed_save_leaves_the_previous_file_whole(model, tmp_path, failing_disk):
     path = saved_file(model, tmp_path)
     before = path.read_bytes()
-
-    def full(fd):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(os, "fsync", full)
+    failing_disk("fsync", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     cache = model.new_cache(8)
     model.forward([1, 2, 3], cache)
     with pytest.raises(SavedCacheError, match="No space left on device.*unchanged"):
