@@ -19,11 +19,13 @@ import numpy as np
 
 from ds2cli.execution.machine import Machine
 from ds2cli.model import attention
+from ds2cli.model.executor import ReferenceCompute
 from ds2cli.model.linear import Rows
 
 
-class Compute:
-    """Everything on the calling thread, in order: each product through its weight's `matmul`."""
+class Compute(ReferenceCompute):
+    """Everything on the calling thread, in order: each product through its weight's `matmul`
+    (the reference's products, heads and attention, model/executor.py)."""
 
     def start(self, model) -> None:
         """The model's weights exist: set up what the products run on."""
@@ -37,18 +39,6 @@ class Compute:
     def helper_bytes(self) -> int:
         """Resident memory of helper processes that this one does not also map: none here."""
         return 0
-
-    def matmul_all(self, products) -> list[np.ndarray]:
-        return [w.matmul(x) for w, x in products]
-
-    def heads(self, w, x: np.ndarray) -> np.ndarray:
-        return w.heads(x)
-
-    def attend_latent(self, q_lat, q_pe, latent, k_pe, scale) -> np.ndarray:
-        return attention.attend_latent(q_lat, q_pe, latent, k_pe, scale)
-
-    def attend_expanded(self, q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
-        return attention.attend_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale)
 
 
 class CoreCompute(Compute):

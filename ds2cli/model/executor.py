@@ -33,25 +33,9 @@ from ds2cli.model.cache import LatentCache
 from ds2cli.model.moe import swiglu_all
 
 
-class Executor:
-    """Everything on the calling thread: the reference path for tests and readers."""
-
-    def start(self, model) -> None:
-        """Called once the model's weights exist: nothing to set up here."""
-
-    def stop(self) -> None:
-        """Release what start set up."""
-
-    def stats(self) -> dict:
-        """What running the model cost beyond computing (a streamed run: experts read from disk)."""
-        return {}
-
-    def health(self) -> str | None:
-        """None while everything the model runs on is there; else what is missing (a lost node)."""
-        return None
-
-    def forward_pass(self, tokens: int):
-        return contextlib.nullcontext()
+class ReferenceCompute:
+    """Products, heads and attention on the calling thread, in order, each product through its
+    weight's own `matmul` (execution/compute.py builds the cores' on it)."""
 
     def matmul_all(self, products) -> list[np.ndarray]:
         """[w.matmul(x) for w, x in products], for products that do not depend on each other."""
@@ -66,19 +50,9 @@ class Executor:
     def attend_expanded(self, q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale) -> np.ndarray:
         return attention.attend_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale)
 
-    def experts(self, i: int, w, ids, xs, shared: np.ndarray | None) -> list[np.ndarray]:
-        """MoE layer i's (weights w) routed experts `ids`, each over its rows xs[j] (moe.Routed),
-        then its shared experts over `shared` (None: none): their outputs in that order."""
-        tasks = [(x, w.experts_gate_up[e], w.experts_down[e]) for e, x in zip(ids, xs)]
-        if shared is not None:
-            tasks.append((shared, w.shared_gate_up, w.shared_down))
-        return swiglu_all(self, tasks)
 
-    def after_attention(self, i: int, x: np.ndarray) -> None:
-        """Layer i's attention is added to x, the residual its MLP reads."""
-
-    def after_layer(self, i: int, x: np.ndarray) -> None:
-        """Layer i's output is x."""
+class ReferencePasses:
+    """Every layer here, one pass at a time (execution/passes.py builds on it)."""
 
     def run_pass(self, model, p) -> np.ndarray | None:
         """Pass p through every layer, here: the picked rows' logits (M, V), or None."""
@@ -95,5 +69,46 @@ class Executor:
         return lambda: logits
 
     def new_cache(self, model, capacity: int):
+        """A latent cache of `capacity` positions, held where the layers are."""
         cfg = model.config
         return LatentCache(cfg.num_hidden_layers, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+
+class Lifecycle:
+    """What is set up once the model's weights exist, released after, and reported meanwhile:
+    nothing, here (the executor, and execution/'s parts, say otherwise)."""
+
+    def start(self, model) -> None:
+        """Called once the model's weights exist."""
+
+    def stop(self) -> None:
+        """Release what start set up."""
+
+    def stats(self) -> dict:
+        """What running the model cost beyond computing (a streamed run: experts read from disk)."""
+        return {}
+
+    def health(self) -> str | None:
+        """None while everything the model runs on is there; else what is missing (a lost node)."""
+        return None
+
+
+class Executor(Lifecycle, ReferenceCompute, ReferencePasses):
+    """Everything on the calling thread: the reference path for tests and readers."""
+
+    def forward_pass(self, tokens: int):
+        return contextlib.nullcontext()
+
+    def experts(self, i: int, w, ids, xs, shared: np.ndarray | None) -> list[np.ndarray]:
+        """MoE layer i's (weights w) routed experts `ids`, each over its rows xs[j] (moe.Routed),
+        then its shared experts over `shared` (None: none): their outputs in that order."""
+        tasks = [(x, w.experts_gate_up[e], w.experts_down[e]) for e, x in zip(ids, xs)]
+        if shared is not None:
+            tasks.append((shared, w.shared_gate_up, w.shared_down))
+        return swiglu_all(self, tasks)
+
+    def after_attention(self, i: int, x: np.ndarray) -> None:
+        """Layer i's attention is added to x, the residual its MLP reads."""
+
+    def after_layer(self, i: int, x: np.ndarray) -> None:
+        """Layer i's output is x."""
