@@ -2,7 +2,8 @@
 outputs checked before any work and replaced atomically, a file one process at a time.
 
   read_bounded(path, limit, what)   the bytes of a file, stdin ("-") or a special file, refused
-                                    with its size when over `limit`, never read past it
+                                    with its size when over `limit`, never read past it; a FIFO's
+                                    writer waited for FIFO_WAIT_S at most
   check_destination(path, what)     before any work: the directory exists and is writable, the
                                     file (a symlink's target) is a regular file or absent
   write_atomic(path, write)         a temporary file beside the target (a symlink's target), its
@@ -28,17 +29,19 @@ from ds2cli.errors import Ds2Error
 from ds2cli.wording import human_bytes
 
 READ_BLOCK = 1 << 20
+FIFO_WAIT_S = 10.0      # a FIFO read as a file: how long its writer may take to come (docs/cli.md)
 
 
 class TooLargeError(Ds2Error):
     """An input larger than the limit it is read with."""
 
 
-def read_bounded(path: Path | str, limit: int, what: str, option: str = "") -> bytes:
+def read_bounded(path: Path | str, limit: int, what: str, option: str = "",
+                 fifo_wait: float = FIFO_WAIT_S) -> bytes:
     """The bytes of `path` ("-": stdin), at most `limit`: a regular file is refused by its size
     before a byte is read, anything else (a pipe, a device, a FIFO) is read until it ends or
-    passes the limit. A FIFO nobody writes to reads as empty instead of blocking; a directory is
-    refused."""
+    passes the limit. A FIFO waits `fifo_wait` seconds for its writer (its first bytes, or its
+    end), then is refused, so that neither side waits forever; a directory is refused."""
     hint = f" ({option})" if option else ""
     if str(path) == "-":
         return _read_stream(sys.stdin.buffer, limit, what, hint)
@@ -59,23 +62,24 @@ def read_bounded(path: Path | str, limit: int, what: str, option: str = "") -> b
                 raise TooLargeError(f"{what} {path} is {human_bytes(st.st_size)}; the limit is "
                                     f"{human_bytes(limit)}{hint}")
         elif stat.S_ISFIFO(st.st_mode):
-            os.set_blocking(fd, True)        # a writer is there or comes: read as a pipe
-            if not _has_writer(fd):
-                return b""
+            if not _writer_came(fd, fifo_wait):
+                raise Ds2Error(f"{what} {path} is a FIFO that nothing was written to within {fifo_wait:g} s")
+            os.set_blocking(fd, True)        # the writer came: read as a pipe, to its end
         try:
             return _read_stream(f, limit, f"{what} {path}", hint)
         except OSError as e:
             raise Ds2Error(f"cannot read {what} {path}: {e.strerror}") from None
 
 
-def _has_writer(fd: int) -> bool:
-    """Whether a FIFO opened for reading has (or had) a writer: with none, poll reports a hang-up
-    at once and a read would block until one comes."""
+def _writer_came(fd: int, wait: float) -> bool:
+    """Whether a writer came to a FIFO opened for reading (without blocking) within `wait`
+    seconds: Linux reports nothing until one writes (POLLIN) or comes and goes (POLLHUP), and a
+    read before that would find no writer and end at once, empty. A writer that opens the FIFO
+    and writes nothing for `wait` seconds is not told apart from none."""
     import select
     p = select.poll()
     p.register(fd, select.POLLIN)
-    events = p.poll(0)
-    return not events or not all(e & select.POLLHUP and not e & select.POLLIN for _, e in events)
+    return bool(p.poll(max(0, int(wait * 1000))))
 
 
 def _read_stream(f: BinaryIO, limit: int, what: str, hint: str) -> bytes:

@@ -268,7 +268,7 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
     check_ctx(source.config, opts["ctx"])
     if load_path is not None and session_path is not None:
         raise click.UsageError("--load rereads a transcript and --session resumes a saved session: give one")
-    lock = None
+    lock, saved = None, True
     if session_path is not None:
         lock = hold_session(session_path, source.config)
     try:
@@ -276,10 +276,10 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
             read_messages(load_path, prompt_bytes_limit(source.config, opts["max_prompt_bytes"]))
         with thread_limits(opts["threads"]), leaving_on_signals() as left:
             tokenizer_of(source, chat_template)
-            model, load_s = load_model(source, quantize, opts["ctx"] or DEFAULT_CHAT_CTX, not no_memory_check,
-                                        opts["ray"], opts["memory_budget"],
-                                   opts["ray_spread"], opts["threads"])
-            capacity = opts["ctx"] or min(model.config.max_position_embeddings, DEFAULT_CHAT_CTX)
+            # the cache the memory check (and --memory-budget's) counts is the one the chat keeps
+            capacity = opts["ctx"] or min(source.config.max_position_embeddings, DEFAULT_CHAT_CTX)
+            model, load_s = load_model(source, quantize, capacity, not no_memory_check, opts["ray"],
+                                       opts["memory_budget"], opts["ray_spread"], opts["threads"])
             session = ChatSession(model, capacity, warn=console.warn,
                                   split_reasoning=opts["reasoning_format"] != "none", special=opts["special"])
             repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
@@ -302,13 +302,13 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
                 failed_everything = repl.run()
             finally:
                 if session_path is not None:
-                    save_on_leaving(session, session_path)
+                    saved = save_on_leaving(session, session_path)
         if left:
             sys.exit(128 + left[0])
     finally:
         if lock is not None:
             lock.release()
-    if failed_everything:
+    if failed_everything or not saved:      # a session that could not be saved at the end is a failure
         sys.exit(1)
 
 

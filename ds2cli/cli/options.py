@@ -21,6 +21,7 @@ from ds2cli.generation.draft import MAX_DRAFT
 from ds2cli.generation.generate import check_stops
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.errors import Ds2Error
+from ds2cli.wording import plural
 from ds2cli.user_files import read_bounded
 from ds2cli.execution.factory import load
 from ds2cli.weights.source import Source, open_model
@@ -76,11 +77,36 @@ def chat_template_option(extra: str = ""):
                         help=f"A Jinja chat template file to use instead of the checkpoint's{extra}.")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class Threads(click.IntRange):
+    """--threads: an integer >= 1, capped at the cores this process may use with a one-line note.
+    Capped rather than refused because llama.cpp takes any -t and runs that many threads, so its
+    users pass generous values; more threads than cores only slow BLAS down, and a huge value
+    would overflow threadpoolctl's C int. `cores`: what to cap at (default: usable_cores())."""
+
+    def __init__(self, cores: int | None = None):
+        super().__init__(min=1)
+        self.cores = cores
+
+    def convert(self, value, param, ctx):
+        n = super().convert(value, param, ctx)
+        cores = self.cores or usable_cores()
+        if n > cores:
+            console.info(f"(--threads {n}: this process may use {plural(cores, 'core')}, so {cores} threads)")
+            return cores
+        return n
+
+
 def threads_option(f):
-    return click.option("-t", "--threads", type=click.IntRange(min=1), metavar="N",
-                        help="Threads for the matrix products, BLAS's and the low-bit kernels' (default: "
-                             "what the BLAS library picks, usually one per core; the kernels one per core, "
-                             "at most 8, fewer while other programs keep cores busy).")(f)
+    return click.option("-t", "--threads", type=Threads(), metavar="N",
+                        help="Threads for the matrix products, BLAS's and the low-bit kernels'; more than the "
+                             "cores this process may use is capped at them, with a note (default: what the BLAS "
+                             "library picks, usually one per core; the kernels one per core, at most 8, fewer "
+                             "while other programs keep cores busy).")(f)
 
 
 def sampling_options(f):

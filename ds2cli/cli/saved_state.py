@@ -72,15 +72,17 @@ def leaving_on_signals():
             pass
 
 
-def save_on_leaving(session: ChatSession, path: Path) -> None:
-    """The session saved once more as the chat ends, however it ends; saying so may fail when the
-    terminal is gone (SIGHUP), which must not undo the save."""
+def save_on_leaving(session: ChatSession, path: Path) -> bool:
+    """The session saved once more as the chat ends, however it ends; False when it could not be
+    (a full disk, `ulimit -f`), said in one error line naming the file, for the chat to exit 1.
+    Saying so may fail when the terminal is gone (SIGHUP), which must not undo the save."""
     try:
         session.save_session(path)
     except Ds2Error as e:
         with contextlib.suppress(OSError):
             console.error(str(e))
-        return
+        return False
     with contextlib.suppress(OSError):
         console.info(f"(session saved to {path}: {plural(len(session.messages), 'message')}, "
                      f"{plural(len(session.cached_ids), 'token')} cached)")
+    return True

@@ -5,11 +5,13 @@ tracemalloc, not by the clock."""
 
 import json
 import os
+import resource
 import signal
 import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 
@@ -17,8 +19,10 @@ import numpy as np
 import pytest
 
 import ds2cli
+from ds2cli.cli.saved_state import save_on_leaving
+from ds2cli.errors import Ds2Error
 from ds2cli.generation import saved_cache
-from ds2cli.generation.conversation import read_messages
+from ds2cli.generation.conversation import ChatSession, read_messages
 from ds2cli.model.transformer import Step
 from ds2cli.user_files import Lock, LockedError, TooLargeError, read_bounded, write_atomic
 
@@ -97,6 +101,28 @@ def test_a_session_of_another_model_keeps_its_conversation(tmp_path, session):
 
 
 # ---- saved as the conversation goes ----
+
+@pytest.mark.slow
+def test_a_session_whose_last_save_fails_exits_1_naming_the_file(tmp_path):
+    """`ulimit -f`: the kernel refuses to grow a file past 200 bytes (EFBIG; Python ignores
+    SIGXFSZ), less than an empty session takes, so the save as the chat ends fails: exit 1 and
+    one line naming the file (it exited 0)."""
+    path = tmp_path / "s.ds2"
+    r = subprocess.run([sys.executable, "-m", "ds2cli", "chat", "--session", str(path)], input="",
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200)))
+    line = one_error(r)
+    assert line.startswith(f"error: cannot write {path}: File too large") and not path.exists()
+
+
+def test_the_last_save_says_whether_the_session_was_saved(tmp_path, model, capsys):
+    session = ChatSession(model, capacity=32)
+    assert save_on_leaving(session, tmp_path / "s.ds2") is True
+    missing = tmp_path / "gone" / "s.ds2"
+    assert save_on_leaving(session, missing) is False
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        f"error: cannot write {missing}: No such file or directory; the previous file, if any, is unchanged"
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -326,10 +352,55 @@ def test_a_huge_session_header_is_refused_unread(tmp_path, model):
     tracemalloc.stop()
 
 
-def test_a_fifo_without_a_writer_reads_as_empty_at_once(tmp_path):
+def test_a_fifo_without_a_writer_is_refused_after_the_wait(tmp_path):
     fifo = tmp_path / "f"
     os.mkfifo(fifo)
-    assert read_bounded(fifo, 100, "prompt file") == b""
+    with pytest.raises(Ds2Error) as e:
+        read_bounded(fifo, 100, "prompt file", fifo_wait=0.05)
+    assert str(e.value) == f"prompt file {fifo} is a FIFO that nothing was written to within 0.05 s"
+
+
+def write_later(path, data: bytes, delay: float) -> threading.Thread:
+    """A writer that comes to the FIFO `delay` seconds after the reader (which is there by then:
+    the open waits for it, as a shell's `> fifo` does)."""
+    def write():
+        time.sleep(delay)
+        with open(path, "wb") as f:
+            f.write(data)
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_fifo_whose_writer_comes_later_is_read_whole(tmp_path):
+    """It read as empty at once, leaving the writer blocked in its open."""
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    data = bytes(range(256)) * 1000                 # more than a pipe's buffer: read to the writer's end
+    writer = write_later(fifo, data, 0.05)
+    assert read_bounded(fifo, len(data), "prompt file", fifo_wait=30) == data
+    writer.join(timeout=30)
+    assert not writer.is_alive()
+    empty = write_later(fifo, b"", 0.05)             # `: > fifo`: a writer that says nothing is an empty file
+    assert read_bounded(fifo, 100, "prompt file", fifo_wait=30) == b""
+    empty.join(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_prompt_fifo_whose_writer_comes_a_second_later(tmp_path):
+    fifo = tmp_path / "prompt"
+    os.mkfifo(fifo)
+    generate = subprocess.Popen([sys.executable, "-m", "ds2cli", "generate", "--chat", "--temp", "0", "-f", str(fifo)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)                       # ds2 is up and waiting on the FIFO by now
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)     # ENXIO: no reader is there any more
+        os.write(fd, b"What is 2 + 2?")
+        os.close(fd)
+        out, err = generate.communicate(timeout=120)
+    finally:
+        generate.kill()
+    assert generate.returncode == 0 and out == "2 + 2 = 4.\n", err
 
 
 def test_write_atomic_keeps_the_previous_file_on_failure(tmp_path):
