@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -88,13 +89,41 @@ def connect(address: str):
     if not ray.is_initialized():
         import logging
         try:
-            with without_ray_logs():
+            with without_ray_logs(), keeping_signals():
                 ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR,
                          configure_logging=True, namespace="ds2")
         except Exception as e:      # Ray raises ConnectionError, RuntimeError and its own
             raise ClusterError(f"cannot join the Ray cluster at {address}: {str(e).splitlines()[0]} "
                                f"(is it a Ray head's GCS port?)") from None
     return ray
+
+
+KEPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def keeping_signals():
+    """The driver's signals as they were before ray.init: Ray sets a SIGTERM handler that exits
+    15, its core installs absl's failure handler (a native stack dump on stderr, then the
+    previous handler) and enables faulthandler. After the block SIGTERM, SIGINT and SIGHUP are
+    the command's again (signal.signal replaces absl's handler too): a kill ends a --ray driver
+    as it ends one without Ray (128 + the signal, a chat's session saved first), in silence.
+    faulthandler is left as it was: a driver's exit while Ray's threads stop dumps nothing."""
+    import faulthandler
+    import threading
+    if threading.current_thread() is not threading.main_thread():      # signals are the main thread's
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in KEPT_SIGNALS}
+    dumping = faulthandler.is_enabled()
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            if handler is not None:          # None: set outside Python, which cannot be put back
+                signal.signal(sig, handler)
+        if not dumping:
+            faulthandler.disable()
 
 
 RAY_LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+ [DIWE] \d+ \d+\] ")
