@@ -82,7 +82,8 @@ def model_name(source) -> str:
 
 def prompt_ids(tok, text: str, chat: bool, system: str | None) -> tuple[list[int], bool]:
     """The prompt's ids, and whether it opened <think> (R1's template does: the reply starts
-    inside its reasoning)."""
+    inside its reasoning). With `chat` the text (and `system`) is a message, whose special-token
+    text stays text; a raw prompt's special-token text is the token, as llama.cpp reads it."""
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         text = tok.render_chat(messages, add_generation_prompt=True)
@@ -161,10 +162,14 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
 
 
 def show_prompt(tok, ids: list[int]) -> None:
-    """--verbose-prompt: the text the model is conditioned on (special tokens included), then its ids."""
+    """--verbose-prompt: the text the model is conditioned on (special tokens included), its ids,
+    then which of them are control tokens (position: id text): the template's markup, bos, the
+    special tokens a raw prompt spells; a chat message's own special-token text is never one."""
     console.info(f"prompt ({plural(len(ids), 'token')}):")
     console.info(tok.decode(ids))
     console.info("token ids: " + " ".join(map(str, ids)))
+    controls = [f"{at}: {i} {tok.control_text(i)}" for at, i in enumerate(ids) if tok.control_text(i) is not None]
+    console.info("control tokens: " + ("; ".join(controls) if controls else "none"))
 
 
 def run_generation(chunks, as_json: bool, pieces: list[Chunk], reading=None,

@@ -115,6 +115,11 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
               help="deepseek: a chat reply's <think>...</think> comes apart from the answer, as "
                    "reasoning_content (streamed as delta.reasoning_content); none: it stays in content. "
                    "A request's reasoning_format overrides it (default: deepseek).")
+@click.option("--special-in-prompts/--no-special-in-prompts", default=True,
+              help="A special token's text in a raw prompt (/v1/completions' prompt, /tokenize's content) "
+                   "is that token, as llama.cpp reads it; --no-special-in-prompts reads it as the ordinary "
+                   "tokens of its characters, for a server open to others. Chat messages and fills are "
+                   "always text (default: --special-in-prompts).")
 @sampling_options
 @draft_option
 @click.option("-c", "--ctx", "--ctx-size", type=click.IntRange(min=1), metavar="N", help=f"Tokens per request, prompt and reply; "
@@ -146,7 +151,8 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
 @memory_options
 def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_cache_dir, prompt_cache_dir_mb,
           max_queue, parallel, prefill_chunk, max_prompt_bytes,
-          draft, cors_origins, system, chat_template, reasoning_format, quantize, no_memory_check, **opts):
+          draft, cors_origins, system, chat_template, reasoning_format, special_in_prompts, quantize,
+          no_memory_check, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming).
 
     Listens on 127.0.0.1:8000 unless told otherwise. The sampling options, -n and --draft are the
@@ -174,7 +180,7 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
             model, load_s = load_model(source, quantize, ctx * parallel, not no_memory_check, opts["ray"],
                                        opts["memory_budget"], opts["ray_spread"], opts["threads"])
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
-                                ctx, system, tuple(model.eos_token_ids), reasoning_format)
+                                ctx, system, tuple(model.eos_token_ids), reasoning_format, special_in_prompts)
             model.tokenizer.longest_token     # a prompt's limit in characters (jobs.check_chars), found once
             disk = DiskPool(prompt_cache_dir, prompt_cache_dir_mb * MB, model, state.log) \
                 if prompt_cache_dir is not None else None

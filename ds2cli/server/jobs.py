@@ -123,9 +123,12 @@ def _is_ids(value: Any) -> bool:
                                                            for t in value)
 
 
-def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, ctx: int) -> list[list[int]]:
+def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, ctx: int,
+               parse_special: bool = True) -> list[list[int]]:
     """/v1/completions' prompt: a string or token ids, or a list of either (one choice each); a
-    string longer than `ctx` tokens can be is refused before it is tokenized."""
+    string longer than `ctx` tokens can be is refused before it is tokenized. A special token's
+    text in a string is that token, as llama.cpp reads it, unless `parse_special` is off
+    (ds2 serve --no-special-in-prompts): then it is text."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_ids(prompt):
         prompts = [prompt]
@@ -139,7 +142,7 @@ def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, ctx: int) -> l
             unicode_text(check_chars(p, tokenizer, ctx, where, "prompt"), where)
         elif not all(0 <= t < vocab_size for t in p):
             raise ApiError(400, f"{where} token ids must be in [0, {vocab_size})", param="prompt")
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    return [tokenizer.encode(p, parse_special=parse_special) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def fim_tokens(tokenizer: Tokenizer, model_id: str, param: str) -> fim.FimTokens:
@@ -215,13 +218,16 @@ def render_continuation(tokenizer: Tokenizer, messages: list[dict]) -> str:
     if cut < 0:
         raise ApiError(400, "the chat template does not render the last message's content as given, so it "
                             "cannot be continued", param="continue_final_message")
-    return text[:cut]
+    return text.cut(cut)      # the messages' own special-token text still known as text
 
 
 def chat_ids(body: dict, tokenizer: Tokenizer, defaults: Defaults,
              toolset: ToolSet | None = None) -> tuple[list[int], bool]:
-    """The chat prompt's ids (with the request's tools), and whether it continues the last message."""
+    """The chat prompt's ids (with the request's tools), and whether it continues the last message;
+    a prompt longer than the context is refused before it is tokenized whole. The messages'
+    own special-token text is text (Tokenizer.render_chat)."""
     text, cont, _ = chat_text(body, tokenizer, defaults, toolset)
+    check_length(text, tokenizer, defaults.ctx, "the prompt", "messages")
     return tokenizer.encode(text, add_special_tokens=False), cont
 
 
@@ -260,6 +266,19 @@ def check_chars(text: str, tokenizer: Tokenizer, ctx: int, where: str, param: st
         raise ApiError(400, f"{where} is {len(text)} characters, more than the context of {ctx} tokens can "
                             f"hold (at most {most}: no token of this model covers more than "
                             f"{tokenizer.longest_token} characters)", param=param, code="context_length_exceeded")
+    return text
+
+
+def check_length(text: str, tokenizer: Tokenizer, ctx: int, where: str, param: str) -> str:
+    """`text`, unless it is longer than `ctx` tokens: its characters (check_chars, as a
+    completion's prompt), then its tokens counted in slices that stop past the context
+    (Tokenizer.count_at_least), so that a text of megabytes costs what a slice does, never its
+    whole tokenization (/tokenize, whose answer is not bounded by a context otherwise)."""
+    check_chars(text, tokenizer, ctx, where, param)
+    at_least = tokenizer.count_at_least(text, ctx + 1)
+    if at_least > ctx:
+        raise ApiError(400, f"{where} is at least {at_least} tokens, more than the context of {ctx} tokens",
+                       param=param, code="context_length_exceeded")
     return text
 
 
@@ -317,7 +336,7 @@ def completion_prompts(body: dict, tokenizer: Tokenizer, vocab_size: int, defaul
         return [fill], ends
     if body.get("suffix") is not None:
         return suffix_prompts(body, tokenizer, defaults, model_id)
-    return prompt_ids(body, tokenizer, vocab_size, defaults.ctx), ends
+    return prompt_ids(body, tokenizer, vocab_size, defaults.ctx, defaults.special_in_prompts), ends
 
 
 def _check_sizes(prompts: list[list[int]], n: int, ctx: int, param: str) -> None:

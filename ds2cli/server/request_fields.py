@@ -51,6 +51,7 @@ class Defaults:
     system: str | None = None   # --system: for chat requests that bring no system message
     eos_ids: tuple[int, ...] = ()   # the model's eos ids (a grammar allows them where it accepts)
     reasoning_format: str = "deepseek"  # --reasoning-format: chat replies' reasoning apart ("none": in content)
+    special_in_prompts: bool = True     # raw prompts' special-token text is the token (--no-special-in-prompts: text)
 
 
 @dataclasses.dataclass(frozen=True)

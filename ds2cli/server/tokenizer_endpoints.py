@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ds2cli.server.jobs import chat_ids, unicode_text
+from ds2cli.server.jobs import chat_ids, check_length, unicode_text
 from ds2cli.server.request_fields import ApiError, Defaults, boolean
 from ds2cli.text.tokenizer import Tokenizer
 
 
 def tokenize_request(body: dict, tokenizer: Tokenizer, defaults: Defaults) -> dict:
     """POST /tokenize: llama-server's {"content", "add_special", "with_pieces"}, or vLLM's
-    {"prompt", "add_special_tokens"} or {"messages", "add_generation_prompt"} -> {"tokens", ...}."""
+    {"prompt", "add_special_tokens"} or {"messages", "add_generation_prompt"} -> {"tokens", ...}.
+    Bounded as completions are: a text longer than the context is a 400 before it is tokenized
+    whole. A text's special tokens are read as /v1/completions reads a prompt's (text with
+    --no-special-in-prompts); messages' are text, as in chat."""
     if "messages" in body:
         ids, _ = chat_ids(body, tokenizer, defaults)
     else:
@@ -24,7 +27,8 @@ def tokenize_request(body: dict, tokenizer: Tokenizer, defaults: Defaults) -> di
         # llama-server's add_special (default false), vLLM's add_special_tokens (default true)
         given = [boolean(body, k) for k in ("add_special", "add_special_tokens") if body.get(k) is not None]
         special = given[0] if given else name == "prompt"
-        ids = tokenizer.encode(unicode_text(text, name), add_special_tokens=special)
+        check_length(unicode_text(text, name), tokenizer, defaults.ctx, name, name)
+        ids = tokenizer.encode(text, add_special_tokens=special, parse_special=defaults.special_in_prompts)
     tokens: list = ids
     if boolean(body, "with_pieces"):
         tokens = [{"id": t, "piece": tokenizer.token_bytes(t).decode("utf-8", errors="replace")} for t in ids]

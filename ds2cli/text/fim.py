@@ -18,7 +18,8 @@ of the prefix:
 
 (a file's text gets a final newline if it lacks one; a file without a path gets no `#` line).
 The files and the prefix are encoded as one text, as the model saw them in training; the suffix
-is encoded on its own.
+is encoded on its own. Both are plain text: a FIM token's text typed in them is the ordinary
+tokens of its characters, so only the frame's own tokens open and close the hole.
 """
 
 from __future__ import annotations
@@ -106,5 +107,6 @@ def fim_ids(tokenizer, tokens: FimTokens, prefix: str, suffix: str,
     tokenizer adds one)."""
     before, after = fim_text(prefix, suffix, files)
     bos = [tokenizer.bos_token_id] if tokenizer.adds_bos else []
-    return [*bos, tokens.begin, *tokenizer.encode(before, add_special_tokens=False), tokens.hole,
-            *tokenizer.encode(after, add_special_tokens=False), tokens.end]
+    plain = dict(add_special_tokens=False, parse_special=False)   # a typed <｜fim▁hole｜> is text
+    return [*bos, tokens.begin, *tokenizer.encode(before, **plain), tokens.hole,
+            *tokenizer.encode(after, **plain), tokens.end]

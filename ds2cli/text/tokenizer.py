@@ -21,8 +21,9 @@ import tokenizers
 
 from ds2cli.json_files import read_json_object
 from ds2cli.errors import TokenizerError
+from ds2cli.text import literal
 from ds2cli.text.chat_template import compile_template, one_line, render
-from ds2cli.text.reasoning import without_reasoning
+from ds2cli.text.reasoning import THINK_CLOSE, without_reasoning
 from ds2cli.text.tiktoken_convert import byte_level_alphabet, has_tiktoken
 from ds2cli.text.tiktoken_convert import load_backend as tiktoken_backend
 
@@ -71,6 +72,10 @@ class Tokenizer:
         # out (as Hugging Face's skip_special_tokens, llama-cli without --special); DeepSeek's
         # tool-call, FIM and <think> tokens are added but not special, so replies keep them
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        # every added token, special or not: the control tokens only markup may yield
+        self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        self.control_ids = frozenset(self._added)
+        self._added_re = literal.added_pattern(self._added.values())
         # Byte-level BPE (GPT-2 style, as DeepSeek's): each token is a run of raw bytes.
         self.byte_level = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
         self._alphabet = byte_level_alphabet() if self.byte_level else {}
@@ -119,9 +124,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Text -> ids. With special tokens, the ids start with exactly one bos when the tokenizer wants it."""
-        ids = self._ids(text, add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """Text -> ids. With special tokens, the ids start with exactly one bos when the tokenizer wants it.
+        `parse_special` (as llama.cpp's) reads a special token's text as that token; without it,
+        as the ordinary tokens of its characters. A rendered chat prompt (`render_chat`) keeps
+        its messages' own special-token text as text either way (literal.py)."""
+        if not parse_special:
+            ids = self._plain_ids(text)
+        elif isinstance(text, literal.Rendered) and text.literal:
+            ids = self._rendered_ids(text)
+        else:
+            ids = self._ids(text, add_special_tokens)
         if not (add_special_tokens and self._add_bos):
             return ids
         # Prepend bos ourselves (DeepSeek's tokenizer.json doesn't) and drop any the
@@ -155,6 +168,42 @@ class Tokenizer:
         runs (encode holds it throughout): a long prompt tokenized on one server thread never
         stops the others, the scheduler's passes included. The ids are encode's."""
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """`text`'s ids with no added token matched: a text without any added token's text is
+        what the backend gives (DeepSeek's tokenizers have no normalizer to match them through);
+        else a copy of the backend without its added tokens encodes it."""
+        if self._added_re is None or self._added_re.search(text) is None:
+            return self._ids(text, add_special_tokens=False)
+        return self._plain_backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _rendered_ids(self, text: literal.Rendered) -> list[int]:
+        """A rendered chat prompt's ids: the control tokens the backend finds in its markup, the
+        text between them (its literal spans included) as plain text."""
+        encoding = self._backend.encode_batch([str(text)], add_special_tokens=False)[0]
+        kept = literal.kept_controls(encoding.ids, encoding.offsets, self.control_ids, text.literal)
+        if kept is None:
+            return encoding.ids
+        out, at = [], 0
+        for start, end, token in kept:
+            out += self._plain_ids(text[at:start])
+            out.append(token)
+            at = end
+        return out + self._plain_ids(text[at:])
+
+    @functools.cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """The backend without its added tokens: its model, normalizer, pre-tokenizer and
+        decoder shared (no copy of the vocabulary), no added vocabulary to match."""
+        plain = tokenizers.Tokenizer(self._backend.model)
+        for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+            if getattr(self._backend, part) is not None:
+                setattr(plain, part, getattr(self._backend, part))
+        return plain
+
+    def control_text(self, token_id: int) -> str | None:
+        """An added token's text (bos, <｜User｜>, a FIM token), or None for an ordinary token."""
+        return self._added.get(token_id)
 
     @functools.cached_property
     def longest_token(self) -> int:
@@ -193,9 +242,15 @@ class Tokenizer:
                     tools: list[dict] | None = None) -> str:
         """Messages -> the prompt string, exactly as Hugging Face's apply_chat_template renders it
         (`tools`, OpenAI's tool list, is the template's `tools` variable, as in HF). Earlier
-        turns' reasoning reaches the template only if it reads it (reasoning.without_reasoning)."""
+        turns' reasoning reaches the template only if it reads it (reasoning.without_reasoning).
+        The result is a `literal.Rendered`: it knows where the messages' own special-token text
+        lies, which `encode` keeps as text."""
         _check_messages(messages)
-        messages = without_reasoning(messages, self.chat_template or FALLBACK_CHAT_TEMPLATE)
+        source = self.chat_template or FALLBACK_CHAT_TEMPLATE
+        messages = without_reasoning(messages, source)
+        hider = literal.Hider(self._added_re, keep_think=THINK_CLOSE in source) if self._added_re else None
+        if hider is not None:
+            messages, tools = hider.hide(messages), hider.hide(tools)
         variables: dict[str, Any] = {"messages": messages,
                                      "add_generation_prompt": add_generation_prompt}
         if tools is not None:
@@ -205,11 +260,13 @@ class Tokenizer:
             variables["bos_token"] = self.bos_token
         if self.eos_token is not None:
             variables["eos_token"] = self.eos_token
-        return render(self._template, variables, self._template_name)
+        text = render(self._template, variables, self._template_name)
+        return hider.restore(text) if hider is not None else literal.Rendered(text)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
-        """Render, then encode without special tokens: the template writes bos itself."""
+        """Render, then encode without special tokens (the template writes bos itself), the
+        messages' own text as text."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def set_chat_template(self, source: str, file: str | None = None) -> None:
