@@ -24,6 +24,7 @@ def test_threads_are_capped_at_the_cores_given():
     assert Threads(cores=3).convert("2", None, None) == 2
 
 
+@pytest.mark.slow
 def test_threads_beyond_any_machine_run_with_one_note():
     """Was an OverflowError traceback from threadpoolctl."""
     r = run("generate", "--chat", "What is 2 + 2?", "--temp", "0", "--threads", "99999999999999999999")
