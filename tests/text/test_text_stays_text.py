@@ -142,3 +142,12 @@ def test_chat_reads_a_typed_eos_as_text():
     ids = tok.encode_chat([{"role": "user", "content": line}])
     assert tok.eos_token_ids[0] not in ids
     assert f"prefill {len(ids)} tok" in r.stderr
+
+
+def test_the_added_tokens_pattern_finds_the_longest_token_at_each_place():
+    from ds2cli.text.literal import added_pattern
+    tokens = ["<｜User｜>", "<｜Us", "<think>", "</think>", *(f"<｜place▁holder▁no▁{i}｜>" for i in range(800))]
+    text = "a<｜User｜>b<｜Usc<think></think><｜place▁holder▁no▁799｜><｜place▁holder▁no▁8"
+    assert added_pattern(tokens).findall(text) == ["<｜User｜>", "<｜Us", "<think>", "</think>",
+                                                   "<｜place▁holder▁no▁799｜>"]
+    assert added_pattern([]) is None
