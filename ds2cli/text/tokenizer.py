@@ -172,7 +172,7 @@ class Tokenizer:
     def _plain_ids(self, text: str) -> list[int]:
         """`text`'s ids with no added token matched: a text without any added token's text is
         what the backend gives (DeepSeek's tokenizers have no normalizer to match them through);
-        else a copy of the backend without its added tokens encodes it."""
+        else the backend's parts without its added tokens encode it (_plain_backend)."""
         if self._added_re is None or self._added_re.search(text) is None:
             return self._ids(text, add_special_tokens=False)
         return self._plain_backend.encode_batch([text], add_special_tokens=False)[0].ids
