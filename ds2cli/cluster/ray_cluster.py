@@ -2,14 +2,6 @@
 Ray versions and the checkpoint at the path, and Ray's errors classified. The stages that run
 on the nodes, and the passes part that drives them, are execution's (execution/stages.py).
 
-The driver (the `ds2` process) keeps the tokenizer, sampling, the server and its scheduler; it
-holds no weights. Each stage is a Ray actor pinned to its node, which loads its range of layers
-(and the embedding or the head) from that node's own disk with ds2's loader and keeps its part
-of every latent cache. A forward pass is the same Model.compute on every stage: the pass's
-description (transformer.Pass, with each cache named by a number) goes to every stage, the
-hidden state from stage to stage as an object reference (Ray hands it on between the nodes
-without a round trip through the driver), and the driver waits once, for the last stage's logits.
-
 An actor asks Ray for every CPU its node offers (`num_cpus`): Ray sets OMP_NUM_THREADS to that
 for the actor, which BLAS reads, and the stage runs ds2's low-bit kernels on as many threads.
 A lost node is Ray's to notice: a stage whose process ends fails its call at once, a node that

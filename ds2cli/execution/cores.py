@@ -194,7 +194,7 @@ class Workers:
             self.local.inside = False
 
     def helpers_running(self) -> bool:
-        """Helper processes take the other cores' rows of a few-token pass's products (parallel/processes.py).
+        """Helper processes take the other cores' rows of a few-token pass's products (helpers.py).
         Asked before every product: so it reads the flag `forward_pass` set, not the environment
         (1-2 us a call, some 30 calls a layer)."""
         return self.helpers is not None and self.helpers_on
