@@ -66,9 +66,10 @@ class Experts:
 
 class StreamedExperts(Experts):
     """Each MoE layer's routed experts computed from an ExpertCache's slots as they land
-    (weights/expert_cache.py, `cache`), and reads ahead on reader threads: after layer i's attention and again after layer i,
-    the experts layer i+1 will probably choose (its router over layer i's residual), so that
-    the disk is busy while layer i and i+1 compute; a layer waits only for its own reads."""
+    (weights/expert_cache.py, `cache`), and reads ahead on reader threads: after layer i's
+    attention and again after layer i, the experts layer i+1 will probably choose (its router
+    over layer i's residual), so that the disk is busy while layers i and i+1 compute; a layer
+    waits only for its own reads."""
 
     AHEAD = 1                       # layers read ahead of the one computing (2 read 30% more, and was slower)
     READERS = 2                     # threads reading at once (see docs/performance.md)
