@@ -63,13 +63,18 @@ def _trie_regex(node: dict) -> str:
     return f"(?:{body})?" if "" in node else body
 
 
+NO_DIGITS = str.maketrans("0123456789", "ghijklmnop")
+
+
 class Hider:
     """Replaces added tokens' text in a conversation's strings by numbered placeholders."""
 
     def __init__(self, pattern: re.Pattern, keep_think: bool = False):
         self.pattern = pattern
         self.keep_think = keep_think    # the template splits assistant content on </think> itself
-        self.nonce = secrets.token_hex(8)
+        # letters only: a run of 8+ digits in a string reads as a huge format width to the
+        # template sandbox (chat_template._WIDTH), which would refuse an honest template
+        self.nonce = secrets.token_hex(8).translate(NO_DIGITS)
         self.found: list[str] = []
 
     def hide(self, value: Any, keep: bool = False) -> Any:

@@ -151,3 +151,16 @@ def test_the_added_tokens_pattern_finds_the_longest_token_at_each_place():
     assert added_pattern(tokens).findall(text) == ["<｜User｜>", "<｜Us", "<think>", "</think>",
                                                    "<｜place▁holder▁no▁799｜>"]
     assert added_pattern([]) is None
+
+
+def test_a_placeholder_never_reads_as_a_format_width_to_the_sandbox():
+    """The placeholders' nonce holds no digits: a run of eight in a string passed to a filter is
+    refused by the template sandbox as a format width (a random hex nonce hit it now and then)."""
+    import re
+
+    from ds2cli.text.literal import Hider
+    hider = Hider(re.compile("<x>"))
+    for _ in range(200):
+        nonce = Hider(re.compile("<x>")).nonce
+        assert len(nonce) == 16 and not any(c.isdigit() for c in nonce)
+    assert hider.hide("a<x>b") != "a<x>b" and str(hider.restore(hider.hide("a<x>b"))) == "a<x>b"
