@@ -85,9 +85,9 @@ def serve_until(server: Server, state: State, stop: threading.Event, thread: thr
     # the log says which signal came, and what another one of either kind does: a process
     # manager's SIGTERM is answered in its own terms, not a Ctrl-C's
     cause = f" on {SIGNAL_NAMES.get(received[0], 'a signal')}" if received else ""
+    state.scheduler.close()     # before the log line: once it says "stopping", /health says so too
     state.log(packed([f"ds2 serve: stopping{cause}: the running requests finish", "new ones get 503",
                       "another SIGTERM or Ctrl-C ends the running ones at their next token"]), packed=True)
-    state.scheduler.close()
     state.scheduler.wait_idle()
     state.scheduler.prompt_cache.flush()      # with --prompt-cache-dir: every conversation to disk
     server.shutdown()
