@@ -59,6 +59,10 @@ def stats_line(load_s: float | None, last: Chunk, cache: LatentCache, run: dict 
     parts.append(f"cache {cache.length}/{cache.capacity} tok, {human_bytes(cache.length * cache.bytes_per_token)}")
     if run and "hits" in run:
         parts.append(experts_stats(run))
+        tokens = max(1, last.prompt_tokens + last.generated_tokens)
+        for node in run.get("nodes", []) if len(run.get("nodes", [])) > 1 else ():   # a cluster's, each
+            parts.append(f"node {node['node']}: {experts_stats(node)}, {human_bytes(node['bytes_read'] / tokens)} "
+                         f"a token")
     return packed([f"[{parts[0]}", *parts[1:-1], f"{parts[-1]}]"])     # within 80 columns
 
 

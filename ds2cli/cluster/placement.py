@@ -11,6 +11,14 @@ Spread by experts (plan_experts), every node also holds a contiguous range of ea
 routed experts, in proportion to what it offers, and of its layers everything but their routed
 experts: the layer ranges are shared out by what is left of each layer (attention, norms, the
 router, the shared experts, a dense layer's MLP, its part of the cache).
+
+Streaming (`streamable`: a ds2 low-bit checkpoint or a Q8_0 GGUF): when the nodes cannot hold
+their shares whole, or a budget is given (--memory-budget with --ray caps every node), a node
+holds its share's always-used part and streams its routed experts from its own disk into as
+many expert slots as the rest of what it offers admits (memory.streamed: the same accounting as
+one process's --memory-budget). The shares are planned as before, each node's checked against
+the least it needs streaming (its resident part and one token's experts); a node whose share
+fits whole holds it whole unless a budget was given.
 """
 
 from __future__ import annotations
@@ -50,6 +58,12 @@ class Stage:
     layers: range
     need: dict                   # memory.required for this range: weights, cache, working, margin, total
     experts: range | None = None  # spread by experts: the routed experts it holds of every MoE layer
+    stream: dict | None = None   # streaming its routed experts: memory.streamed's plan, and "budget"
+
+    @property
+    def budget(self) -> int | None:
+        """The bytes its routed experts are streamed within (its stage's --memory-budget), or None."""
+        return None if self.stream is None else self.stream["budget"]
 
     def describe(self, num_layers: int) -> str:
         first, last = self.layers.start, self.layers.stop - 1
@@ -60,6 +74,13 @@ class Stage:
         if self.experts is not None:
             held += (f", experts {self.experts.start}-{self.experts.stop - 1} of each MoE layer" if len(self.experts)
                      else ", no experts")
+        if self.stream is not None:
+            st = self.stream
+            share = 100 * st["slots"] / max(1, st["experts"])
+            return (f"{self.node.name}: {held}, resident {memory.gb(st['resident'])} (cache "
+                    f"{memory.gb(n['cache'])} at {n['context']} tokens), {st['slots']} expert slots "
+                    f"({share:.0f}% of its {st['experts']} experts, streamed), needs {memory.gb(st['budget'])} "
+                    f"of {offered}, {self.node.cpus} CPUs")
         return (f"{self.node.name}: {held}, "
                 f"weights {memory.gb(n['weights'])}, cache {memory.gb(n['cache'])} at {n['context']} tokens, "
                 f"needs {memory.gb(n['total'])} of {offered}, {self.node.cpus} CPUs")
@@ -89,8 +110,17 @@ class Placement:
             if s.experts is not None:
                 d["first_expert"] = s.experts.start if len(s.experts) else None
                 d["last_expert"] = s.experts.stop - 1 if len(s.experts) else None
+            # streaming: the budget its experts stream within, its resident bytes and its slots
+            d["streamed"] = None if s.stream is None else {
+                "budget_bytes": s.stream["budget"], "resident_bytes": s.stream["resident"],
+                "expert_slots": s.stream["slots"], "experts": s.stream["experts"],
+                "expert_bytes": s.stream["expert"]}
             out.append({**d, **{f"{k}_bytes" if k != "context" else k: v for k, v in s.need.items()}})
         return out
+
+    @property
+    def streams(self) -> bool:
+        return any(s.stream is not None for s in self.stages)
 
 
 def check_nodes(nodes: list[Node], ds2_version: str, ray_version: str) -> None:
@@ -109,22 +139,72 @@ def check_nodes(nodes: list[Node], ds2_version: str, ray_version: str) -> None:
 
 
 def plan(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nodes: list[Node],
-         quantize_at_load: bool = False, name: str = "the model") -> Placement:
+         quantize_at_load: bool = False, name: str = "the model", streamable: bool = False,
+         budget: int | None = None) -> Placement:
     """Contiguous layer ranges over `nodes` (in their order), each node's share of the layers in
     proportion to what it offers, every range checked with memory.required; a PlacementError
-    saying what is missing when the nodes together cannot hold the model."""
-    L = cfg.num_hidden_layers
+    saying what is missing when the nodes together cannot hold the model. `streamable`: the
+    checkpoint's routed experts can be streamed, so a node that cannot hold its range whole
+    streams them (every node, within `budget` at most, when a budget is given)."""
     if not nodes:
         raise PlacementError("the cluster has no node with CPUs to place the model on")
+    whole = Demand(cfg, qc, context, quantize_at_load, None)
+    if budget is None:
+        try:
+            return Placement(*_ranges(cfg, nodes, whole, whole.offered, name))
+        except PlacementError:
+            if not streamable:
+                raise
+    stream = Demand(cfg, qc, context, quantize_at_load, budget, streaming=True)
+    stages, idle = _ranges(cfg, nodes, stream, stream.offered, name, whole)
+    return Placement([stream.stage(s.node, s.layers, None, forced=budget is not None) for s in stages], idle)
 
-    def need(layers: range) -> dict:
-        return memory.required(cfg, qc, context, quantize_at_load, layers)
 
-    def offered(n: Node) -> int:
-        return n.available if n.available is not None else 1 << 62   # unknown: not limited by ds2
+class Demand:
+    """What a node's share needs: whole (memory.required), or streaming its routed experts
+    (memory.streamed's least: its resident part and one token's experts); what a node offers
+    (capped by `budget`)."""
 
+    def __init__(self, cfg, qc, context, quantize_at_load: bool, budget: int | None, streaming: bool = False):
+        self.cfg, self.qc, self.context, self.quantize_at_load = cfg, qc, context, quantize_at_load
+        self.budget, self.streaming = budget, streaming
+
+    def offered(self, n: Node) -> int:
+        have = n.available if n.available is not None else 1 << 62   # unknown: not limited by ds2
+        return have if self.budget is None else min(have, self.budget)
+
+    def required(self, layers: range, experts: range | None = None) -> dict:
+        return memory.required(self.cfg, self.qc, self.context, self.quantize_at_load, layers, experts)
+
+    def __call__(self, layers: range, experts: range | None = None) -> dict:
+        """{"total": the least it needs}: whole, or streaming (then never more than whole)."""
+        whole = self.required(layers, experts)
+        if not self.streaming:
+            return whole
+        least = memory.streamed(self.cfg, self.qc, self.context, 1 << 62, layers, experts)["least"]
+        return {**whole, "total": min(whole["total"], least)}
+
+    def stage(self, node: Node, layers: range, experts: range | None, forced: bool = False) -> Stage:
+        """The stage for this share: streaming within what the node offers where its share does
+        not fit whole (or `forced`: a budget was given) and it has routed experts to stream."""
+        need = self.required(layers, experts)
+        offered = self.offered(node)
+        routed = memory.routed_share(self.cfg, self.qc, experts) if experts is not None else \
+            memory.routed_bytes(self.cfg, self.qc, layers)
+        if not self.streaming or not routed or (need["total"] <= offered and not forced):
+            return Stage(node, layers, need, experts)
+        budget = min(offered, 1 << 50)
+        plan = memory.streamed(self.cfg, self.qc, self.context, budget, layers, experts)
+        return Stage(node, layers, need, experts, {**plan, "budget": budget})
+
+
+def _ranges(cfg: DeepseekV2Config, nodes: list[Node], need, offered, name: str,
+            whole=None) -> tuple[list[Stage], list[Node]]:
+    """Contiguous ranges over `nodes` (Stages with `need`'s dict) and the idle nodes; `whole`:
+    the whole-model demand named in the error when streaming cannot place it either."""
+    L = cfg.num_hidden_layers
     # the bytes a layer costs where it lives (its weights and its part of the cache), for shares
-    each = [n["weights"] + n["cache"] for n in (need(range(i, i + 1)) for i in range(L))]
+    each = [n["weights"] + n["cache"] for n in (need.required(range(i, i + 1)) for i in range(L))]
     total_offered = sum(min(offered(n), 1 << 50) for n in nodes)
     stages, idle, at = [], [], 0
     for j, n in enumerate(nodes):
@@ -148,13 +228,16 @@ def plan(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nod
         stages.append(Stage(n, range(at, stop), need(range(at, stop))))
         at = stop
     if at < L:
-        whole = memory.required(cfg, qc, context, quantize_at_load)
+        model = (whole or need).required(range(L))
+        streaming = getattr(need, "streaming", False)
+        least = (f"; streaming its routed experts, {memory.gb(need(range(L))['total'])} on one node at least"
+                 if streaming else "")
         raise PlacementError(
             f"the cluster cannot hold {name}: {len(nodes)} node{'s' if len(nodes) != 1 else ''} offer "
-            f"{memory.gb(sum(offered(n) for n in nodes))}, and layers {at}-{L - 1} found no room "
-            f"(the whole model needs {memory.gb(whole['total'])} with a cache of {whole['context']} tokens); "
+            f"{memory.gb(sum(min(offered(n), 1 << 50) for n in nodes))}, and layers {at}-{L - 1} found no room "
+            f"(the whole model needs {memory.gb(model['total'])} with a cache of {model['context']} tokens{least}); "
             f"add nodes, use a smaller --ctx or a 4-bit copy")
-    return Placement(stages, idle)
+    return stages, idle
 
 
 def _rest_fits(need, layers: range, rest: list[Node], offered) -> bool:
@@ -185,18 +268,22 @@ def shares(total: int, weights: list[float]) -> list[range]:
 
 
 def plan_experts(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nodes: list[Node],
-                 quantize_at_load: bool = False, name: str = "the model") -> Placement:
+                 quantize_at_load: bool = False, name: str = "the model", streamable: bool = False,
+                 budget: int | None = None) -> Placement:
     """Every node a contiguous range of each MoE layer's routed experts and a contiguous range of
     layers (without their routed experts), both in proportion to what it offers; each node's
-    share checked with memory.required; a PlacementError when one does not fit."""
+    share checked with memory.required; a PlacementError when one does not fit. `streamable`
+    and `budget` as in `plan`: a node whose share does not fit whole streams its experts."""
     E, L = cfg.n_routed_experts or 0, cfg.num_hidden_layers
     if not nodes:
         raise PlacementError("the cluster has no node with CPUs to place the model on")
     if not E or not any(cfg.is_moe_layer(i) for i in range(L)):
         raise PlacementError(f"{name} has no routed experts to spread: use --ray-spread layers")
 
+    demand = Demand(cfg, qc, context, quantize_at_load, budget, streaming=streamable or budget is not None)
+
     def offered(n: Node) -> int:
-        return min(n.available if n.available is not None else 1 << 62, 1 << 50)
+        return min(demand.offered(n), 1 << 50)
 
     weights = [offered(n) for n in nodes]
     expert_ranges = shares(E, weights)
@@ -216,10 +303,13 @@ def plan_experts(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | N
         if not len(layers) and not len(expert_ranges[j]):
             idle.append(n)
             continue
-        need = memory.required(cfg, qc, context, quantize_at_load, layers, expert_ranges[j])
-        if n.available is not None and need["total"] > n.available:
-            short.append(f"{n.name} would need {memory.gb(need['total'])} and offers {memory.gb(n.available)}")
-        stages.append(Stage(n, layers, need, expert_ranges[j]))
+        need = demand(layers, expert_ranges[j])
+        if n.available is not None or budget is not None:
+            if need["total"] > demand.offered(n):
+                short.append(f"{n.name} would need {memory.gb(need['total'])}{' streaming' if demand.streaming else ''} "
+                             f"and offers {memory.gb(demand.offered(n))}")
+                continue
+        stages.append(demand.stage(n, layers, expert_ranges[j], forced=budget is not None))
     if short:
         raise PlacementError(f"the cluster cannot hold {name} spread by experts: " + "; ".join(short)
                              + "; add nodes, use a smaller --ctx, a 4-bit copy or --ray-spread layers")

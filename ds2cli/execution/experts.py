@@ -251,13 +251,15 @@ class StreamedExperts(Experts):
         layers, cfg = self.model.layers, self.model.config
         for j in range(i + 1, min(i + 1 + self.AHEAD, len(layers))):
             nxt = layers[j]
-            if nxt is None or not nxt.is_moe:
-                continue
+            if nxt is None or not nxt.is_moe or nxt.post_attention_layernorm is None:
+                continue        # not a MoE layer, or computed on another node (spread by experts)
             idx, _ = gate(rms_norm(x, nxt.post_attention_layernorm, cfg.rms_norm_eps), nxt.mlp, cfg,
                           self.widened(j))    # the same norm and router the layer will run
+            share = self.cache.share          # the experts here (a node's share), counted from its first
+            mine = [int(e) - share.start for e in np.unique(idx) if int(e) in share]
             with self.cond:
                 queued = {e for l, e in self.todo() if l == j}
             room = max(1, self.cache.slots // (2 * self.AHEAD)) - len(queued)
-            wanted = [int(e) for e in np.unique(idx) if not self.cache.holds(j, e) and int(e) not in queued]
+            wanted = [e for e in mine if not self.cache.holds(j, e) and e not in queued]
             if wanted and room > 0:
                 self.read_ahead(j, wanted[:room])

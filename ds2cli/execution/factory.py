@@ -59,18 +59,15 @@ def cluster_model(source, address: str, quantize=None, context: int | None = Non
     """The model at `source` over the Ray cluster at `address`: the placement (shown line by line
     with `show` before any weight loads), a stage on each node that loads its own range from its
     own disk (its experts streamed within `memory_budget` when given), and the driver's Model,
-    which holds no weights, over them."""
+    which holds no weights, over them. A node that cannot hold its share whole streams its
+    routed experts (cluster/placement.py), every node within `memory_budget` when given."""
     from ds2cli.cluster import driver
     from ds2cli.execution.stages import RayPasses
-    if memory_budget is not None and spread == "experts":
-        raise ConfigError("--memory-budget with --ray-spread experts: a node streaming its share of every "
-                          "layer's experts is not built yet; spread by layers (the default) to stream them")
-    ray, placement, bits, qc = driver.plan(source, address, quantize, context, memory_check and memory_budget is None,
-                                           spread)
+    ray, placement, bits, qc = driver.plan(source, address, quantize, context, memory_check, spread, memory_budget)
     for line in driver.describe(source, placement) if show else ():
         show(line)
     cfg = source.config
-    passes = RayPasses(ray, placement, source.path, load, bits if quantize == "auto" else quantize, memory_budget)
+    passes = RayPasses(ray, placement, source.path, load, bits if quantize == "auto" else quantize, context)
     weights = Weights(embed_tokens=None, layers=[None] * cfg.num_hidden_layers, norm=None, lm_head=None)
     model = Model(cfg, weights, source.tokenizer, source.generation_config, source.path,
                   executor=Executor(Compute(), Experts(), passes), quantization=qc)

@@ -13,6 +13,7 @@ once, for the last stage's logits. Joining the cluster and Ray's errors: cluster
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -35,13 +36,17 @@ class StageActor:
     driver's cache number). Made a Ray actor by RayPasses."""
 
     def __init__(self, load, path: str, first: int, stop: int, quantize, threads: int, experts: tuple | None = None,
-                 memory_budget: int | None = None):
-        """`load`: factory.load, handed over by the driver (Ray sends a function by its name)."""
-        self.layers = range(first, stop)
+                 memory_budget: int | None = None, context: int | None = None, name: str = ""):
+        """`load`: factory.load, handed over by the driver (Ray sends a function by its name);
+        `memory_budget`: what its routed experts stream within (the placement's, for this node),
+        the cache counted at `context` positions; `name`: its node's, for its errors."""
+        self.layers, self.name = range(first, stop), name
         # spread by experts: its routed experts of every MoE layer too, computed where asked
         own = None if experts is None else range(*experts)
-        self.model = load(path, quantize=quantize, memory_check=False, layers=self.layers, experts=own,
-                          threads=threads, memory_budget=memory_budget, spread_experts=own is not None)
+        with self.naming_node():
+            self.model = load(path, quantize=quantize, context=context, memory_check=False, layers=self.layers,
+                              experts=own, threads=threads, memory_budget=memory_budget,
+                              spread_experts=own is not None)
         self.caches: dict[int, LatentCache] = {}
 
     def connect(self, peers: list) -> None:
@@ -49,7 +54,23 @@ class StageActor:
         self.model.executor.experts_part.connect([(range(a, b), actor) for a, b, actor in peers])
 
     def experts(self, layer: int, ids, rows, where):
-        return self.model.executor.experts_part.answer(layer, self.model.layers[layer].mlp, ids, rows, where)
+        with self.naming_node():
+            return self.model.executor.experts_part.answer(layer, self.model.layers[layer].mlp, ids, rows, where)
+
+    @contextlib.contextmanager
+    def naming_node(self):
+        """A ds2 error here (a failed read of a streamed expert: a truncated file, a bad disk)
+        comes to the driver naming this node."""
+        try:
+            yield
+        except Ds2Error as e:
+            if not self.name or str(e).startswith("node "):
+                raise
+            try:
+                named = type(e)(f"node {self.name}: {e}")
+            except TypeError:                    # an error class that takes more than a message
+                named = Ds2Error(f"node {self.name}: {e}")
+            raise named from None
 
     def ready(self) -> int:
         return os.getpid()
@@ -64,7 +85,7 @@ class StageActor:
     def compute(self, p, x):
         caches = [self.cache(*c) for c in p.caches]
         trace = [] if p.trace is not None else None
-        with self.model.executor.forward_pass(int(sum(p.lengths))):
+        with self.naming_node(), self.model.executor.forward_pass(int(sum(p.lengths))):
             out = self.model.compute(p.with_caches(caches, trace), self.layers, x)
         sent = self.model.executor.experts_part.take_traffic()
         return out, (trace, sent)
@@ -151,13 +172,13 @@ class ClusterCache(LatentCache):
 
 
 class RayPasses(Passes):
-    """The driver's passes part: runs each pass over the stages in order, waits for the last.
-    `memory_budget`: what each stage's routed experts are streamed within (None: resident)."""
+    """The driver's passes part: runs each pass over the stages in order, waits for the last."""
 
-    def __init__(self, ray, placement: Placement, path: str, load, quantize=None, memory_budget: int | None = None):
-        """`load`: what a stage loads its range with and composes its executor (factory.load)."""
+    def __init__(self, ray, placement: Placement, path: str, load, quantize=None, context: int | None = None):
+        """`load`: what a stage loads its range with and composes its executor (factory.load);
+        each stage streams its experts within its budget in the placement (Stage.budget)."""
         self.ray, self.placement, self.path, self.quantize = ray, placement, str(path), quantize
-        self.load, self.memory_budget = load, memory_budget
+        self.load, self.context = load, context
         self.numbers = itertools.count()      # the caches' numbers, as the stages know them
         self.stages = []
         self.lost: str | None = None          # why the cluster is degraded, once a node is lost
@@ -179,7 +200,8 @@ class RayPasses(Passes):
                 num_cpus=s.node.cpus, max_restarts=0, max_task_retries=0, max_concurrency=2 if by_experts else 1,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(s.node.node_id, soft=False),
             ).remote(self.load, self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus,
-                     (s.experts.start, s.experts.stop) if s.experts is not None else None, self.memory_budget))
+                     (s.experts.start, s.experts.stop) if s.experts is not None else None, s.budget,
+                     self.context, s.node.name))
         self.get([a.ready.remote() for a in self.stages])
         if by_experts:
             peers = [(s.experts.start, s.experts.stop, a) for s, a in zip(self.placement.stages, self.stages)]
@@ -239,10 +261,17 @@ class RayPasses(Passes):
         return [a for s, a in zip(self.placement.stages, self.stages) if len(s.layers)]
 
     def stats(self) -> dict:
-        """The stages' streamed experts' counts summed, slots too (every node's slots at once);
-        empty where no stage streams."""
-        parts = [st for st in self.each("stats") if st] if self.stages and self.lost is None else []
-        return {k: sum(st[k] for st in parts) for k in parts[0]} if parts else {}
+        """The stages' streamed experts' counts summed, slots too (every node's slots at once),
+        and each streaming node's own under "nodes" ([{"node": its name, counts...}]); empty
+        where no stage streams."""
+        if not self.stages or self.lost is not None:
+            return {}
+        every = self.get([a.stats.remote() for a in self.stages])
+        parts = [(s.node.name, st) for s, st in zip(self.placement.stages, every) if st]
+        if not parts:
+            return {}
+        total = {k: sum(st[k] for _, st in parts) for k in parts[0][1]}
+        return {**total, "nodes": [{"node": name, **st} for name, st in parts]}
 
     def each(self, method: str, *args, split=None) -> list:
         """`method` on every stage, all at once; `split`: arrays (L, ...) each stage gets its rows of."""
@@ -284,7 +313,8 @@ class RayPasses(Passes):
                 raise
             chain = list(causes(e))
             gone = any(isinstance(c, LOST_TYPES(errors)) for c in chain) or "could not be computed" in str(e)
-            ds2 = next((c for c in chain if isinstance(c, Ds2Error)), None)
+            # the stage's own error: Ray's RayTaskError(SomeDs2Error) is one too, but its text is a traceback
+            ds2 = next((c for c in chain if isinstance(c, Ds2Error) and not isinstance(c, errors.RayError)), None)
             if ds2 is not None and not gone:
                 raise type(ds2)(str(ds2)) from None
             if not gone and not self.dead_stages():

@@ -82,8 +82,11 @@ class ExpertCache:
 
     direct = True                   # O_DIRECT where the file system allows it (see docs/performance.md)
 
-    def __init__(self, cfg: DeepseekV2Config, source, slots: int):
+    def __init__(self, cfg: DeepseekV2Config, source, slots: int, share: range | None = None):
+        """`share`: the routed experts of each MoE layer it serves (default: all); expert e of
+        a layer here is share.start + e of the checkpoint's (a node of a cluster spread by experts)."""
         self.cfg, self.source, self.slots = cfg, source, slots
+        self.share = range(cfg.n_routed_experts or 0) if share is None else share
         if not source.formats:
             raise StreamingError("--memory-budget streams routed experts; this model has none")
         self.stacks = {kind: f(shared_array(f.qweight_shape((slots, *source.shapes[kind])), f.qweight_dtype),
@@ -202,7 +205,8 @@ class ExpertCache:
         their counts are untouched; what was read leaves no page cache (O_DIRECT or dropped)."""
         rng = np.random.default_rng(seed)
         layers = sorted({layer for layer, _ in self.source.where})
-        todo = collections.deque((layers[j % len(layers)], int(rng.integers(self.cfg.n_routed_experts))) for j in range(experts))
+        todo = collections.deque((layers[j % len(layers)], self.share.start + int(rng.integers(len(self.share))))
+                                 for j in range(experts))
         lock, failed = threading.Lock(), []
 
         def work():
@@ -254,7 +258,7 @@ class ExpertCache:
         """Expert e of `layer` into `slot`, each of its matrices as the source says; the seconds it took."""
         t0 = time.perf_counter()
         for kind, stack in self.stacks.items():
-            self.source.read(layer, e, kind, stack.qweight[slot], stack.scales[slot], self.pread)
+            self.source.read(layer, self.share.start + e, kind, stack.qweight[slot], stack.scales[slot], self.pread)
         return time.perf_counter() - t0
 
     def pread(self, path, at: int, view: np.ndarray, e: int, layer: int) -> None:

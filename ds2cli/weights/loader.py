@@ -298,7 +298,7 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     qc = formats_of(source, quantize, recipe)
     plan = None
     if memory_budget is not None:
-        plan = stream_plan(source, qc, context, memory_budget, memory_check)
+        plan = stream_plan(source, qc, context, memory_budget, memory_check, layers, experts)
     elif memory_check:
         streamable = source.gguf is not None and source.gguf.stream_problem(qc) is None
         memory.check(cfg, model_dir, stored, quantize, context, recipe=recipe, streamable=streamable)
@@ -307,24 +307,33 @@ def load(path: str | Path | Source | None = None, progress: Progress | None = No
     else:      # a streamed GGUF's routed experts are read from the file as they are needed
         weights = load_weights(model_dir, cfg, progress, qc, tensors, layers, experts if plan is None else range(0))
     if plan is not None:
-        experts = source.gguf.streamed_experts(qc) if source.gguf else expert_cache.StoredExperts(cfg, stored, tensors)
-        weights["streamed"] = streaming.streamed_weights(weights, cfg, experts, plan["slots"])
+        stored_experts = source.gguf.streamed_experts(qc) if source.gguf else expert_cache.StoredExperts(cfg, stored, tensors)
+        weights["streamed"] = streaming.streamed_weights(weights, cfg, stored_experts, plan["slots"], experts)
     return Model(cfg, Weights(**weights), tokenizer, gen, model_dir, quantization=qc)
 
 
-def stream_plan(source: Source, qc, context: int | None, budget: int, memory_check: bool) -> dict:
-    """memory.streamed's plan for `--memory-budget`, once the model is known to stream: a ds2
-    low-bit checkpoint, or a GGUF whose experts some ds2 format holds as stored (Q8_0); a
-    float checkpoint must be quantized first."""
+def stream_problem(source: Source, qc) -> str | None:
+    """Why the routed experts of `source` in the formats `qc` cannot be streamed, or None: a ds2
+    low-bit checkpoint streams, a GGUF whose experts a ds2 format holds as stored (Q8_0) too."""
     if source.gguf is not None:
-        problem = source.gguf.stream_problem(qc)
-        if problem:
-            raise ConfigError(problem)
-    elif source.stored is None:
-        raise ConfigError(f"--memory-budget streams the routed experts of a low-bit ds2 checkpoint or a Q8_0 GGUF; "
-                          f"{source.path} is a float checkpoint: make a low-bit copy first with "
-                          f"ds2 quantize {source.path} OUT --bits 4 (or 8)")
-    plan = memory.streamed(source.config, qc, context, budget)
+        return source.gguf.stream_problem(qc) or None
+    if source.stored is None:
+        return (f"--memory-budget streams the routed experts of a low-bit ds2 checkpoint or a Q8_0 GGUF; "
+                f"{source.path} is a float checkpoint: make a low-bit copy first with "
+                f"ds2 quantize {source.path} OUT --bits 4 (or 8)")
+    return None
+
+
+def stream_plan(source: Source, qc, context: int | None, budget: int, memory_check: bool,
+                layers: range | None = None, experts: range | None = None) -> dict:
+    """memory.streamed's plan for `--memory-budget` (of the share `layers` and `experts` when
+    given: a node of a cluster), once the model is known to stream: a ds2 low-bit checkpoint,
+    or a GGUF whose experts some ds2 format holds as stored (Q8_0); a float checkpoint must be
+    quantized first."""
+    problem = stream_problem(source, qc)
+    if problem:
+        raise ConfigError(problem)
+    plan = memory.streamed(source.config, qc, context, budget, layers, experts)
     available = memory.available_bytes() if memory_check else None
     if available is not None and budget > available:
         raise memory.MemoryCheckError(f"--memory-budget {memory.gb(budget)} is more than the "

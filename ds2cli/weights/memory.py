@@ -135,18 +135,26 @@ def routed_share(cfg: DeepseekV2Config, qc: QuantConfig | None, experts: range) 
     return routed_bytes(cfg, qc) * len(experts) // max(1, cfg.n_routed_experts or 1)
 
 
-def streamed(cfg: DeepseekV2Config, qc: QuantConfig, context: int | None, budget: int) -> dict:
+def streamed(cfg: DeepseekV2Config, qc: QuantConfig, context: int | None, budget: int,
+             layers: range | None = None, experts: range | None = None) -> dict:
     """What a run within `budget` holds: the always-used part resident (weights but the routed
-    experts, cache, working memory, margin) and the expert slots the rest admits. A budget
+    experts, cache, working memory, margin) and the expert slots the rest admits. `layers` and
+    `experts` as in `required`: a node of a cluster holding that share streams only its own
+    routed experts (of its layers; spread by experts, its range of every MoE layer's). A budget
     that cannot hold the resident part and one token's experts is a MemoryCheckError."""
-    need = required(cfg, qc, context)
-    routed = routed_bytes(cfg, qc)
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    expert = routed // max(1, moe_layers * (cfg.n_routed_experts or 1))
+    need = required(cfg, qc, context, layers=layers, experts=experts)
+    layers = range(cfg.num_hidden_layers) if layers is None else layers
+    if experts is None:          # its layers' experts, all of them
+        moe_layers = sum(cfg.is_moe_layer(i) for i in layers)
+        per_layer, routed = cfg.n_routed_experts or 0, routed_bytes(cfg, qc, layers)
+    else:                        # its share of every MoE layer's
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        per_layer, routed = len(experts), routed_share(cfg, qc, experts)
+    expert = routed // max(1, moe_layers * per_layer)
     weights = need["weights"] - routed
     resident = weights + need["cache"] + need["working"] + WORKING_MARGIN_BYTES + int(WORKING_MARGIN_FRACTION * weights)
     slots = (budget - resident) // expert if expert else 0
-    k = cfg.num_experts_per_tok or 1
+    k = min(cfg.num_experts_per_tok or 1, per_layer) if expert else 0     # one token's experts here
     if slots < k:
         raise MemoryCheckError(f"a memory budget of {gb(budget)} cannot stream this model: its always-used part "
                                f"(weights but the routed experts {gb(weights)}, cache {gb(need['cache'])} at "
@@ -154,8 +162,8 @@ def streamed(cfg: DeepseekV2Config, qc: QuantConfig, context: int | None, budget
                                f"token's {k} experts {gb(k * expert)} more; give at least "
                                f"--memory-budget {budget_text(resident + k * expert)}")
     return {"resident": resident, "resident_weights": weights, "routed": routed, "expert": expert,
-            "slots": int(min(slots, moe_layers * cfg.n_routed_experts)), "context": need["context"],
-            "experts": moe_layers * cfg.n_routed_experts, "least": resident + k * expert,
+            "slots": int(min(slots, moe_layers * per_layer)), "context": need["context"],
+            "experts": moe_layers * per_layer, "least": resident + k * expert,
             "weights": need["weights"], "total": need["total"]}
 
 

@@ -29,16 +29,18 @@ from ds2cli.weights.expert_cache import KINDS, ExpertCache, StreamedStack
 from ds2cli.weights.formats.base import QuantMatrix
 
 
-def streamed_weights(weights: dict, cfg: DeepseekV2Config, source, slots: int) -> ExpertCache:
+def streamed_weights(weights: dict, cfg: DeepseekV2Config, source, slots: int,
+                     share: range | None = None) -> ExpertCache:
     """Put StreamedStacks over one ExpertCache of `slots` experts in place of each MoE layer's
     routed expert stacks in `weights` (qcheckpoint.load_weights' memory-mapped ones, or None
-    where the loader left them out), and read the other weights that are views of a mapped file
+    where the loader left them out; `share`: only those experts of each, stacked from 0, as a
+    node of a cluster spread by experts holds them), and read the other weights that are views of a mapped file
     (a low-bit checkpoint's, a GGUF's float norms) into memory of this process's own: the budget then holds no page
     cache of the files (dropped as they are read), and a file changed under the run fails a read
     with an error instead of a fault on a mapped page."""
-    cache = ExpertCache(cfg, source, slots)
+    cache = ExpertCache(cfg, source, slots, share)
     keep = owned
-    E = cfg.n_routed_experts
+    E = len(cache.share)
     for i, layer in enumerate(weights["layers"]):
         if layer is not None:
             for _, part in layer.parts():

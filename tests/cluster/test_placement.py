@@ -100,3 +100,67 @@ def test_by_experts_refuses_a_model_without_experts_and_nodes_too_small():
         plan_experts(dense, None, 2048, nodes(6, 6))
     with pytest.raises(PlacementError, match="cannot hold the model spread by experts: 10.0.0.1 .* would need"):
         plan_experts(LITE, Q4, 2048, nodes(2, 2))
+
+
+Q8 = QuantConfig.recipe(8)
+
+
+def check_streams(stage, cfg=LITE, qc=Q8, context=2048) -> None:
+    """A streaming stage within what its node offers: its resident part and its slots' experts
+    within its budget, at least one token's experts, at most every expert it holds."""
+    st = stage.stream
+    assert st is not None and st["budget"] <= stage.node.available
+    assert st == {**memory.streamed(cfg, qc, context, st["budget"], stage.layers, stage.experts), "budget": st["budget"]}
+    assert st["resident"] + st["slots"] * st["expert"] <= st["budget"]
+    assert cfg.num_experts_per_tok <= st["slots"] <= st["experts"]
+    assert "expert slots" in stage.describe(cfg.num_hidden_layers) and "streamed" in stage.describe(cfg.num_hidden_layers)
+
+
+def test_nodes_too_small_for_their_layers_stream_their_experts():
+    # the 27-layer shape at 8 bits (16.4 GB) over two nodes offering 6 GB each
+    assert memory.required(LITE, Q8, 2048)["total"] > 12e9
+    with pytest.raises(PlacementError, match="cannot hold the model: 2 nodes offer 12.0 GB"):
+        plan(LITE, Q8, 2048, nodes(6, 6))                      # a checkpoint that cannot stream
+    p = plan(LITE, Q8, 2048, nodes(6, 6), streamable=True)
+    assert [s.layers for s in p.stages] == [range(0, 14), range(14, 27)] and p.streams
+    for s in p.stages:
+        check_streams(s)
+        assert s.stream["slots"] < s.stream["experts"]          # less than its layers' experts: it reads
+    streamed = p.to_json()[0]["streamed"]
+    assert streamed["expert_slots"] == p.stages[0].stream["slots"] and streamed["budget_bytes"] == 6e9
+
+
+def test_a_budget_makes_every_node_stream_within_it():
+    p = plan(LITE, Q4, 2048, nodes(12, 12), streamable=True, budget=int(3e9))
+    assert all(s.stream["budget"] == 3e9 for s in p.stages)
+    for s in p.stages:
+        check_streams(s, qc=Q4)
+    # without a budget the same nodes hold their layers whole
+    assert not plan(LITE, Q4, 2048, nodes(12, 12), streamable=True).streams
+
+
+def test_a_cluster_too_small_even_streaming_is_one_error_naming_what_it_needs():
+    with pytest.raises(PlacementError, match=r"2 nodes offer 2.4 GB, .*streaming its routed experts, [\d.]+ GB "
+                                             r"on one node at least"):
+        plan(LITE, Q8, 2048, nodes(1.2, 1.2), streamable=True)
+
+
+def test_by_experts_nodes_stream_their_share_of_every_layer():
+    from ds2cli.cluster.placement import plan_experts
+    p = plan_experts(LITE, Q8, 2048, nodes(6, 6, 6), streamable=True)
+    moe = sum(LITE.is_moe_layer(i) for i in range(27))
+    for s in p.stages:
+        check_streams(s)
+        assert s.stream["experts"] == moe * len(s.experts)
+    with pytest.raises(PlacementError, match="would need [\\d.]+ GB streaming and offers 1.0 GB"):
+        plan_experts(LITE, Q8, 2048, nodes(1, 1), streamable=True)
+
+
+def test_streaming_a_share_counts_only_its_own_experts():
+    whole = memory.streamed(LITE, Q8, 2048, int(6e9))
+    assert memory.streamed(LITE, Q8, 2048, int(6e9), range(27)) == whole
+    half = memory.streamed(LITE, Q8, 2048, int(6e9), range(0, 14))
+    assert half["resident"] < whole["resident"] and half["slots"] > whole["slots"]
+    assert half["experts"] == 64 * sum(LITE.is_moe_layer(i) for i in range(14))
+    share = memory.streamed(LITE, Q8, 2048, int(6e9), range(0, 14), range(0, 16))
+    assert share["experts"] == 16 * sum(LITE.is_moe_layer(i) for i in range(27)) and share["expert"] == whole["expert"]

@@ -156,7 +156,7 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
         if ray is not None:
             report = run_cluster_bench(source if model_dir is not None else open_model(path), ray, repeats,
                                        prompt_lengths, contexts, decode_steps, int(quantize) if quantize else None,
-                                       spread)
+                                       spread, memory_budget)
         elif formats:
             report = compare_formats(path, bench_dir, formats, repeats, prompt_lengths, contexts, decode_steps,
                                      threads)
