@@ -6,8 +6,11 @@ llama.cpp source tree (vendor/llama.cpp of the llama-cpp-python sdist: `pip down
 --build build --target llama-quantize`), and at a SCRATCH Python that has torch, transformers,
 sentencepiece, safetensors and numpy for convert_hf_to_gguf.py (never a ds2 dependency):
 
-    python tests/data/gguf/make_fixtures.py --llama-cpp /work/scratch-gguf/llama_cpp_python-0.3.36/vendor/llama.cpp \
-        --python /work/scratch-gguf/venv/bin/python --work /work/scratch-gguf/fixtures
+    python tests/data/gguf/make_fixtures.py --llama-cpp SCRATCH/llama_cpp_python-0.3.36/vendor/llama.cpp \
+        --python SCRATCH/venv/bin/python --work SCRATCH/fixtures
+
+(SCRATCH: a folder of your own outside the checkout, where the sdist was unpacked and the
+scratch Python made; the fixtures were last made with llama-cpp-python 0.3.36.)
 
 The converter recognises a tokenizer by the hash of its output on a fixed text; the reference
 cases' 4096-token tokenizer is not one it knows, so the scratch copy of convert_hf_to_gguf

@@ -4,7 +4,7 @@ only, ended by process group), every node and the driver importing ds2 from the 
 node offering --memory to ds2; step_times.py's decode figure over it, the trees alternately
 (A B, then B A, ...), `--pairs` times. Prints min / median / max and the B / A ratios. Root only.
 
-    python examples/execution/cluster_ab.py A_TREE B_TREE MODEL [--pairs 5] [--memory 12G] [--steps 8]
+    python bench/cluster_ab.py A_TREE B_TREE MODEL [--pairs 5] [--memory 12G] [--steps 8]
 """
 
 import argparse
@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests"))
 from support.ray_local import ADDRESS, Cluster   # noqa: E402  (the tests' cluster, reused)
 
 

@@ -3,7 +3,7 @@
 verification), each the median of --repeats after one untimed run. ab.py runs it alternately in
 two source trees (PYTHONPATH) to compare them side by side.
 
-    python examples/execution/step_times.py MODEL [--context 128] [--steps 16] [--prefill 512]
+    python bench/step_times.py MODEL [--context 128] [--steps 16] [--prefill 512]
         [--pass-tokens 4] [--repeats 5] [--memory-budget BYTES] [--quantize 8] [--ray ADDRESS]
 """
 

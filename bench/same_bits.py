@@ -3,8 +3,10 @@ reference_v3), as stored in its own file, or held against another tree's: whethe
 the same bits. Each case runs as a prompt in one pass, then its last tokens again as decode steps
 after the rest, in float32 and quantized at load to 8 and 4 bits (the helper processes' path).
 
-    PYTHONPATH=A python examples/execution/same_bits.py save A.npz
-    PYTHONPATH=B python examples/execution/same_bits.py compare A.npz
+    PYTHONPATH=A python bench/same_bits.py save A.npz [CASE...]
+    PYTHONPATH=B python bench/same_bits.py compare A.npz [CASE...]
+
+CASE: only the cases of these names (ds2_tiny_chat, moonlight_like, ...); default every one.
 """
 
 import sys
@@ -14,13 +16,13 @@ import numpy as np
 
 import ds2cli
 
-DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 
 
-def cases():
+def cases(names: list[str]):
     for root in ("reference", "reference_v3"):
         for case in sorted((DATA / root).iterdir()):
-            if (case / "ref.npz").is_file():
+            if (case / "ref.npz").is_file() and (not names or case.name in names):
                 yield case
 
 
@@ -30,9 +32,9 @@ def model_dir(case: Path):
     return case if (case / "config.json").is_file() else None      # None: ds2-tiny
 
 
-def logits() -> dict:
+def logits(names: list[str]) -> dict:
     out = {}
-    for case in cases():
+    for case in cases(names):
         ids = np.load(case / "ref.npz")["ids"]
         for bits in (None, 8, 4):
             model = ds2cli.load(model_dir(case), quantize=bits)
@@ -46,8 +48,10 @@ def logits() -> dict:
 
 
 def main() -> None:
-    what, path = sys.argv[1], sys.argv[2]
-    got = logits()
+    what, path, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+    got = logits(names)
+    if not got:
+        sys.exit(f"error: no reference case named {', '.join(names)}")
     if what == "save":
         np.savez(path, **got)
         return

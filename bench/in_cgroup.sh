@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run a command in a fresh cgroup-v1 memory cgroup held to LIMIT (bytes, or with K/M/G), its limit
-# counting the page cache the command causes, the page cache dropped first: a machine with LIMIT
-# of memory. Prints the cgroup's peak and oom_kill count on stderr after. Root only.
-#   examples/execution/in_cgroup.sh 8G python examples/execution/step_times.py MODEL ...
+# counting the page cache the command causes: a machine with LIMIT of memory. The whole page cache
+# is dropped first (DROP_CACHES=0 keeps it: on a machine where others measure, or in a test).
+# Prints the cgroup's peak and oom_kill count on stderr after; exits with the command's status.
+# Root and the v1 memory controller (/sys/fs/cgroup/memory) only.
+#   bench/in_cgroup.sh 8G python bench/step_times.py MODEL ...
 set -euo pipefail
 limit="${1:?usage: in_cgroup.sh LIMIT COMMAND...}"; shift
 root=/sys/fs/cgroup/memory
@@ -10,7 +12,9 @@ group="$root/ds2-bench-$$"
 mkdir "$group"
 trap 'rmdir "$group" 2>/dev/null || true' EXIT
 echo "$limit" > "$group/memory.limit_in_bytes"
-sync; echo 3 > /proc/sys/vm/drop_caches
+if [ "${DROP_CACHES:-1}" != 0 ]; then
+    sync; echo 3 > /proc/sys/vm/drop_caches
+fi
 set +e
 ( echo "$BASHPID" > "$group/cgroup.procs"; exec "$@" )
 rc=$?

@@ -4,7 +4,7 @@ median and range of the per-pair ratios B / A (above 1: B takes longer). The tre
 checkouts of ds2 (say the commit before a change and after it), given as paths; the model and
 step_times.py's options follow `--`.
 
-    python examples/execution/ab.py A_TREE B_TREE [--pairs 5] [--prefix 'nice -n 0'] -- MODEL [options]
+    python bench/ab.py A_TREE B_TREE [--pairs 5] [--prefix 'nice -n 0'] -- MODEL [options]
 """
 
 import argparse

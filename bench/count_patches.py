@@ -2,7 +2,7 @@
 (also through `mp` or `quiet`) whose target is a module (resolved by importing it) or a dotted
 string, one line each, then the total. Run from a checkout's root:
 
-    python examples/execution/count_patches.py
+    python bench/count_patches.py
 """
 import ast, pathlib, importlib, sys, types
 sys.path.insert(0, 'tests')   # conftest's imports
