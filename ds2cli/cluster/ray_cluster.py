@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 
 import ds2cli
 from ds2cli.cluster.placement import Node
@@ -62,22 +63,66 @@ def resolve_address(address: str) -> str:
     return address
 
 
-def reachable(address: str) -> None:
-    """One TCP connection to the head within CONNECT_TIMEOUT_S, so that a wrong address is one
-    error at once (ray.init alone retries for a minute and more)."""
+def reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """The head answers at `address` as a Ray GCS within `timeout` seconds, connection included,
+    so that a wrong address is one error at once: ray.init alone retries for a minute and more,
+    and against a port that accepts but is no GCS (a silent listener, another service) it waits
+    with no end. A GCS is a gRPC server: to HTTP/2's client preface it answers with a SETTINGS
+    frame (RFC 9113, 3.4), which a silent listener or another protocol's server does not. With RAY_USE_TLS the GCS speaks TLS first, so
+    only the connection is checked; ray.init's own wait then bounds the rest."""
     host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        s = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except OSError as e:
         raise ClusterError(f"cannot reach a Ray cluster at {address}: {e.strerror or e} "
                            f"(start one with `ray start --head`, docs/cluster.md)") from None
+    with s:
+        if os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true"):
+            return
+        head = b""
+        try:
+            s.sendall(H2_PREFACE)
+            while len(head) < 9:
+                s.settimeout(max(0.001, deadline - time.monotonic()))
+                more = s.recv(9 - len(head))
+                if not more:
+                    break
+                head += more
+        except socket.timeout:
+            raise ClusterError(f"{address} accepted a connection but did not answer as a Ray GCS within "
+                               f"{timeout:g} s ({NOT_GCS})") from None
+        except OSError:         # reset: it hung up on the preface
+            pass
+    if not is_settings_frame(head):
+        what = "answered, but not" if head else "closed the connection without answering"
+        raise ClusterError(f"{address} {what} as a Ray GCS (gRPC over HTTP/2) ({NOT_GCS})")
+
+
+NOT_GCS = "is it the head's GCS port, as `ray start --head` prints it?"
+# HTTP/2's client connection preface: the fixed string, then an empty SETTINGS frame
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def is_settings_frame(head: bytes) -> bool:
+    """A frame header (length 3 bytes, type, flags, stream id 4 bytes) of a SETTINGS frame
+    (type 4) on stream 0 that is no acknowledgement: how an HTTP/2 server's preface begins."""
+    return len(head) == 9 and head[3] == 4 and not head[4] & 1 and head[5:9] == bytes(4)
+
+
+def connect_timeout() -> float:
+    """CONNECT_TIMEOUT_S, or RAY_gcs_server_port_wait_time_s when set (Ray's own wait for the GCS)."""
+    try:
+        return max(0.1, float(os.environ.get("RAY_gcs_server_port_wait_time_s", CONNECT_TIMEOUT_S)))
+    except ValueError:
+        return CONNECT_TIMEOUT_S
 
 
 def connect(address: str):
     """Join the Ray cluster at `address` as a driver; workers' output stays on their nodes."""
     ray = ray_module()
     address = resolve_address(address)
-    reachable(address)
+    reachable(address, connect_timeout())
     if not ray.is_initialized():
         import logging
         try:
