@@ -1,6 +1,8 @@
 """A model on paper, not a measurement: DeepSeek-V2 (236B) at 4 bits decoding over 2, 4 and 8
 machines of 64 GB on 1 and 10 GbE, spread by layers and by experts, one stream and four, as
-docs/cluster.md's table shows it (`python examples/cluster_model.py` prints that table).
+docs/cluster.md's table shows it (`python examples/cluster_model.py` prints that table), and
+`--streaming`: DeepSeek-V3 (671B) on four such machines and V2 on two, each node streaming its
+routed experts from its own disk (docs/cluster.md, "Nodes that stream their experts").
 
 Its inputs: the model's bytes from ds2's own accounting (weights/memory.py with the 4-bit
 recipe); what a Ray actor call costs, measured on this machine between two nodes over loopback
@@ -16,8 +18,11 @@ experts and the shared ones.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
+from ds2cli.cluster.placement import Node, plan, plan_experts
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights import memory
 from ds2cli.weights.qcheckpoint import QuantConfig
@@ -28,6 +33,11 @@ V2 = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=5120, interme
           moe_layer_freq=1, n_group=8, topk_group=3, topk_method="group_limited_greedy", q_lora_rank=1536,
           kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
           routed_scaling_factor=16.0, max_position_embeddings=163840, norm_topk_prob=False)
+
+V3 = dict(V2, model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+          moe_intermediate_size=2048, num_hidden_layers=61, n_shared_experts=1, n_routed_experts=256,
+          num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4, topk_method="noaux_tc",
+          scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=163840)
 
 CALL_MS = 1.05            # measured: an actor call whose argument and answer are 8 KB takes 1.34 ms,
 CALL_MS_PER_KB = 0.036    # ... 20 KB 1.77 ms (loopback, two nodes on one machine): a line through both
@@ -96,7 +106,89 @@ def step(cfg, n: int, streams: int, spread: str, link: str, rng, samples: int = 
     return other + moe * layer_ms / samples + network, network + moe * calls_ms / samples
 
 
+# --streaming: the rates each figure is computed from, as (name, compute GB/s, disk GB/s)
+RATES = [("this machine", 8.49, 1.69),     # measured here (docs/performance.md): 27-layer 8-bit decode's
+                                          # stored weights a second on 2 cores; O_DIRECT expert reads, 2 threads
+         ("64 GB machine, 3 GB/s NVMe", READ_GB_S, 3.0)]     # the assumption above, and an NVMe's rate
+
+
+def pick(cfg, rng) -> np.ndarray:
+    """One token's routed experts in a MoE layer, within the model's group limit."""
+    size = cfg.n_routed_experts // cfg.n_group
+    groups = rng.choice(cfg.n_group, cfg.topk_group, replace=False)
+    pool = np.concatenate([np.arange(g * size, (g + 1) * size) for g in groups])
+    return rng.choice(pool, cfg.num_experts_per_tok, replace=False)
+
+
+def streaming(cfg, n: int, spread: str, compute_gb_s: float, disk_gb_s: float, rng, samples: int = 300) -> dict:
+    """One stream's decode step over n machines offering USABLE_GB that stream their routed
+    experts as ds2's placement plans them (cluster/placement.py: each node's resident part and
+    slots). A slot holds an expert a token chose with the chance its node's slots are of its
+    experts (uniform routing under LRU: real routing repeats experts, so this is the pessimistic
+    end); a miss is read at disk_gb_s. `step_ms` counts the reads after the compute (no read
+    ahead), `overlap_ms` each layer's reads under its compute (read ahead that always guesses
+    right): the truth is between. On 1 GbE; bytes read a token per node."""
+    q4 = QuantConfig.recipe(4)
+    nodes = [Node(f"{j:08x}" * 7, f"10.0.0.{j + 1}", 16, int(USABLE_GB * 1e9)) for j in range(n)]
+    p = (plan_experts if spread == "experts" else plan)(cfg, q4, CONTEXT, nodes, streamable=True)
+    routed = memory.routed_bytes(cfg, q4)
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    expert = routed / (len(moe) * cfg.n_routed_experts)
+    held = [1.0 if s.stream is None else s.stream["slots"] / s.stream["experts"] for s in p.stages]
+    owner = {i: j for j, s in enumerate(p.stages) for i in s.layers}
+    bounds = [s.experts.start for s in p.stages] + [cfg.n_routed_experts] if spread == "experts" else None
+    embedding = cfg.vocab_size * cfg.hidden_size * 0.5625
+    other = (memory.weight_bytes(cfg, q4) - routed - embedding) / (compute_gb_s * 1e9) * 1e3
+    shared = cfg.n_shared_experts * expert / (compute_gb_s * 1e9) * 1e3
+    link = "1 GbE"
+    row_kb = cfg.hidden_size * 4 / 1e3
+    read = np.zeros(n)
+    step = overlap = 0.0
+    for _ in range(samples):
+        for i in moe:
+            chosen = pick(cfg, rng)
+            where = [owner[i]] * len(chosen) if spread == "layers" else \
+                list(np.searchsorted(bounds, chosen, side="right") - 1)
+            compute, disk = np.zeros(n), np.zeros(n)
+            for j in where:
+                compute[j] += expert / (compute_gb_s * 1e9) * 1e3
+                miss = 1 - held[j]
+                disk[j] += miss * expert / (disk_gb_s * 1e9) * 1e3
+                read[j] += miss * expert
+            here = owner[i]
+            calls = np.array([call_ms(2 * row_kb, link) if j != here and compute[j] else 0.0 for j in range(n)])
+            compute[here] += shared
+            step += max(compute + disk + calls)
+            overlap += max(np.maximum(compute, disk) + calls)
+    network = n * call_ms(row_kb, link) + call_ms(cfg.vocab_size * 4 / 1e3, link)
+    return {"placement": p, "read_gb": read / samples / 1e9, "step_ms": other + network + step / samples,
+            "overlap_ms": other + network + overlap / samples}
+
+
+def main_streaming() -> None:
+    rng = np.random.default_rng(0)
+    q4 = QuantConfig.recipe(4)
+    print(f"machines of 64 GB offering {USABLE_GB:.0f} GB each, cache of {CONTEXT} tokens, 4 bits, one stream on 1 GbE")
+    print("| model | machines | spread | each node: resident GB, expert slots (share of its experts) | "
+          "read a token per node GB | rates | step ms (no read ahead / all read ahead) | tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, config, n in (("DeepSeek-V3 (671B)", V3, 4), ("DeepSeek-V2 (236B)", V2, 2)):
+        cfg = DeepseekV2Config.from_dict(config)
+        need = memory.required(cfg, q4, CONTEXT)["total"] / 1e9
+        for spread in ("layers", "experts"):
+            for rates, compute_gb_s, disk_gb_s in RATES:
+                r = streaming(cfg, n, spread, compute_gb_s, disk_gb_s, rng)
+                nodes = "; ".join(f"{s.stream['resident'] / 1e9:.0f}, {s.stream['slots']} "
+                                  f"({100 * s.stream['slots'] / s.stream['experts']:.0f}%)" if s.stream else "whole"
+                                  for s in r["placement"].stages)
+                reads = ", ".join(f"{g:.2f}" for g in r["read_gb"])
+                print(f"| {name}, {need:.0f} GB | {n} | {spread} | {nodes} | {reads} | {rates} | "
+                      f"{r['step_ms']:.0f} / {r['overlap_ms']:.0f} | {1e3 / r['step_ms']:.2f}-{1e3 / r['overlap_ms']:.2f} |")
+
+
 def main() -> None:
+    if "--streaming" in sys.argv[1:]:
+        return main_streaming()
     cfg = DeepseekV2Config.from_dict(V2)
     need = memory.required(cfg, QuantConfig.recipe(4), CONTEXT)["total"] / 1e9
     rng = np.random.default_rng(0)

@@ -324,7 +324,8 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
                    "at most 4096).")
 @click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
               help="Size the expert cache that --memory-budget SIZE would hold; the report always gives the "
-                   "least budget that runs the model (default: the memory available now).")
+                   "least budget that runs the model (default: the memory available now). With --ray: "
+                   "the placement with every node streaming its experts within SIZE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def inspect(directory, model_dir, as_json, check, ray, ray_spread, ctx, memory_budget):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics.
@@ -347,7 +348,7 @@ def inspect(directory, model_dir, as_json, check, ray, ray_spread, ctx, memory_b
                      "generate and chat download them)")
     if check and report.get("format") == "gguf":
         report["warnings"].append("--check scans a safetensors checkpoint's values; this GGUF file's were not read")
-    placement = None if ray is None else cluster_plan(path, ray, ctx, spread)      # (JSON, lines), nothing loaded
+    placement = None if ray is None else cluster_plan(path, ray, ctx, spread, memory_budget)  # (JSON, lines), nothing loaded
     if placement is not None:
         report["placement"] = placement[0]
     if as_json:

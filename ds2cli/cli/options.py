@@ -103,10 +103,12 @@ class Threads(click.IntRange):
 
 def threads_option(f):
     return click.option("-t", "--threads", type=Threads(), metavar="N",
-                        help="Threads for the matrix products, BLAS's and the low-bit kernels'; more than the "
-                             "cores this process may use is capped at them, with a note (default: what the BLAS "
-                             "library picks, usually one per core; the kernels one per core, at most 8, fewer "
-                             "while other programs keep cores busy).")(f)
+                        help="Threads for the matrix products, BLAS's and the low-bit kernels': a bound, not a "
+                             "count, as each forward pass uses the cores other programs leave free, at most N "
+                             "(--stats and ds2 bench say how many each figure had); more than the cores this "
+                             "process may use is capped at them, with a note (default: what the BLAS library "
+                             "picks, usually one per core; the kernels one per core, at most 8, fewer while "
+                             "other programs keep cores busy).")(f)
 
 
 def sampling_options(f):
@@ -283,13 +285,15 @@ def memory_options(f):
     return f
 
 
-def cluster_plan(path: Path, ray: str, ctx: int | None, spread: str = "layers") -> tuple[list, list[str]]:
+def cluster_plan(path: Path, ray: str, ctx: int | None, spread: str = "layers",
+                 memory_budget: int | None = None) -> tuple[list, list[str]]:
     """`inspect --ray`: the placement over the cluster as JSON and as lines, loading nothing
-    (the checkpoint's headers here, and each node's probe)."""
+    (the checkpoint's headers here, and each node's probe); with `memory_budget`, every node
+    streaming its experts within it, as generate's --memory-budget with --ray."""
     from ds2cli.cluster import driver
     source = open_source(path)
     check_ctx(source.config, ctx)
-    placement = driver.plan(source, ray, None, ctx, spread=spread)[1]
+    placement = driver.plan(source, ray, None, ctx, spread=spread, memory_budget=memory_budget)[1]
     return placement.to_json(), driver.describe(source, placement)
 
 

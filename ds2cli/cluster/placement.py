@@ -230,8 +230,13 @@ def _ranges(cfg: DeepseekV2Config, nodes: list[Node], need, offered, name: str,
     if at < L:
         model = (whole or need).required(range(L))
         streaming = getattr(need, "streaming", False)
-        least = (f"; streaming its routed experts, {memory.gb(need(range(L))['total'])} on one node at least"
-                 if streaming else "")
+        least = ""
+        if streaming:       # what the nodes would need streaming, the layers shared out evenly
+            even = shares(L, [1.0] * len(nodes))
+            want = sum(need(r)["total"] for r in even if len(r))
+            have = sum(min(offered(n), 1 << 50) for n in nodes)
+            least = (f"; streaming its routed experts, about {memory.gb(want)} over {len(nodes)} "
+                     f"node{'s' if len(nodes) != 1 else ''}, {memory.gb(max(0, want - have))} more than they offer")
         raise PlacementError(
             f"the cluster cannot hold {name}: {len(nodes)} node{'s' if len(nodes) != 1 else ''} offer "
             f"{memory.gb(sum(min(offered(n), 1 << 50) for n in nodes))}, and layers {at}-{L - 1} found no room "

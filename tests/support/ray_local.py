@@ -71,12 +71,13 @@ class Cluster:
     def ds2(self, *args: str, env: dict | None = None, timeout: float = CALL_TIMEOUT, **kw) -> subprocess.CompletedProcess:
         return self.run([sys.executable, "-m", "ds2cli", *args], env=env, timeout=timeout, **kw)
 
-    def start_head(self) -> None:
+    def start_head(self, cpus: int = 1) -> None:
+        """The head node; `cpus` 0: a head that holds no stage (bench/cluster_streams.py)."""
         # a node that stops answering is declared dead after 1 s x 3 here (Ray's default is
         # 3 s x 5): the tests that kill a node wait for that before the next test places layers
         head_env = {**self.env, "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
                     "RAY_health_check_timeout_ms": "1000"}
-        self.own.append(self.popen([str(BIN / "ray"), "start", "--head", "--port", str(PORT), "--num-cpus", "1",
+        self.own.append(self.popen([str(BIN / "ray"), "start", "--head", "--port", str(PORT), "--num-cpus", str(cpus),
                                     "--include-dashboard=false", "--disable-usage-stats", "--block",
                                     "--temp-dir", str(self.tmp / "ray")], env=head_env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -86,18 +87,26 @@ class Cluster:
                 raise RuntimeError("the Ray head did not start within 60 s")
             time.sleep(0.5)
 
-    def add_node(self, hide: Path | None = None, memory: str = NODE_MEMORY) -> subprocess.Popen:
+    def add_node(self, hide: Path | None = None, memory: str | None = NODE_MEMORY, cgroup: str | None = None,
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
         """A worker node (`ray start --block` in a process group of its own, so a test can kill
         it whole). `hide`: a directory this node cannot see (an empty one mounted over it, in
-        a mount namespace of the node's own): a node without the checkpoint."""
-        cmd = [str(BIN / "ray"), "start", "--address", ADDRESS, "--num-cpus", "1", "--block", "--disable-usage-stats"]
+        a mount namespace of the node's own): a node without the checkpoint. `memory`: what it
+        offers ds2 (DS2_MEMORY_AVAILABLE; None: what its memory cgroup or machine has);
+        `cgroup`: a v1 memory cgroup's directory it runs in, with every process it starts;
+        `extra`: more `ray start` options."""
+        cmd = [str(BIN / "ray"), "start", "--address", ADDRESS, "--num-cpus", "1", "--block", "--disable-usage-stats",
+               *extra]
+        if cgroup is not None:
+            cmd = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *cmd]
         if hide is not None:
             empty = self.tmp / f"empty-{len(self.nodes)}"
             empty.mkdir()
             cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                    f"mount --bind {empty} {hide} && exec \"$@\"", "sh", *cmd]
         before = self.count()
-        node = self.popen(cmd, env={**self.env, "DS2_MEMORY_AVAILABLE": memory},
+        env = {k: v for k, v in self.env.items() if k != "DS2_MEMORY_AVAILABLE"}
+        node = self.popen(cmd, env={**env, **({"DS2_MEMORY_AVAILABLE": memory} if memory else {})},
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.nodes.append(node)
         self.wait_for(before + 1)
