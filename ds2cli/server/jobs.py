@@ -118,17 +118,34 @@ def _tool_check(fn, *args):
         raise ApiError(400, str(e), param=e.param) from None
 
 
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+    """A list of token ids, told by its first item: the rest are checked after its length
+    (check_ids), so that a list of millions is refused before it is read through."""
+    return isinstance(value, list) and bool(value) and _is_id(value[0])
+
+
+def check_ids(ids: list, vocab_size: int, ctx: int, where: str) -> None:
+    """A 400 when there are more than `ctx` ids (before any is looked at) or one is no id of the
+    vocabulary."""
+    if len(ids) > ctx:
+        raise ApiError(400, f"{where} is {len(ids)} tokens, more than the context of {ctx} tokens",
+                       param="prompt", code="context_length_exceeded")
+    if not all(_is_id(t) and 0 <= t < vocab_size for t in ids):
+        raise ApiError(400, f"{where} token ids must be in [0, {vocab_size})", param="prompt")
 
 
 def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, ctx: int,
                parse_special: bool = True) -> list[list[int]]:
-    """/v1/completions' prompt: a string or token ids, or a list of either (one choice each); a
-    string longer than `ctx` tokens can be is refused before it is tokenized. A special token's
-    text in a string is that token, as llama.cpp reads it, unless `parse_special` is off
-    (ds2 serve --no-special-in-prompts): then it is text."""
+    """/v1/completions' prompt: a string or token ids, or a list of either (one choice each), each
+    measured against the context before it is tokenized whole or read through: a string as
+    /tokenize's text is (check_length: its characters, then its tokens in slices that stop past
+    `ctx`), ids by their count (check_ids). A special token's text in a string is that token, as
+    llama.cpp reads it, unless `parse_special` is off (ds2 serve --no-special-in-prompts): then
+    it is text."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_ids(prompt):
         prompts = [prompt]
@@ -137,11 +154,14 @@ def prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, ctx: int,
     else:
         raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either", param="prompt")
     wheres = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
-    for p, where in zip(prompts, wheres):        # every prompt checked before one is tokenized
+    for p, where in zip(prompts, wheres):        # the cheap measures of every prompt first
         if isinstance(p, str):
-            unicode_text(check_chars(p, tokenizer, ctx, where, "prompt"), where)
-        elif not all(0 <= t < vocab_size for t in p):
-            raise ApiError(400, f"{where} token ids must be in [0, {vocab_size})", param="prompt")
+            check_chars(p, tokenizer, ctx, where, "prompt")
+        else:
+            check_ids(p, vocab_size, ctx, where)
+    for p, where in zip(prompts, wheres):
+        if isinstance(p, str):
+            unicode_text(check_length(p, tokenizer, ctx, where, "prompt"), where)
     return [tokenizer.encode(p, parse_special=parse_special) if isinstance(p, str) else list(p) for p in prompts]
 
 
@@ -300,7 +320,7 @@ def parse_jobs(body: dict, chat: bool, tokenizer: Tokenizer, vocab_size: int, de
     if chat:
         toolset = _tool_check(tooling.parse_tools, body)
         text, cont, opened = chat_text(body, tokenizer, defaults, toolset)
-        check_chars(text, tokenizer, defaults.ctx, "the prompt", "messages")
+        check_length(text, tokenizer, defaults.ctx, "the prompt", "messages")
         prompts = [tokenizer.encode(text, add_special_tokens=False)]
     else:
         prompts, ends = completion_prompts(body, tokenizer, vocab_size, defaults, model_id, fill, ends)

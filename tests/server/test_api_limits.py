@@ -31,9 +31,9 @@ def model():
     return ds2cli.load()
 
 
-def parse(model, body, chat=False):
+def parse(model, body, chat=False, ctx=1024):
     tok = Counting(model.tokenizer)
-    defaults = Defaults(SamplingParams(), 16, 1024, None, tuple(model.eos_token_ids))
+    defaults = Defaults(SamplingParams(), 16, ctx, None, tuple(model.eos_token_ids))
     try:
         return parse_jobs(body, chat, tok, model.config.vocab_size, defaults), tok.calls
     except ApiError as e:
@@ -95,5 +95,38 @@ def test_a_prompt_longer_than_the_context_in_characters_is_refused_before_it_is_
 
 
 def test_a_prompt_within_the_characters_is_still_counted_in_tokens(model):
+    """Counted in slices that stop past the context (Tokenizer.count_at_least), as /tokenize's
+    text is, never tokenized whole: no encode call."""
     error, calls = parse(model, {"prompt": "7 " * 2000})    # 4,000 characters, over 1,024 tokens
-    assert error.code == "context_length_exceeded" and "tokens, more than the context" in error.message and calls == 1
+    assert error.code == "context_length_exceeded" and "tokens, more than the context" in error.message and calls == 0
+    chat = {"messages": [{"role": "user", "content": "7 " * 2000}]}
+    error, calls = parse(model, chat, True)
+    assert (error.code, error.param, calls) == ("context_length_exceeded", "messages", 0)
+
+
+def test_the_longest_prompt_the_characters_admit_is_counted_only_past_the_context(model, monkeypatch):
+    """At a context of 4,096 tokens ds2-tiny's tokens admit ~119,000 characters; a prompt of them
+    is counted in slices (64K characters) until the count passes the context: one slice, not all."""
+    most = 4096 * model.tokenizer.longest_token
+    prompt = ("7 " * most)[:most]
+    counted = []
+    real = model.tokenizer._ids
+    monkeypatch.setattr(model.tokenizer, "_ids", lambda text, **kw: counted.append(len(text)) or real(text, **kw))
+    error, calls = parse(model, {"prompt": prompt}, ctx=4096)
+    assert (error.status, error.code, calls) == (400, "context_length_exceeded", 0)
+    assert error.message.startswith("prompt is at least ") and len(counted) == 1 and counted[0] < len(prompt) / 1.5
+
+
+def test_token_ids_are_counted_before_they_are_read_through(model):
+    """A list of ids longer than the context is refused by its length, before any id is looked at
+    (one bad id at its end is not what the 400 names); a list of a million ids, a 2 MB body, costs
+    no loop over them."""
+    error, calls = parse(model, {"prompt": [5] * 1024 + ["x"]})
+    assert (error.status, error.code, error.param, calls) == (400, "context_length_exceeded", "prompt", 0)
+    assert error.message == "prompt is 1025 tokens, more than the context of 1024 tokens"
+    error, _ = parse(model, {"prompt": ["a", [5] * 1_000_000]})
+    assert error.code == "context_length_exceeded" and error.message.startswith("prompt[1] is 1000000 tokens")
+    error, _ = parse(model, {"prompt": [5, "x"]})
+    assert error.status == 400 and error.message == "prompt token ids must be in [0, 4096)"
+    jobs, calls = parse(model, {"prompt": [[5, 6], "a"]})
+    assert [j.ids[:2] for j in jobs][0] == [5, 6] and calls == 1
