@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ds2cli.weights import checkpoint
+from ds2cli.weights import checksums
 from ds2cli.weights import memory
 from ds2cli.weights import qcheckpoint
 from ds2cli.model import rope
@@ -53,21 +54,23 @@ PARAM_CATEGORIES = ("embeddings", "attention", "dense_mlp", "routed_experts", "s
 
 
 def describe(model_dir: str | Path, check: bool = False, shards: checkpoint.Shards | None = None,
-             budget: int | None = None) -> dict:
+             budget: int | None = None, verify: bool = False) -> dict:
     """The report for one checkpoint directory (JSON-serialisable).
 
     Raises ConfigError for a missing or invalid config.json; every other defect (safetensors
     files or headers that cannot be read, tensors that disagree with the config, a broken
     tokenizer or generation config, NaN/Inf weights found by `check`) is a string in `problems`,
     and the rest of the report is made of what can be read.
-    With `check`, every tensor's values are scanned, one tensor at a time.
+    With `check`, every tensor's values are scanned, one tensor at a time; with `verify`, every
+    tensor's bytes are checked against the checksums the index records (weights/checksums.py).
     `shards` is where the safetensors files are read, by default the directory's own; for a Hub
     id, the shards' headers read over HTTP (hub.resolve_headers), which hold no data to check.
     `budget`: the --memory-budget whose expert cache the report sizes (default: the memory
     available now)."""
     model_dir = check_model_dir(model_dir)
-    if check and shards is not None:
-        raise ConfigError("--check reads every weight: it needs the shards downloaded, not only their headers")
+    if (check or verify) and shards is not None:
+        raise ConfigError(f"{'--check' if check else '--verify'} reads every weight: it needs the shards downloaded, "
+                          f"not only their headers")
     cfg = DeepseekV2Config.from_file(model_dir / "config.json")
     stored, qc, found, complete = read_checkpoint(model_dir, cfg, shards)
     tensors = {n: t for n, t in stored.items() if not checkpoint.is_mtp(n, cfg)}  # what inference reads
@@ -80,6 +83,7 @@ def describe(model_dir: str | Path, check: bool = False, shards: checkpoint.Shar
     mem["formats"] = memory.fits(cfg, qc)
     mem["streaming"] = streaming_section(cfg, qc, qc is not None, str(model_dir), budget)
     scanned, scan_problems = scan_values(stored) if check else (None, [])
+    verified = verify_checksums(model_dir, stored) if verify else None
     return {
         "path": str(model_dir.absolute()),      # absolute in every command's --json
         "model_type": cfg.model_type,
@@ -104,9 +108,23 @@ def describe(model_dir: str | Path, check: bool = False, shards: checkpoint.Shar
         "quantization": None if qc is None else {**qc.to_json(), "file_bytes": storage["total_bytes"]},
         "tokenizer": tok,
         "check": scanned,
+        "verify": None if verified is None else verified.to_json(),
         "warnings": [],
-        "problems": found + gen_problems + tok_problems + scan_problems,
+        "problems": found + gen_problems + tok_problems + scan_problems + ([] if verified is None else verified.problems),
     }
+
+
+def verify_checksums(model_dir: Path, stored: dict[str, TensorInfo]) -> checksums.Verified:
+    """--verify: the stored bytes against the index's checksums; a checkpoint that records none
+    (a float checkpoint, a ds2 copy written before they were) is a problem: nothing was verified."""
+    try:
+        recorded = checksums.recorded(model_dir)
+    except CheckpointError as e:
+        return checksums.Verified(problems=[str(e)])
+    if recorded is None:
+        return checksums.Verified(problems=[f"--verify: {checkpoint.INDEX_NAME} records no checksums to check the "
+                                            f"weights against (`ds2 quantize` writes them; a float checkpoint has none)"])
+    return checksums.verify(stored, recorded)
 
 
 def read_checkpoint(model_dir: Path, cfg: DeepseekV2Config, shards: checkpoint.Shards | None = None

@@ -317,6 +317,9 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
 @model_option
 @click.option("--check", is_flag=True, help="Also scan every weight for NaN/Inf (reads all the data: a Hugging "
                                             "Face id's shards are downloaded first, as generate does).")
+@click.option("--verify", is_flag=True, help="Also check every tensor's bytes against the checksums `ds2 quantize` "
+                                             "records (a routed expert's each on its own): a tensor or expert that "
+                                             "differs is a problem; reads all the data, by memory map.")
 @ray_option
 @ray_spread_option
 @click.option("--ctx", type=click.IntRange(min=1), metavar="N",
@@ -327,7 +330,7 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
                    "least budget that runs the model (default: the memory available now). With --ray: "
                    "the placement with every node streaming its experts within SIZE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def inspect(directory, model_dir, as_json, check, ray, ray_spread, ctx, memory_budget):
+def inspect(directory, model_dir, as_json, check, verify, ray, ray_spread, ctx, memory_budget):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics.
 
     A Hugging Face id whose shards are not cached is read without them: its small files are
@@ -337,12 +340,16 @@ def inspect(directory, model_dir, as_json, check, ray, ray_spread, ctx, memory_b
     spread = check_spread(ray, ray_spread)
     with naming_ds2_model() if directory is None else contextlib.nullcontext():
         target = directory or model_dir or bundled_model_dir()
-        # headers only, unless --check, which reads every weight (and so downloads a Hub id whole)
-        path, shards = (target, None) if check else resolve_headers(target, checkpoint.MAX_HEADER_BYTES)
+        # headers only, unless --check or --verify, which read every weight (and so download a Hub id whole)
+        path, shards = (target, None) if check or verify else resolve_headers(target, checkpoint.MAX_HEADER_BYTES)
         path = check_model_dir(path)
+        gguf = gguf_file.find(path) is not None
+        if verify and gguf:
+            raise Ds2Error(f"--verify checks the checksums `ds2 quantize` records in a checkpoint's index; "
+                           f"the GGUF file {path} has none")
         # a GGUF's report is built from its metadata (gguf_inspect, on describe's sections)
-        report = (describe_gguf(path.absolute(), memory_budget) if gguf_file.find(path) is not None
-                  else describe(path, check=check, shards=shards, budget=memory_budget))
+        report = (describe_gguf(path.absolute(), memory_budget) if gguf
+                  else describe(path, check=check, shards=shards, budget=memory_budget, verify=verify))
     if shards is not None:
         console.info("(the shards are not downloaded: their headers were read from the Hub; "
                      "generate and chat download them)")
@@ -358,6 +365,10 @@ def inspect(directory, model_dir, as_json, check, ray, ray_spread, ctx, memory_b
         write_out("".join(line + "\n" for line in placement[1]) if placement else "")
     for warning in report.get("warnings", []):
         console.warn(warning)
+    if verify and not report["verify"]["failed"]:
+        v = report["verify"]
+        experts = f", each of {plural(v['experts_verified'], 'routed expert')} on its own," if v["experts_verified"] else ""
+        console.info(f"verified {plural(v['tensors_verified'], 'tensor')}{experts} against their checksums")
     if report["problems"]:
         problems = report["problems"]
         raise Ds2Error(f"the checkpoint has {plural(len(problems), 'problem')} (listed above); first: {problems[0]}")

@@ -25,7 +25,8 @@ def plan(source: Source, address: str, quantize=None, context: int | None = None
     bits, recipe = loader.load_form(source, None if quantize == "auto" else quantize, context)
     qc = loader.formats_of(source, bits, recipe)
     nodes = ray_cluster.nodes(ray, source.path)
-    placing.check_nodes(nodes, ray_cluster.ds2cli.__version__, ray.__version__)
+    placing.check_nodes(nodes, ray_cluster.ds2cli.__version__, ray.__version__,
+                        ray_cluster.checkpoint_fingerprint(source.path))
     if not memory_check:
         nodes = [dataclasses.replace(n, available=None) for n in nodes]
     problem = loader.stream_problem(source, qc)

@@ -46,6 +46,7 @@ class Node:
     ray_version: str = ""
     python: str = ""
     problem: str = ""            # why it cannot take part ("" when it can)
+    fingerprint: str = ""        # its checkpoint at the path (ray_cluster.checkpoint_fingerprint), "" unknown
 
     @property
     def name(self) -> str:
@@ -123,9 +124,11 @@ class Placement:
         return any(s.stream is not None for s in self.stages)
 
 
-def check_nodes(nodes: list[Node], ds2_version: str, ray_version: str) -> None:
+def check_nodes(nodes: list[Node], ds2_version: str, ray_version: str, fingerprint: str = "") -> None:
     """One error naming each node that cannot take part: a problem its probe found (no
-    checkpoint at the path), another ds2 or Ray version than the driver's."""
+    checkpoint at the path), another ds2 or Ray version than the driver's, a checkpoint at the
+    path whose fingerprint is not the driver's `fingerprint` (when it is given): other files,
+    headers or recorded checksums, so other weights."""
     bad = []
     for n in nodes:
         if n.problem:
@@ -134,6 +137,9 @@ def check_nodes(nodes: list[Node], ds2_version: str, ray_version: str) -> None:
             bad.append(f"node {n.name} runs ds2 {n.ds2_version}, the driver {ds2_version}")
         elif n.ray_version != ray_version:
             bad.append(f"node {n.name} runs Ray {n.ray_version}, the driver {ray_version}")
+        elif fingerprint and n.fingerprint != fingerprint:
+            bad.append(f"node {n.name} holds another checkpoint at the path than the driver (its config, "
+                       f"tokenizer, index, checksums or shards' sizes and headers differ: docs/cluster.md)")
     if bad:
         raise PlacementError("; ".join(bad))
 

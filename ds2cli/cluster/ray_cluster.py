@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import ds2cli
 from ds2cli.cluster.placement import Node
@@ -189,20 +190,31 @@ def without_ray_logs():
                     sys.stderr.write(line)
 
 
+def checkpoint_fingerprint(path) -> str:
+    """What the driver and every node compare of the checkpoint at `path`: weights/fingerprint.py's
+    digest of its config and tokenizer files, its index (with the per-tensor checksums `ds2
+    quantize` records there), and every shard's name, size and header; not the weights' bytes,
+    which `ds2 inspect --verify` checks on a node against those checksums."""
+    from ds2cli.weights import fingerprint
+    return fingerprint.fingerprint(Path(path), None)
+
+
 def probe(path: str) -> dict:
-    """Run on a node: what it offers ds2 and whether it can read the model at `path`."""
+    """Run on a node: what it offers ds2, whether it can read the model at `path`, and that
+    model's fingerprint (checkpoint_fingerprint)."""
     import ray
     from ds2cli.weights import memory, source
-    problem = ""
+    problem, print_ = "", ""
     try:
         source.open_model(path).tensors         # the config and every header, validated
+        print_ = checkpoint_fingerprint(path)
     except Ds2Error as e:
         problem = f"cannot read the model at {path}: {e}"
     except Exception as e:          # noqa: BLE001 - reported, with the node's name, by the driver
         problem = f"cannot read the model at {path}: {type(e).__name__}: {e}"
     return {"node_id": ray.get_runtime_context().get_node_id(), "available": memory.available_bytes(),
             "ds2_version": ds2cli.__version__, "ray_version": ray.__version__,
-            "python": "%d.%d" % sys.version_info[:2], "problem": problem}
+            "python": "%d.%d" % sys.version_info[:2], "problem": problem, "fingerprint": print_}
 
 
 def nodes(ray, path: str) -> list[Node]:
@@ -224,7 +236,8 @@ def nodes(ray, path: str) -> list[Node]:
         except Exception as e:      # noqa: BLE001 - a node without ds2 installed fails to unpickle it
             raise ClusterError(f"node {name} cannot run ds2: {str(e).splitlines()[-1][:300]}") from None
         out.append(Node(n["NodeID"], n["NodeManagerAddress"], int(n["Resources"]["CPU"]),
-                        info["available"], info["ds2_version"], info["ray_version"], info["python"], info["problem"]))
+                        info["available"], info["ds2_version"], info["ray_version"], info["python"], info["problem"],
+                        info.get("fingerprint", "")))
     return out
 
 

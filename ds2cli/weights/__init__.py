@@ -7,6 +7,7 @@ inside, as `gguf/`, because its tensors become the same weights and the loader o
 Bottom-up:
     hub          Hugging Face ids to local snapshots
     checkpoint   safetensors shards: headers, validation, tensors
+    checksums    each tensor's checksum (a routed expert's each): recorded by quantize, checked by --verify
     formats/     one class a weight format (float32, bf16, q8, q8b, q4), each with its kernels
     scales       a float weight into a format: round to nearest and the scale search
     calibration  activation statistics for the scale search (GPTQ-style compensation)

@@ -1,7 +1,10 @@
-"""What a model is, for files that belong to it (a saved conversation, a prompt cache): a digest of
-its config and tokenizer files, every weight file's name and size, the safetensors headers (or a
-GGUF's header region) and the form its weights were loaded in. Never a hash of the weights
-themselves: a 16 GB checkpoint is identified in milliseconds."""
+"""What a model is, for files that belong to it (a saved conversation, a prompt cache) and for a
+cluster's nodes, which must hold the driver's checkpoint (cluster/ray_cluster.py): a digest of
+its config and tokenizer files, its index (model.safetensors.index.json, whole: for a copy `ds2
+quantize` wrote, the checksum of every tensor and routed expert, weights/checksums.py), every
+weight file's name and size, the safetensors headers (or a GGUF's header region) and the form
+its weights were loaded in. Never a hash of the weights themselves: a 16 GB checkpoint is
+identified in milliseconds, and what the index records of them is compared instead."""
 
 from __future__ import annotations
 

@@ -213,6 +213,15 @@ def stored_name(layer: int | None, part: str, key: str) -> str:
     return f"model.layers.{layer}.{PART_PREFIX[part]}{key}"
 
 
+EXPERT_STACKS = ("experts_gate_up", "experts_down")     # the routed experts, (E, ...) in one tensor
+
+
+def is_expert_stack(name: str) -> bool:
+    """Whether a stored tensor holds a MoE layer's routed experts stacked, expert first."""
+    stem = name.rsplit(".", 1)[0]
+    return stem.startswith("model.layers.") and stem.rsplit(".", 1)[-1] in EXPERT_STACKS
+
+
 def stored_tensors(name: str, shape: tuple[int, ...], f: quant.Format | None,
                    dtype: str = "F32") -> Iterator[tuple[str, tuple, str]]:
     """(tensor name, shape, safetensors dtype) of one prepared array in format f (None: a float

@@ -19,6 +19,7 @@ from typing import Callable
 
 from ds2cli.weights import calibration
 from ds2cli.weights import checkpoint
+from ds2cli.weights import checksums
 from ds2cli.weights import staging as files
 from ds2cli.weights.gguf import checkpoint as gguf_model
 from ds2cli.weights import memory
@@ -139,7 +140,7 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
               gguf: gguf_model.GGUFModel | None = None, calib: calibration.Calibration | None = None,
               write_shard: Callable[[Path, list], int] | None = None) -> int:
     n = cfg.num_hidden_layers + 1          # shards: one a layer, then the embeddings, norm and lm_head
-    weight_map, total = {}, 0
+    weight_map, sums, total = {}, {}, 0
     write_shard = write_shard or qcheckpoint.write_safetensors
 
     def write(k: int, arrays: list) -> None:
@@ -147,6 +148,7 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
         name = shard_name(k, n)
         total += write_shard(out / name, arrays)
         weight_map.update((tensor, name) for tensor, _ in arrays)
+        sums.update(checksums.of_arrays(arrays, qcheckpoint.is_expert_stack))   # the bytes as written
 
     for i, names in enumerate(names_by_layer(tensors, cfg.num_hidden_layers)):
         # calibration runs the float layer; without it the experts are quantized as they are read
@@ -170,7 +172,8 @@ def write_all(src: Path, out: Path, raw: dict, cfg: DeepseekV2Config, qc, tensor
     if cfg.tie_word_embeddings:
         del top["lm_head"]
     write(n, list(qcheckpoint.layer_arrays(top, None)))
-    index = {"metadata": {"total_size": total, "format": "ds2"}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": total, "format": "ds2"}, "weight_map": dict(sorted(weight_map.items())),
+             "checksums": checksums.index_record(sums)}
     (out / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     if gguf:
         gguf.write_tokenizer_files(out)

@@ -67,6 +67,20 @@ def test_a_node_with_a_problem_or_another_version_is_named():
                             "node 10.0.0.4 (dddddddd) runs Ray 2.59.0, the driver 2.60.0")
 
 
+def test_a_node_whose_checkpoint_is_not_the_drivers_is_named():
+    """Its fingerprint (ray_cluster.checkpoint_fingerprint: files, headers, the index's checksums)
+    differs from the driver's: other weights at the same path. A node that reported none, or a
+    driver that gives none, is not compared."""
+    same = Node("a" * 56, "10.0.0.1", 8, 10**9, "0.1.0", "2.60.0", fingerprint="f" * 64)
+    other = Node("e" * 56, "10.0.0.5", 8, 10**9, "0.1.0", "2.60.0", fingerprint="0" * 64)
+    check_nodes([same], "0.1.0", "2.60.0", "f" * 64)
+    with pytest.raises(PlacementError) as e:
+        check_nodes([same, other], "0.1.0", "2.60.0", "f" * 64)
+    assert str(e.value) == ("node 10.0.0.5 (eeeeeeee) holds another checkpoint at the path than the driver (its "
+                            "config, tokenizer, index, checksums or shards' sizes and headers differ: docs/cluster.md)")
+    check_nodes([same, other], "0.1.0", "2.60.0")
+
+
 def test_by_experts_each_node_holds_a_contiguous_share_of_every_moe_layers_experts():
     from ds2cli.cluster.placement import plan_experts
     p = plan_experts(LITE, Q4, 2048, nodes(4, 12))
