@@ -119,3 +119,21 @@ def test_a_node_whose_expert_file_is_cut_short_is_one_error_naming_it(cluster, t
     got = drive(cluster, tmp_path, copy, budget(copy, "layers", 2, 2), "layers", truncate=copy / shard)
     error = str(got["error"])
     assert re.match(r"\w+Error: node 127\.0\.0\.1 \([0-9a-f]{8}\): .*ends before expert \d+ of layer \d+", error), error
+
+
+def test_stats_and_bench_give_each_streaming_nodes_reads(cluster, tiny_q8):
+    size = str(budget(tiny_q8, "layers", 2, 2 * moe_layers(tiny_q8)))
+    r = cluster.ds2("generate", "-m", str(tiny_q8), "--chat", "What is 451 - 123?", "--temperature", "0",
+                    "--ray", ADDRESS, "--memory-budget", size, "--stats")
+    assert r.returncode == 0 and r.stdout.strip() == "451 - 123 = 328.", r.stderr
+    stats = " ".join(r.stderr.split())        # the --stats line, wrapped within 80 columns
+    nodes = re.findall(r"node 127\.0\.0\.1 \([0-9a-f]{8}\): experts \d+ slots, \d+% hits, [\d.]+ [kMG]?B read .*? "
+                       r"[\d.]+ [kMG]?B a token", stats)
+    assert len(nodes) == 2, stats
+    b = cluster.ds2("bench", "--ray", ADDRESS, "-m", str(tiny_q8), "--memory-budget", size,
+                    "-r", "1", "-p", "8", "-c", "16", "-n", "4", "--json")
+    assert b.returncode == 0, b.stderr[-2000:]
+    report = json.loads(b.stdout)
+    assert all(s["streamed"]["expert_slots"] >= 2 for s in report["cluster"]["placement"])
+    per_node = report["decode"][0]["streamed"]
+    assert len(per_node) == 2 and all(0 <= n["hit_rate"] <= 1 and n["bytes_read_per_token"] >= 0 for n in per_node)
