@@ -14,8 +14,9 @@ repository's root, HOME a fresh directory shown as /home/me, and `/tmp/` a fresh
 - which stream: `compares stdout` (the default), `compares stderr`, or `compares stdout and
   stderr` (one pipe, as a terminal shows them);
 - what varies by machine (`...; timings vary`): only the figures in those positions are masked.
-  `timings`: a number before `s` or ` tok/s` (`0.05s`, `381.8 tok/s`), a JSON key ending in `_s`
-  (and a reply's `created`), a /metrics value in seconds or per second; `the memory available`: the figure of inspect's
+  `timings`: a number before `s` or ` tok/s` (`0.05s`, `381.8 tok/s`), the cores of `--stats`
+  (`cores 1.9 prefill, 1.6 decode (of 2)`), a JSON key ending in `_s` (and a reply's
+  `created`), a /metrics value in seconds or per second; `the memory available`: the figure of inspect's
   `available now` row and of the memory check's `but 22.9 GB is available`; `dates`: an HTTP
   Date header;
 - `...` stands for what the page leaves out: a line of its own for any lines, within a line or a
@@ -177,6 +178,9 @@ FIGURE = rf"{NUMBER} [kMGT]?B"
 # a kind of figure that varies by machine -> its positions (group "v"), and what may stand there
 VARYING = {
     "timings": [(re.compile(rf"(?P<v>{NUMBER})(?=s\b| tok/s\b)"), NUMBER),
+                # --stats' cores: cores 1.9 prefill, 1.6 decode (of 1-2)
+                (re.compile(rf"(?:cores |, )(?P<v>{NUMBER})(?= prefill\b| decode \(of )"), NUMBER),
+                (re.compile(r"\(of (?P<v>\d+(?:-\d+)?)\)"), r"\d+(?:-\d+)?"),
                 # /metrics: ds2_decode_seconds_total 0.35, ds2_last_decode_tokens_per_second 14.7
                 (re.compile(r"_second(?:s_total)? (?P<v>[\d.e+-]+)$"), r"[\d.e+-]+")],
     "dates": [(re.compile(r"^Date: (?P<v>.+)$"), ".+")],
@@ -379,8 +383,10 @@ def test_checked_examples_print_what_the_page_shows(block, tmp_path):
 
 
 def test_the_masks_hide_only_the_varying_figures():
-    stats = "[load 0.05s | prefill 19 tok, 2419.2 tok/s | decode 16 tok, 381.8 tok/s | cache 34/275 tok, 65.3 kB]"
-    other = "[load 1.5s | prefill 19 tok, 30.0 tok/s | decode 16 tok, 7 tok/s | cache 34/275 tok, 65.3 kB]"
+    stats = ("[load 0.05s | prefill 19 tok, 2419.2 tok/s | decode 16 tok, 381.8 tok/s | cores 1.9 prefill, "
+             "1.6 decode (of 2) | cache 34/275 tok, 65.3 kB]")
+    other = ("[load 1.5s | prefill 19 tok, 30.0 tok/s | decode 16 tok, 7 tok/s | cores 0.6 prefill, 1.0 decode "
+             "(of 1-2) | cache 34/275 tok, 65.3 kB]")
     assert text_matches(other, [stats], ["timings"]) and not text_matches(other, [stats], [])
     assert not text_matches(other.replace("19 tok", "18 tok"), [stats], ["timings"])
     assert not text_matches(other.replace("65.3", "65.4"), [stats], ["timings"])
@@ -404,6 +410,7 @@ def report_like(params: dict) -> dict:
     """A report of the shape bench makes for these options; its figures are beside the point."""
     s = {"median": 2.0, "min": 1.0, "max": 3.0}
     beside = {"matvec_gb_per_s": s, "gemm_gflop_per_s": s}
+    cores = {"threads": 2, "given": {"median": 2, "min": 1, "max": 2}, "busy": 1.8}
     return {
         "model": {"path": str(params["model_dir"]), "num_hidden_layers": 4, "params": 2.25e9, "weight_bytes": 2.59e9,
                   "format": f"{params['quantize']}-bit" if params["quantize"] else "float32"},
@@ -414,12 +421,13 @@ def report_like(params: dict) -> dict:
                    "ceiling": {"cores": 2, "g_weights_per_s": dict.fromkeys(bench_probes.BYTES_PER_VALUE, 1.5)}},
         "load_s": s,
         "prefill": [{"tokens": t, "tok_per_s": s, "gflop_per_s": s, "probes": beside, "gemm_ratio": 0.5,
-                     "weight_gb_per_s": 0.5, "matvec_ratio": 0.05} for t in params["prompt_lengths"]],
+                     "weight_gb_per_s": 0.5, "matvec_ratio": 0.05, "cores": cores} for t in params["prompt_lengths"]],
         "decode": [{"context": c, "tok_per_s": s, "bytes_per_token": 6e8, "gb_per_s": 1.2, "matvec_ratio": 0.1,
-                    "probes": beside, "ceiling_tok_per_s": 12.0, "ceiling_share": 0.15} for c in params["contexts"]],
+                    "probes": beside, "ceiling_tok_per_s": 12.0, "ceiling_share": 0.15, "cores": cores}
+                   for c in params["contexts"]],
         "passes": [{"tokens": k, "context": min(params["contexts"]), "pass_s": s,
                     "step_ratio": {"median": 1.5, "min": 1.4, "max": 1.6}, "weight_bytes": 8e8,
-                    "routed_experts_per_layer": 11.3} for k in params["passes"]],
+                    "routed_experts_per_layer": 11.3, "cores": cores} for k in params["passes"]],
         "memory": {"peak_rss_bytes": 3.7e9, "rss_ratio": 1.42, "weight_bytes": 2.59e9, "cache_bytes": 9.5e6},
     }
 

@@ -4,6 +4,7 @@ and nothing imports it but __main__.
 
 Bottom-up:
     console         stderr and stdout helpers, the progress bar
+    cores_used      the cores a measurement was given and kept busy (bench, --stats)
     options         the options commands share, one validation, model loading
     inspect_report  what `ds2 inspect` reports on a checkpoint, as data
     inspect_gguf    the same report for a GGUF file

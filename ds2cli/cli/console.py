@@ -48,14 +48,18 @@ def utf8_streams() -> None:
                 pass
 
 
-def stats_line(load_s: float | None, last: Chunk, cache: LatentCache, run: dict | None = None) -> str:
+def stats_line(load_s: float | None, last: Chunk, cache: LatentCache, run: dict | None = None,
+               cores: str | None = None) -> str:
     """The --stats line; chat shows the load time once at start, so it passes None. `run`: the
-    executor's stats (a streamed run's experts: hits, bytes read, reads ahead used)."""
+    executor's stats (a streamed run's experts: hits, bytes read, reads ahead used); `cores`:
+    the cores prefill and decode kept busy, of those given (cores_used.cores_text)."""
     parts = ([] if load_s is None else [f"load {load_s:.2f}s"]) + [
         f"prefill {last.prompt_tokens} tok, {last.prefill_tok_per_s:.1f} tok/s",
         f"decode {last.generated_tokens} tok, {last.decode_tok_per_s:.1f} tok/s"]
     if last.drafted:
         parts.append(f"draft {last.drafted} tok, {last.accepted} accepted")
+    if cores:
+        parts.append(cores)
     parts.append(f"cache {cache.length}/{cache.capacity} tok, {human_bytes(cache.length * cache.bytes_per_token)}")
     if run and "hits" in run:
         parts.append(experts_stats(run))

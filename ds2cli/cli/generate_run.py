@@ -1,6 +1,7 @@
 """`ds2 generate` below its click command: the prompt (the argument, a file or stdin; a fill's
 suffix) read within --max-prompt-bytes and made ids, then the run, streamed or as --json, with
---prompt-cache and an interrupted run's report."""
+--prompt-cache, --stats (the cores prefill and decode used among them) and an interrupted run's
+report."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import click
 
 from ds2cli.cli import console
 from ds2cli.cli.console import write_out
+from ds2cli.cli.cores_used import CoresUsed, cores_text
 from ds2cli.cli.options import argument_text, max_new_tokens_for, sampler_for, strip_bom, unescape
 from ds2cli.cli.saved_state import save_prompt_cache
 from ds2cli.errors import Ds2Error
@@ -127,6 +129,8 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
                              context=ids[:keep], draft=opts["draft"], progress=reading, special=opts["special"])
     if chat:
         chunks = lstrip_reply(chunks)
+    used = {"prefill": CoresUsed(model), "decode": CoresUsed(model)}
+    chunks = counting_cores(chunks, **used)
     pieces: list[Chunk] = []
     split = opts["reasoning_format"] != "none"
     writer = console.ReplyWriter(split, opts["opened"], opts["hide_reasoning"])
@@ -150,7 +154,8 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
         if not pieces and reading.done:
             console.info(reading.summary())
         elif opts["stats"]:
-            console.info(console.stats_line(load_s, interrupted, cache, model.executor.stats()))
+            console.info(console.stats_line(load_s, interrupted, cache, model.executor.stats(),
+                                            cores_of(used, interrupted)))
         sys.exit(130)
     if prompt_cache is not None:
         save_prompt_cache(prompt_cache, model, cache, ids)
@@ -158,7 +163,32 @@ def run_generate(model: Model, load_s: float, ids: list[int], ignore_eos: bool, 
         write_out(json.dumps(generation_json(last, load_s, opts["draft"], split, opts["opened"]),
                              ensure_ascii=False) + "\n")
     if opts["stats"]:
-        console.info(console.stats_line(load_s, last, cache, model.executor.stats()))
+        console.info(console.stats_line(load_s, last, cache, model.executor.stats(), cores_of(used, last)))
+
+
+def counting_cores(chunks, prefill: CoresUsed, decode: CoresUsed):
+    """The chunks as they come, the cores counted over the prompt (up to the first generated
+    token's chunk, which its logits gave) and over the decode steps after it; closing this
+    closes `chunks`."""
+    prefill.start()
+    try:
+        for chunk in chunks:
+            if decode.started is None and prefill.started is not None:
+                prefill.after_pass()
+                prefill.stop()
+                decode.start()
+            else:
+                decode.after_pass()
+            yield chunk
+    finally:
+        prefill.stop()
+        decode.stop()
+        chunks.close()
+
+
+def cores_of(used: dict[str, CoresUsed], last: Chunk) -> str | None:
+    """--stats' cores part: prefill's, and decode's once it made a step."""
+    return cores_text({name: u.report() for name, u in used.items() if name == "prefill" or last.generated_tokens > 1})
 
 
 def show_prompt(tok, ids: list[int]) -> None:

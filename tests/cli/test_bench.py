@@ -125,6 +125,33 @@ def test_json_is_what_the_page_says(report):
     assert report["model"]["path"] == str(bundled_model_dir())
 
 
+def test_each_point_says_the_cores_it_was_given_and_kept_busy(report):
+    """Every prefill, decode and pass point's `cores`: the machine's bound (`threads`), the cores
+    its passes were given (at most that), and the CPU seconds a second this process and its
+    helpers spent (cli/cores_used.py). These points last a few milliseconds, to which the
+    kernel's count of the other threads' time is a scheduler tick behind: busy is only some."""
+    for point in report["prefill"] + report["decode"] + report["passes"]:
+        c = point["cores"]
+        assert set(c) == {"threads", "given", "busy"} and 1 <= c["threads"] <= os.cpu_count()
+        assert 1 <= c["given"]["min"] <= c["given"]["median"] <= c["given"]["max"] <= c["threads"]
+        assert c["busy"] > 0
+
+
+@pytest.mark.slow
+def test_threads_bound_the_cores_every_figure_had(small_probes):
+    """--threads 1 reaches the model's machine, not only BLAS: an 8-bit run (whose kernels would
+    use every core and a helper process) is given one core in every pass, and over points of a
+    tenth of a second or more keeps busy some of the machine's CPUs, never more than there are."""
+    result = run_bench("--repeats", "3", "--contexts", "64", "--prompt-lengths", "256", "--decode-steps", "24",
+                       "--passes", "4", "--json", "--quantize", "8", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    for point in report["prefill"] + report["decode"] + report["passes"]:
+        assert point["cores"]["threads"] == 1 and point["cores"]["given"] == {"min": 1, "median": 1, "max": 1}
+        assert 0 < point["cores"]["busy"] <= os.cpu_count()
+    assert report["memory"]["helper_private_bytes"] == 0                 # no helper forked
+
+
 def test_decode_weight_bytes_match_a_count_from_the_config(report, tiny):
     moe_layers = tiny.num_hidden_layers - tiny.first_k_dense_replace
     for point in report["decode"]:
@@ -197,9 +224,10 @@ def test_piped_table_keeps_every_row_on_one_line(report, capsys):
     report_module.render(report, report_module.stdout_console())     # as bench draws it, stdout a pipe
     lines = capsys.readouterr().out.splitlines()
     rows = report_module.table_rows(report)
-    # probes 3, the ceiling's 4 formats, load, then a row for each figure: prefill 2 x 2, decode 2 x 2
-    # (tok/s, the ceiling), passes 2 x 2 (ms, what each reads), peak RSS and the weights + cache
-    assert len(rows) == 22
+    # probes 3, the ceiling's 4 formats, load, then a row for each figure: prefill 2 x 3, decode 2 x 3
+    # (tok/s, the ceiling, the cores), passes 2 x 2 (ms, what each reads) and their cores, peak RSS
+    # and the weights + cache
+    assert len(rows) == 27
     for row in rows:
         cells = r"\s+".join(re.escape(cell) for cell in row if cell)
         assert any(re.search(cells, line) for line in lines), row
@@ -238,6 +266,11 @@ def test_tables_fit_80_columns(report, monkeypatch, small_probes):
         assert f"{fig(p['gflop_per_s']['median'])} GFLOP/s" in text and f"{fig(p['weight_gb_per_s'])} GB/s" in text
     for r in report["passes"]:
         assert f"{r['step_ratio']['median']:.2f}x" in text and f"{r['routed_experts_per_layer']:.1f} exp/layer" in text
+    for name, p in [(f"pp{p['tokens']}", p) for p in report["prefill"]] + [
+            (f"tg @ {d['context']}", d) for d in report["decode"]] + [("passes", report["passes"][0])]:
+        c = p["cores"]
+        given = f"{c['given']['min']}" + (f"-{c['given']['max']}" if c["given"]["max"] != c["given"]["min"] else "")
+        assert re.search(rf"{re.escape(name)} cores\s+{re.escape(fig(c['busy']))} busy of {given} given", text)
     for f, rate in report["probes"]["ceiling"]["g_weights_per_s"].items():
         assert re.search(rf"ceiling {f} G w/s\s+{re.escape(fig(rate))}", text)
     assert f"{human_count(report['model']['params'])} params" in text

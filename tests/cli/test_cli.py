@@ -1,6 +1,7 @@
 """The command line, driven with click's CliRunner and real subprocesses, on ds2-tiny."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from ds2cli.weights.quantize import quantize_checkpoint
 from ds2cli.wording import human_bytes, unpacked
 
 STATS = re.compile(r"^\[(?:load \d+\.\d\ds \| )?prefill (\d+) tok, [\d.]+ tok/s \| decode (\d+) tok, [\d.]+ tok/s"
+                   r"(?: \| cores ([\d.]+) prefill, ([\d.]+) decode \(of (\d+(?:-\d+)?)\))?"    # generate's
                    r" \| cache (\d+)/(\d+) tok, ([\d.]+ k?M?G?B)\]$")
 
 
@@ -40,7 +42,7 @@ def test_chat_scripted_greedy_answers_and_prefills_only_new_tokens():
     stats = [STATS.match(line) for line in lines[1:]]
     assert all(stats) and len(stats) == 3 and not any("load" in line for line in lines[1:])
     prefilled = [int(m.group(1)) for m in stats]
-    cached = [int(m.group(3)) for m in stats]
+    cached = [int(m.group(6)) for m in stats]
     # each later turn prefills only its own tokens: the eos the last reply ended with (sampled,
     # never fed) plus "User: ...\n\nAssistant:"; everything before stays in the cache
     model = ds2cli.load()
@@ -124,10 +126,13 @@ def test_generate_stats_line_on_stderr_only():
     m = STATS.match(unpacked(r.stderr).strip())
     model = ds2cli.load()
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
-    assert m and int(m.group(1)) == len(prompt) and int(m.group(3)) == len(prompt) + int(m.group(2)) - 1
+    assert m and int(m.group(1)) == len(prompt) and int(m.group(6)) == len(prompt) + int(m.group(2)) - 1
     # the cache's size in the units every command prints (kB = 10^3 bytes), not a count of bytes
-    assert m.group(5) == human_bytes(int(m.group(3)) * model.new_cache(1).bytes_per_token)
-    assert m.group(5).endswith(" kB")
+    assert m.group(8) == human_bytes(int(m.group(6)) * model.new_cache(1).bytes_per_token)
+    assert m.group(8).endswith(" kB")
+    # the cores prefill and decode kept busy, of those the machine gave the passes (at most them all)
+    given = [int(n) for n in m.group(5).split("-")]
+    assert 1 <= min(given) <= max(given) <= os.cpu_count() and all(0 < float(m.group(k)) for k in (3, 4))
 
 
 def test_streaming_never_splits_a_character():

@@ -162,7 +162,7 @@ def bench(model_dir, threads, layers, cache_dir, repeats, prompt_lengths, contex
                                      threads)
         else:
             report = run_bench(path, model_dir is None, repeats, prompt_lengths, contexts, decode_steps, compare_hf,
-                               int(quantize) if quantize else None, passes, profile, memory_budget)
+                               int(quantize) if quantize else None, passes, profile, memory_budget, threads)
     if as_json:
         click.echo(json.dumps(report))
     else:

@@ -59,17 +59,18 @@ def compare_formats(path: Path, bench_dir: Path, formats: list[int | None], repe
                 raise BenchError(f"the {name} benchmark failed (exit {child.returncode}); its error is above")
             runs[name].append(json.loads(child.stdout))
     return {"formats": runs, "comparison": format_ratios(runs),
-            "side_by_side": side_by_side(targets, repeats, prompt_lengths, contexts, steps)}
+            "side_by_side": side_by_side(targets, repeats, prompt_lengths, contexts, steps, threads=threads)}
 
 
 def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[int], contexts: list[int],
-                 steps: int, loader=load, available_bytes=memory.available_bytes) -> dict | None:
+                 steps: int, loader=load, available_bytes=memory.available_bytes, threads: int | None = None) -> dict | None:
     """Speed ratios measured in one process that holds every format, their samples interleaved:
     for each point, sample k of every format runs in turn, seconds apart, on the same token ids,
     and the ratio is taken within each k. A shared machine's speed moves by 10-30% between the
     rounds' processes, minutes apart, and this pairs measurements made seconds apart instead.
     None (said on stderr) if the formats do not fit in memory together, and for one format.
-    `loader` loads each (ds2cli.load), `available_bytes()` says the memory there is."""
+    `loader` loads each (ds2cli.load), `available_bytes()` says the memory there is; `threads`:
+    --threads, the most cores the one machine they share uses."""
     if len(targets) < 2:
         return None
     cfgs = {name: DeepseekV2Config.from_file(t / "config.json") for name, t in targets.items()}
@@ -83,7 +84,7 @@ def side_by_side(targets: dict[str, Path], repeats: int, prompt_lengths: list[in
     console.info("== side by side: every format in this process, samples interleaved")
     # one machine for them all: each low-bit load forks its decode helpers anew, so the last
     # ones know every model here (one helper a core, not one a model)
-    machine, models = Machine(), {}
+    machine, models = Machine(threads), {}
     for name, t in targets.items():
         progress = console.LoadProgress()
         try:

@@ -1,7 +1,8 @@
 """Timing the model: load, prefill and decode runs with their repeats, and the peak RSS against
 what must be resident; run_bench puts them into one report. The probes run once at the start and
 again, shorter, beside each measured point, whose ratios are taken against those: a shared
-machine's speed drifts mid-run."""
+machine's speed drifts mid-run. Each point also says the cores it was given and kept busy
+(cli/cores_used.py), so a figure taken beside other work says so."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ds2cli.cli import console
+from ds2cli.cli.cores_used import CoresUsed
 from ds2cli.weights import memory
 from ds2cli.cli.bench.accounting import (ceiling_tok_per_s, forward_values_by_format, forward_weight_bytes,
                                          prefill_flops, total_params, weight_nbytes)
@@ -29,8 +31,8 @@ FILL_CHUNK = 512            # the decode cache is filled by prefilling this many
 REAL_FILL = 2048            # ... up to this many; later positions repeat their latents (fill_cache)
 
 
-def time_load(path: Path, repeats: int, quantize: int | None = None,
-              context: int | None = None, memory_budget: int | None = None) -> tuple[Model, dict]:
+def time_load(path: Path, repeats: int, quantize: int | None = None, context: int | None = None,
+              memory_budget: int | None = None, threads: int | None = None) -> tuple[Model, dict]:
     samples, model = [], None
     for r in range(repeats):
         model = None  # free the previous copy first: two might not fit side by side
@@ -39,7 +41,8 @@ def time_load(path: Path, repeats: int, quantize: int | None = None,
         progress = console.LoadProgress()
         try:
             t0 = time.perf_counter()
-            model = load(path, progress=progress, quantize=quantize, context=context, memory_budget=memory_budget)
+            model = load(path, progress=progress, quantize=quantize, context=context, memory_budget=memory_budget,
+                         threads=threads)
             samples.append(time.perf_counter() - t0)
         finally:
             progress.close()
@@ -52,11 +55,13 @@ def bench_prefill(model: Model, tokens: int, repeats: int, rng) -> dict:
     matvec probe (bytes)."""
     console.info(f"prefill {tokens} tokens x {repeats}")
     probes = outside_peak(probe_beside)
-    samples, routes = [], []
-    for _ in range(repeats):
-        ids = rng.integers(model.config.vocab_size, size=tokens)
-        cache = model.new_cache(tokens)
-        samples.append(tokens / seconds(lambda: model.forward(ids, cache, trace=routes)))
+    samples, routes, used = [], [], CoresUsed(model)
+    with used.span():
+        for _ in range(repeats):
+            ids = rng.integers(model.config.vocab_size, size=tokens)
+            cache = model.new_cache(tokens)
+            samples.append(tokens / seconds(lambda: model.forward(ids, cache, trace=routes)))
+            used.after_pass()
     routed = sum(len(np.unique(idx)) for idx in routes) / repeats
     weight_bytes = forward_weight_bytes(model, routed, tokens)
     tok_per_s, gflop = summary(samples), prefill_flops(model, tokens) / 1e9
@@ -65,7 +70,7 @@ def bench_prefill(model: Model, tokens: int, repeats: int, rng) -> dict:
     return {"tokens": tokens, "tok_per_s": tok_per_s, "gflop": gflop, "gflop_per_s": gflop_per_s,
             "routed_experts": routed, "weight_bytes": weight_bytes, "weight_gb_per_s": gb_per_s,
             "probes": probes, "gemm_ratio": gflop_per_s["median"] / probes["gemm_gflop_per_s"]["median"],
-            "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"]}
+            "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"], "cores": used.report()}
 
 
 def fill_cache(model: Model, cache, ids: np.ndarray) -> None:
@@ -107,15 +112,17 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
     best = {} if best is None else best
     for f, rate in probes["ceiling"]["g_weights_per_s"].items():
         best[f] = max(best.get(f, 0.0), rate)
-    samples, routes = [], []
+    samples, routes, used = [], [], CoresUsed(model)
     before = model.executor.stats()
-    for _ in range(repeats):
-        ids = rng.integers(model.config.vocab_size, size=steps)
-        cache.truncate(context)
-        t0 = time.perf_counter()
-        for token in ids:
-            model.forward(token[None], cache, trace=routes)
-        samples.append(steps / (time.perf_counter() - t0))
+    with used.span():
+        for _ in range(repeats):
+            ids = rng.integers(model.config.vocab_size, size=steps)
+            cache.truncate(context)
+            t0 = time.perf_counter()
+            for token in ids:
+                model.forward(token[None], cache, trace=routes)
+                used.after_pass()
+            samples.append(steps / (time.perf_counter() - t0))
     cache.truncate(context)
     stream = streamed_point(before, model.executor.stats(), steps * repeats, samples, model.executor)
     routed = sum(len(np.unique(idx)) for idx in routes) / (steps * repeats)
@@ -131,7 +138,7 @@ def decode_point(model: Model, cache, context: int, steps: int, repeats: int, rn
             "weight_bytes_per_token": weight_bytes, "cache_bytes_per_token": cache_bytes,
             "bytes_per_token": weight_bytes + cache_bytes, "gb_per_s": gb_per_s,
             "probes": probes, "matvec_ratio": gb_per_s / probes["matvec_gb_per_s"]["median"],
-            **({"stream": stream} if stream else {})}
+            "cores": used.report(), **({"stream": stream} if stream else {})}
 
 
 def streamed_point(before: dict, after: dict, tokens: int, samples: list[float], executor) -> dict | None:
@@ -165,7 +172,8 @@ def bench_passes(model: Model, ks: list[int], context: int, repeats: int, rng) -
     """Forward passes of k tokens after `context` (what a verification of k - 1 drafts costs),
     each repeat timing a one-token step and every k in turn on the same cache, so that each
     pass's cost in decode steps is a ratio within one repeat; and how many distinct experts a
-    pass dequantized (from the trace), with the weight bytes that makes."""
+    pass dequantized (from the trace), with the weight bytes that makes. The cores are counted
+    over every pass timed here, the one-token steps too: each point gives the same."""
     if not ks:
         return []
     console.info(f"passes of {','.join(map(str, ks))} tokens after {context}, x {repeats}")
@@ -173,11 +181,14 @@ def bench_passes(model: Model, ks: list[int], context: int, repeats: int, rng) -
     fill_cache(model, cache, rng.integers(model.config.vocab_size, size=context))
     times: dict[int, list[float]] = {k: [] for k in [1, *ks]}
     routes: dict[int, list] = {k: [] for k in times}
-    for _ in range(repeats):
-        for k in times:
-            ids = rng.integers(model.config.vocab_size, size=k)
-            cache.truncate(context)
-            times[k].append(seconds(lambda: model.forward(ids, cache, all_logits=k > 1, trace=routes[k])))
+    used = CoresUsed(model)
+    with used.span():
+        for _ in range(repeats):
+            for k in times:
+                ids = rng.integers(model.config.vocab_size, size=k)
+                cache.truncate(context)
+                times[k].append(seconds(lambda: model.forward(ids, cache, all_logits=k > 1, trace=routes[k])))
+                used.after_pass()
     layers = max(1, sum(1 for layer in model.layers if layer.is_moe))
     points = []
     for k in ks:
@@ -186,7 +197,7 @@ def bench_passes(model: Model, ks: list[int], context: int, repeats: int, rng) -
         points.append({"tokens": k, "context": context, "pass_s": summary(times[k]),
                        "step_ratio": summary(ratios), "routed_experts": routed,
                        "routed_experts_per_layer": routed / layers,
-                       "weight_bytes": forward_weight_bytes(model, routed, k)})
+                       "weight_bytes": forward_weight_bytes(model, routed, k), "cores": used.report()})
     return points
 
 
@@ -232,11 +243,11 @@ def memory_section(model: Model, cache_tokens: int) -> dict:
 
 def run_bench(path: Path, synthetic: bool, repeats: int, prompt_lengths: list[int], contexts: list[int],
               steps: int, hf: bool, quantize: int | None = None, passes: list[int] = (),
-              profile: bool = False, memory_budget: int | None = None) -> dict:
+              profile: bool = False, memory_budget: int | None = None, threads: int | None = None) -> dict:
     rng = np.random.default_rng(0)
     probes = outside_peak(probe_machine)
     model, load_s = time_load(path, repeats, quantize, context=cache_tokens(prompt_lengths, contexts, steps),
-                              memory_budget=memory_budget)
+                              memory_budget=memory_budget, threads=threads)
     warm = min(prompt_lengths)  # one untimed forward first, as llama-bench does
     model.forward(rng.integers(model.config.vocab_size, size=warm), model.new_cache(warm))
     prefill = [bench_prefill(model, tokens, repeats, rng) for tokens in prompt_lengths]

@@ -81,6 +81,9 @@ def footnotes(report: dict) -> list[str]:
                      "at most memory's; tg: the run's best so far")
     if report.get("passes"):
         notes.append("pass k @ c: k tokens after c, in decode steps of its repeat (median, range)")
+    if any("cores" in r for r in report.get("prefill", []) + report.get("decode", [])):
+        notes.append("cores: busy, CPU seconds a second of this process and its helpers; given,\n"
+                     "the cores the passes had (at most --threads, fewer while others run)")
     if report.get("compare_hf"):
         notes.append("hf: transformers on the same checkpoint; vs probe: ds2's median over its")
     for d in report.get("decode", []):
@@ -151,6 +154,16 @@ def stat_cells(s: dict) -> list[str]:
     return [fig(s["median"]), fig(s["min"])]
 
 
+def cores_row(name: str, point: dict) -> list[list[str]]:
+    """A measurement's cores (cli/cores_used.py): busy, and given where a machine counted them."""
+    if "cores" not in point:
+        return []
+    c = point["cores"]
+    given = "" if c["given"] is None else f" of {c['given']['min']}" + (
+        f"-{c['given']['max']}" if c["given"]["max"] != c["given"]["min"] else "") + " given"
+    return [[f"{name} cores", "", "", f"{fig(c['busy'])} busy{given}", ""]]
+
+
 def table_rows(report: dict) -> list[list[str]]:
     """The rows of the table, each five cells: test, median, min, derived, vs probe."""
     p = report["probes"]
@@ -167,6 +180,7 @@ def table_rows(report: dict) -> list[list[str]]:
                      f"{pct(r['gemm_ratio'])} of {fig(beside['gemm_gflop_per_s']['median'])}"])
         rows.append([f"pp{r['tokens']} weights", "", "", f"{fig(r['weight_gb_per_s'])} GB/s",
                      f"{pct(r['matvec_ratio'])} of {fig(beside['matvec_gb_per_s']['median'])}"])
+        rows += cores_row(f"pp{r['tokens']}", r)
     for r in report["decode"]:
         rows.append([f"tg @ {r['context']} tok/s", *stat_cells(r["tok_per_s"]),
                      f"{human_bytes(r['bytes_per_token'])}/tok, {fig(r['gb_per_s'])} GB/s",
@@ -174,12 +188,14 @@ def table_rows(report: dict) -> list[list[str]]:
         if "ceiling_share" in r:
             rows.append([f"tg @ {r['context']} ceiling", "", "", f"{fig(r['ceiling_tok_per_s'])} tok/s",
                          f"{pct(r['ceiling_share'])} of it"])
+        rows += cores_row(f"tg @ {r['context']}", r)
     for r in report.get("passes", []):
         ratio = r["step_ratio"]
         rows.append([f"pass {r['tokens']} @ {r['context']} ms", *stat_cells({k: 1e3 * r["pass_s"][k] for k in ("median", "min")}),
                      f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})", ""])
         rows.append([f"pass {r['tokens']} @ {r['context']} reads", "", "",
                      f"{human_bytes(r['weight_bytes'])}, {r['routed_experts_per_layer']:.1f} exp/layer", ""])
+    rows += cores_row("passes", report["passes"][0]) if report.get("passes") else []
     mem = report["memory"]
     rows.append(["peak RSS", human_bytes(mem["peak_rss_bytes"]), "", f"{mem['rss_ratio']:.2f}x weights + cache", ""])
     rows.append(["weights + cache", "", "", f"{human_bytes(mem['weight_bytes'])} + {human_bytes(mem['cache_bytes'])}", ""])
