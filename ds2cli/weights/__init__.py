@@ -5,6 +5,7 @@ default executor) and the base modules. GGUF sits
 inside, as `gguf/`, because its tensors become the same weights and the loader opens both kinds.
 
 Bottom-up:
+    downloads    a download in a child process: its bytes metered (an idle bound), Ctrl-C ends it at once
     hub          Hugging Face ids to local snapshots
     checkpoint   safetensors shards: headers, validation, tensors
     checksums    each tensor's checksum (a routed expert's each): recorded by quantize, checked by --verify

@@ -12,12 +12,16 @@ the first bytes of each shard (8 + the header) by HTTP Range requests, and keeps
 repository's cache folder for the next inspect, which then needs no network (resolve_headers).
 A snapshot so left holds config.json but no shard: missing_shards tells it from a complete one,
 and generate downloads the shards then.
+
+Both run in a child process (weights/downloads.py, `fetch` there): a download that stalls ends
+after DS2_HUB_IDLE_S seconds with one error, and Ctrl-C ends it at once.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -29,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ds2cli.errors import ConfigError, Ds2Error
+from ds2cli.weights import downloads
 from ds2cli.json_files import JSON_ERRORS
 from ds2cli.wording import human_bytes, install_hint
 
@@ -151,18 +156,56 @@ def first_sentence(e: Exception) -> str:
     return (message[:200] + "..." if len(message) > 200 else message) or type(e).__name__
 
 
-def download(repo: str, revision: str, cache_dir: Path, patterns: list[str], where: str) -> Path:
-    try:
-        import huggingface_hub
-    except ImportError:
+def download(repo: str, revision: str, cache_dir: Path, patterns: list[str], where: str,
+             heads_limit: int | None = None) -> tuple[Path, RemoteShards | None]:
+    """huggingface_hub's snapshot_download of `patterns` into the cache, in a child process
+    (weights/downloads.py: a stall ends it after DS2_HUB_IDLE_S, Ctrl-C at once); with
+    `heads_limit`, also the shards' heads read over HTTP there (fetch_heads). Any failure is one
+    ConfigError starting with `where`."""
+    if importlib.util.find_spec("huggingface_hub") is None:
         raise ConfigError(f"{where}; to download it, {install_hint('hub', 'huggingface_hub')};"
-                          f" or run `hf download {repo}`") from None
+                          f" or run `hf download {repo}`")
+    job = {"repo": repo, "revision": revision, "cache_dir": str(cache_dir), "patterns": patterns,
+           "heads_limit": heads_limit}
+    actions = {"download": f"downloading {repo}@{revision}",
+               "heads": f"reading the safetensors headers of {repo}@{revision}"}
     try:
-        path = huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=cache_dir,
-                                                 allow_patterns=patterns)
-    except Exception as e:  # network, authentication, unknown repo: huggingface_hub has many kinds
-        raise failed(where, f"downloading {repo}@{revision}", repo, first_sentence(e)) from None
-    return Path(path)
+        result = downloads.run("ds2cli.weights.hub:fetch", job, downloads.idle_seconds())
+    except downloads.Stalled as e:
+        raise failed(where, actions.get(e.doing, actions["download"]), repo, str(e)) from None
+    except downloads.ChildError as e:   # network, authentication, unknown repo: huggingface_hub has many kinds
+        raise failed(where, actions["download"], repo, first_sentence(e)) from None
+    if "heads_error" in result:         # the network, offline mode, a server that ignores byte ranges
+        raise failed(where, actions["heads"], repo, result["heads_error"])
+    heads = result.get("heads")
+    shards = None if heads is None else RemoteShards(
+        {name: (size, base64.b64decode(head)) for name, (size, head) in heads.items()})
+    return Path(result["snapshot"]), shards
+
+
+def fetch(job: dict, meter: downloads.Meter) -> dict:
+    """The child's side of `download`: the snapshot's path, and with a heads_limit the shards'
+    heads (base64) or why they could not be read, every byte metered."""
+    import huggingface_hub
+    from huggingface_hub.utils import are_progress_bars_disabled, get_session, logging
+
+    logging.set_verbosity_error()           # its retry warnings: the one error line is the parent's
+    meter.shows_progress = not are_progress_bars_disabled()
+    downloads.meter_session(get_session(), meter)
+    meter.doing = "download"
+    path = huggingface_hub.snapshot_download(job["repo"], revision=job["revision"], cache_dir=job["cache_dir"],
+                                             allow_patterns=job["patterns"])
+    if job["heads_limit"] is None:
+        return {"snapshot": str(path)}
+    meter.doing = "heads"
+    try:
+        shards = fetch_heads(job["repo"], Path(path), job["heads_limit"])
+    except Ds2Error:
+        raise
+    except Exception as e:  # noqa: BLE001 - the network, offline mode, a server that ignores byte ranges
+        return {"snapshot": str(path), "heads_error": first_sentence(e)}
+    return {"snapshot": str(path), "heads": {name: (size, base64.b64encode(head).decode("ascii"))
+                                             for name, (size, head) in shards.heads.items()}}
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -178,7 +221,7 @@ def resolve_model_dir(path: str | Path) -> Path:
     missing = [] if snapshot is None else missing_shards(snapshot)
     if snapshot is not None and not missing:
         return snapshot
-    snapshot = download(repo, revision, cache_dir, DOWNLOAD_PATTERNS, not_found(repo, cache_dir, missing))
+    snapshot, _ = download(repo, revision, cache_dir, DOWNLOAD_PATTERNS, not_found(repo, cache_dir, missing))
     missing = missing_shards(snapshot)
     if missing:     # offline, huggingface_hub may hand back the snapshot as it found it
         raise failed(not_found(repo, cache_dir, missing), f"downloading {repo}@{revision}", repo,
@@ -228,14 +271,7 @@ def resolve_headers(path: str | Path, max_header_bytes: int) -> tuple[Path, Remo
     shards = None if snapshot is None else read_heads(snapshot)
     if shards is None:
         where = not_found(repo, cache_dir, missing)
-        snapshot = download(repo, revision, cache_dir, HEADER_PATTERNS, where)
-        try:
-            shards = fetch_heads(repo, snapshot, max_header_bytes)
-        except Ds2Error:
-            raise
-        except Exception as e:  # the network, offline mode, a server that ignores byte ranges
-            raise failed(where, f"reading the safetensors headers of {repo}@{revision}", repo,
-                         first_sentence(e)) from None
+        snapshot, shards = download(repo, revision, cache_dir, HEADER_PATTERNS, where, max_header_bytes)
         save_heads(snapshot, shards)
     return snapshot, shards
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 COMMIT = "c0ffee0123456789abcdef0123456789abcdef01"
+DRIP_S = 1.0                         # a dripping file's pace: a byte a second
 LFS_SUFFIXES = (".safetensors",)     # what the Hub stores in LFS (of what ds2 reads)
 RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
@@ -40,13 +41,16 @@ class Request:
 
 class FakeHub:
     """`root`'s files (top level) as repository `repo` at COMMIT, also under the revision "main".
-    With `ignore_ranges`, it answers a byte-range request with the whole file, as some servers do."""
+    With `ignore_ranges`, it answers a byte-range request with the whole file, as some servers do.
+    The files named in `drip` are sent a byte every DRIP_S seconds, as a stalled server sends
+    them (`dripping` is set when one starts), until the client goes or the hub closes."""
 
-    def __init__(self, root: Path, repo: str = "org/tiny", ignore_ranges: bool = False):
-        self.root, self.repo, self.ignore_ranges = Path(root), repo, ignore_ranges
+    def __init__(self, root: Path, repo: str = "org/tiny", ignore_ranges: bool = False, drip: tuple = ()):
+        self.root, self.repo, self.ignore_ranges, self.drip = Path(root), repo, ignore_ranges, set(drip)
         self.files = sorted(p.name for p in self.root.iterdir() if p.is_file())
         self.requests: list[Request] = []
         self.lock = threading.Lock()
+        self.dripping, self.closed = threading.Event(), threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -56,6 +60,7 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.closed.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -142,10 +147,27 @@ class FakeHub:
                 span = byte_range(asked, len(data)) if asked and not head else None
                 if asked and not head and span is None:
                     return self.reply(416, b"", {**headers, "Content-Range": f"bytes */{len(data)}"})
+                if name in hub.drip and not head:
+                    return self.drip(data, headers)
                 if span is None:
                     return self.reply(200, data, headers, head)
                 start, stop = span
                 self.reply(206, data[start:stop], {**headers, "Content-Range": f"bytes {start}-{stop - 1}/{len(data)}"})
+
+            def drip(self, data: bytes, headers: dict[str, str]) -> None:
+                self.send_response(200)
+                for key, value in {**headers, "Content-Length": str(len(data))}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                hub.dripping.set()
+                for i in range(len(data)):
+                    if hub.closed.wait(DRIP_S):
+                        return
+                    try:
+                        self.wfile.write(data[i:i + 1])
+                        self.wfile.flush()
+                    except OSError:
+                        return      # the client went
 
             def reply(self, status: int, body: bytes, headers: dict[str, str], head: bool = False) -> None:
                 self.send_response(status)

@@ -1,16 +1,20 @@
-"""Hugging Face ids for -m: resolved from a fake local cache; downloads are monkeypatched, never real."""
+"""Hugging Face ids for -m: resolved from a fake local cache; downloads from tests/support/fake_hub.py on
+127.0.0.1 (HF_ENDPOINT), never the network."""
 
+import fnmatch
 import shutil
+import socket
 import sys
-import types
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.fake_hub import COMMIT as HUB_COMMIT
+from support.fake_hub import FakeHub
 
 from ds2cli.cli.main import main
 from ds2cli.errors import ConfigError
-from ds2cli.weights.hub import hub_cache_dir, parse_hub_id, resolve_model_dir
+from ds2cli.weights.hub import DOWNLOAD_PATTERNS, hub_cache_dir, parse_hub_id, resolve_model_dir
 from ds2cli.weights.source import bundled_model_dir
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -102,73 +106,77 @@ def test_a_snapshot_without_config_counts_as_not_cached(hf_env, tmp_path):
         resolve_model_dir("org/partial")
 
 
-def test_not_cached_downloads_through_huggingface_hub(hf_env, tmp_path):
+@pytest.fixture
+def hub(hf_env, tmp_path):
+    """tests/support/fake_hub.py serving ds2-tiny as org/tiny, through HF_ENDPOINT, to the real
+    huggingface_hub (un-hidden), which downloads in a child process (weights/downloads.py)."""
+    hf_env.delitem(sys.modules, "huggingface_hub")
     hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    calls = []
+    hf_env.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    hf_env.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hf_env.setenv("NO_PROXY", "127.0.0.1")
+    for name in ("HF_HUB_OFFLINE", "HF_TOKEN", "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        hf_env.delenv(name, raising=False)
+    with FakeHub(bundled_model_dir(), "org/tiny") as fake:
+        hf_env.setenv("HF_ENDPOINT", fake.url)
+        yield fake
 
-    def snapshot_download(repo_id, revision, cache_dir, allow_patterns):
-        calls.append((repo_id, revision, Path(cache_dir), allow_patterns))
-        return str(fake_cache(Path(cache_dir), repo_id) / "snapshots" / COMMIT)
 
-    hf_env.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
+@pytest.mark.slow
+def test_not_cached_downloads_through_huggingface_hub(hub, tmp_path):
     r = CliRunner().invoke(main, ["generate", "--chat", "-m", "org/tiny@main", "What is 2 + 3?",
                                   "--temperature", "0"])
     assert r.exit_code == 0, r.stderr
     assert r.stdout == "2 + 3 = 5.\n"
-    assert calls[0][:3] == ("org/tiny", "main", tmp_path / "cache") and "*.safetensors" in calls[0][3]
-    assert "tiktoken.model" in calls[0][3]                # Moonlight's / Kimi-K2's tokenizer
-    # now cached: no second download
-    r = CliRunner().invoke(main, ["inspect", "--json", "-m", "org/tiny"])
-    assert r.exit_code == 0 and len(calls) == 1
+    snapshot = tmp_path / "cache" / "models--org--tiny" / "snapshots" / HUB_COMMIT
+    wanted = [f for f in hub.files if any(fnmatch.fnmatch(f, p) for p in DOWNLOAD_PATTERNS)]
+    assert sorted(p.name for p in snapshot.iterdir()) == wanted and "README.md" not in wanted
+    asked = len(hub.requests)
+    r = CliRunner().invoke(main, ["inspect", "--json", "-m", "org/tiny"])     # now cached: no second download
+    assert r.exit_code == 0 and len(hub.requests) == asked
 
 
-def test_a_failed_download_is_one_error_line(hf_env, tmp_path):
-    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+def test_what_is_downloaded_is_what_ds2_reads():
+    assert "*.safetensors" in DOWNLOAD_PATTERNS
+    assert "tiktoken.model" in DOWNLOAD_PATTERNS            # Moonlight's / Kimi-K2's tokenizer
 
-    def snapshot_download(**kwargs):
-        raise OSError("We couldn't connect to 'https://huggingface.co'\nCheck your connection.")
 
-    hf_env.setitem(sys.modules, "huggingface_hub",
-                   types.SimpleNamespace(snapshot_download=lambda repo, **kw: snapshot_download(**kw)))
+@pytest.mark.slow
+def test_a_failed_download_is_one_error_line(hub, hf_env, tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as s:       # a port nothing listens on
+        hf_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{s.getsockname()[1]}")
     r = CliRunner().invoke(main, ["chat", "-m", "org/offline"], input="hi\n")
-    assert r.exit_code == 1 and r.stderr.count("\n") == 1
-    assert r.stderr == (f"error: org/offline is neither a local directory nor in the Hugging Face cache "
-                        f"({tmp_path / 'cache'}), and downloading org/offline@main failed: We couldn't connect to "
-                        f"'https://huggingface.co' Check your connection; download it where there is a network "
-                        f"(`hf download org/offline`) or pass a local directory\n")
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: org/offline is neither a local directory nor in the Hugging Face cache "
+                               f"({tmp_path / 'cache'}), and downloading org/offline@main failed: "), r.stderr
+    assert r.stderr.endswith("; download it where there is a network (`hf download org/offline`) or pass a "
+                             "local directory\n")
     hf_env.setenv("HF_HUB_OFFLINE", "1")          # the variable that stops huggingface_hub is named
     r = CliRunner().invoke(main, ["chat", "-m", "org/offline"], input="hi\n")
     assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "HF_HUB_OFFLINE is set" in r.stderr
 
 
-def test_a_snapshot_without_its_shards_is_downloaded_again(hf_env, tmp_path):
+@pytest.mark.slow
+def test_a_snapshot_without_its_shards_is_downloaded_again(hub, tmp_path):
     """`ds2 inspect` leaves a snapshot with config.json and no shard (tests/cli/test_inspect_remote.py):
     generate must download the shards, not take it for a checkpoint."""
-    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    snapshot = fake_cache(tmp_path / "cache", repo="org/tiny") / "snapshots" / COMMIT
+    snapshot = fake_cache(tmp_path / "cache", repo="org/tiny", refs={"main": HUB_COMMIT}) / "snapshots" / HUB_COMMIT
     for shard in snapshot.glob("*.safetensors"):
         shard.unlink()
-    calls = []
-
-    def snapshot_download(repo_id, revision, cache_dir, allow_patterns):
-        calls.append(allow_patterns)
-        return str(fake_cache(Path(cache_dir), repo_id) / "snapshots" / COMMIT)
-
-    hf_env.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
-    assert resolve_model_dir("org/tiny") == snapshot and "*.safetensors" in calls[0]
-    assert resolve_model_dir("org/tiny") == snapshot and len(calls) == 1     # now whole
+    assert resolve_model_dir("org/tiny") == snapshot
+    assert all(hub.bytes_sent(p.name) == p.stat().st_size for p in snapshot.glob("*.safetensors"))
+    asked = len(hub.requests)
+    assert resolve_model_dir("org/tiny") == snapshot and len(hub.requests) == asked     # now whole
 
 
-def test_a_snapshot_huggingface_hub_hands_back_without_shards_is_one_error_line(hf_env, tmp_path):
-    """Offline, huggingface_hub may return a cached snapshot as it found it: the shards still missing
+@pytest.mark.slow
+def test_a_snapshot_huggingface_hub_hands_back_without_shards_is_one_error_line(hub, hf_env, tmp_path):
+    """Offline, huggingface_hub returns a cached snapshot as it found it: the shards still missing
     are named, not left for the loader to stumble on."""
-    hf_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     hf_env.setenv("HF_HUB_OFFLINE", "1")
     snapshot = fake_cache(tmp_path / "cache", repo="org/tiny") / "snapshots" / COMMIT
     for shard in snapshot.glob("*.safetensors"):
         shard.unlink()
-    as_found = types.SimpleNamespace(snapshot_download=lambda *args, **kwargs: str(snapshot))
-    hf_env.setitem(sys.modules, "huggingface_hub", as_found)
     r = CliRunner().invoke(main, ["generate", "-m", "org/tiny", "hi"])
     assert r.exit_code == 1 and r.stderr.count("\n") == 1
     assert r.stderr == (f"error: org/tiny is in the Hugging Face cache ({tmp_path / 'cache'}) without its safetensors "
@@ -176,6 +184,7 @@ def test_a_snapshot_huggingface_hub_hands_back_without_shards_is_one_error_line(
                         f"(HF_HUB_OFFLINE is set: huggingface_hub does not download): the snapshot huggingface_hub "
                         f"returned lacks them; download it where there is a network (`hf download org/tiny`) or pass "
                         f"a local directory\n")
+    assert hub.requests == []
 
 
 @pytest.mark.slow
