@@ -326,9 +326,9 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
               help="With --ray: the context each node's part of the cache is counted at (default: the model's, "
                    "at most 4096).")
 @click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
-              help="Size the expert cache that --memory-budget SIZE would hold; the report always gives the "
-                   "least budget that runs the model (default: the memory available now). With --ray: "
-                   "the placement with every node streaming its experts within SIZE.")
+              help="Size the expert cache that --memory-budget SIZE would hold (with --ray: the placement "
+                   "with every node streaming its experts within SIZE); the report always gives the "
+                   "least budget that runs the model (default: the memory available now).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def inspect(directory, model_dir, as_json, check, verify, ray, ray_spread, ctx, memory_budget):
     """Summarise a checkpoint from its headers: architecture, parameters, memory, cache economics.
