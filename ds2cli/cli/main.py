@@ -223,7 +223,8 @@ def generate(prompt, prompt_option, model_dir, prompt_file, encoding, chat, syst
         context = opts["ctx"] or min(len(ids) + max_new_tokens_for(source.generation_config, opts["max_new_tokens"]),
                                      limit)
         model, load_s = load_model(source, quantize, context, not no_memory_check, opts["ray"], opts["memory_budget"],
-                                   opts["ray_spread"], opts["threads"])
+                                   opts["ray_spread"], opts["threads"],
+                                       not opts["no_heal"])
         run_generate(model, load_s, ids, ignore_eos, verbose_prompt, as_json, chat, opts, prompt_cache,
                      ends=fim_tokens.ends if fill else ())
 
@@ -279,7 +280,8 @@ def chat(model_dir, system, load_path, session_path, chat_template, quantize, no
             # the cache the memory check (and --memory-budget's) counts is the one the chat keeps
             capacity = opts["ctx"] or min(source.config.max_position_embeddings, DEFAULT_CHAT_CTX)
             model, load_s = load_model(source, quantize, capacity, not no_memory_check, opts["ray"],
-                                       opts["memory_budget"], opts["ray_spread"], opts["threads"])
+                                       opts["memory_budget"], opts["ray_spread"], opts["threads"],
+                                       not opts["no_heal"])
             session = ChatSession(model, capacity, warn=console.warn,
                                   split_reasoning=opts["reasoning_format"] != "none", special=opts["special"])
             repl = Repl(session, sampler_for(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),

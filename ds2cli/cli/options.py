@@ -274,6 +274,9 @@ def memory_options(f):
                      help="Load even when the model looks too big for the memory available."),
         ray_option,
         ray_spread_option,
+        click.option("--no-heal", "no_heal", is_flag=True,
+                     help="With --ray: a node lost mid-run ends the request with an error, as llama.cpp's RPC "
+                          "backend does, instead of its layers moving to the nodes left (docs/cluster.md)."),
         click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
                      help="Run a low-bit checkpoint or a Q8_0 GGUF larger than memory: everything but the routed experts "
                           "stays resident, the experts are read from disk into a cache that fills the rest of "
@@ -332,7 +335,7 @@ def check_spread(ray: str | None, spread: str | None) -> str:
 def load_model(source: Source, quantize: str | None = None, context: int | None = None,
                memory_check: bool = True, ray: str | None = None,
                memory_budget: int | None = None, spread: str | None = None,
-               threads: int | None = None) -> tuple[Model, float]:
+               threads: int | None = None, heal: bool = True) -> tuple[Model, float]:
     """Load the opened model with a progress bar; `quantize` as --quantize gives it ("8", "4",
     "auto", "exact" or None). A command reads its tokenizer and prompt from `source` first
     (tokenizer_of), so it can refuse a prompt too long for its context and name the context the
@@ -342,11 +345,13 @@ def load_model(source: Source, quantize: str | None = None, context: int | None 
     Every combination loads (execution/factory.py composes it)."""
     t0 = time.perf_counter()
     spread = check_spread(ray, spread)
+    if not heal and ray is None:
+        raise click.UsageError("--no-heal says what a cluster does when it loses a node: give --ray too")
     bits = quantize if quantize in (None, "auto", "exact") else int(quantize)
     if ray is not None:
         with naming_ds2_model():
             model = load(source, quantize=bits, context=context, memory_check=memory_check, ray=ray,
-                         spread=spread, show=console.info, memory_budget=memory_budget)
+                         spread=spread, show=console.info, memory_budget=memory_budget, heal=heal)
         return model, time.perf_counter() - t0
     progress = console.LoadProgress()
     try:

@@ -178,7 +178,8 @@ def serve(model_dir, alias, host, port, ctx, api_key, prompt_cache_mb, prompt_ca
             # the memory check counts the --parallel caches the running requests use at once
             tokenizer_of(source, chat_template)
             model, load_s = load_model(source, quantize, ctx * parallel, not no_memory_check, opts["ray"],
-                                       opts["memory_budget"], opts["ray_spread"], opts["threads"])
+                                       opts["memory_budget"], opts["ray_spread"], opts["threads"],
+                                       not opts["no_heal"])
             defaults = Defaults(sampling_params(model, opts), max_new_tokens_for(model, opts["max_new_tokens"]),
                                 ctx, system, tuple(model.eos_token_ids), reasoning_format, special_in_prompts)
             model.tokenizer.longest_token     # a prompt's limit in characters (jobs.check_chars), found once

@@ -204,20 +204,41 @@ class Demand:
         return Stage(node, layers, need, experts, {**plan, "budget": budget})
 
 
+def plan_range(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nodes: list[Node],
+               layers: range, quantize_at_load: bool = False, streamable: bool = False,
+               name: str = "the model", budget: int | None = None) -> list[Stage]:
+    """The decoder layers `layers` alone over `nodes` (each offering what it has left), as
+    `plan` shares out the whole: where a lost node's layers go (execution/healing.py). Streams
+    where a share does not fit whole and the checkpoint allows it (within `budget`, if given)."""
+    if budget is None:
+        whole = Demand(cfg, qc, context, quantize_at_load, None)
+        try:
+            return _ranges(cfg, nodes, whole, whole.offered, name, layers=layers)[0]
+        except PlacementError:
+            if not streamable:
+                raise
+    whole = Demand(cfg, qc, context, quantize_at_load, None)
+    stream = Demand(cfg, qc, context, quantize_at_load, budget, streaming=True)
+    return [stream.stage(s.node, s.layers, None, forced=budget is not None)
+            for s in _ranges(cfg, nodes, stream, stream.offered, name, whole, layers=layers)[0]]
+
+
 def _ranges(cfg: DeepseekV2Config, nodes: list[Node], need, offered, name: str,
-            whole=None) -> tuple[list[Stage], list[Node]]:
-    """Contiguous ranges over `nodes` (Stages with `need`'s dict) and the idle nodes; `whole`:
-    the whole-model demand named in the error when streaming cannot place it either."""
-    L = cfg.num_hidden_layers
+            whole=None, layers: range | None = None) -> tuple[list[Stage], list[Node]]:
+    """Contiguous ranges of `layers` (default: all) over `nodes` (Stages with `need`'s dict)
+    and the idle nodes; `whole`: the whole-model demand named in the error when streaming
+    cannot place it either."""
+    layers = range(cfg.num_hidden_layers) if layers is None else layers
+    L = layers.stop
     # the bytes a layer costs where it lives (its weights and its part of the cache), for shares
-    each = [n["weights"] + n["cache"] for n in (need.required(range(i, i + 1)) for i in range(L))]
+    each = [0] * layers.start + [n["weights"] + n["cache"] for n in (need.required(range(i, i + 1)) for i in layers)]
     total_offered = sum(min(offered(n), 1 << 50) for n in nodes)
-    stages, idle, at = [], [], 0
+    stages, idle, at = [], [], layers.start
     for j, n in enumerate(nodes):
         if at == L:
             idle.append(n)
             continue
-        share = min(offered(n), 1 << 50) / total_offered * sum(each)
+        share = min(offered(n), 1 << 50) / max(1, total_offered) * sum(each)
         stop, used = at, 0
         # the proportional share, then as many more as fit if later nodes cannot take the rest
         while stop < L and (used + each[stop] / 2 <= share or stop == at):
@@ -234,12 +255,12 @@ def _ranges(cfg: DeepseekV2Config, nodes: list[Node], need, offered, name: str,
         stages.append(Stage(n, range(at, stop), need(range(at, stop))))
         at = stop
     if at < L:
-        model = (whole or need).required(range(L))
+        model = (whole or need).required(layers)
         streaming = getattr(need, "streaming", False)
         least = ""
         if streaming:       # what the nodes would need streaming, the layers shared out evenly
-            even = shares(L, [1.0] * len(nodes))
-            want = sum(need(r)["total"] for r in even if len(r))
+            even = shares(len(layers), [1.0] * len(nodes))
+            want = sum(need(range(layers.start + r.start, layers.start + r.stop))["total"] for r in even if len(r))
             have = sum(min(offered(n), 1 << 50) for n in nodes)
             least = (f"; streaming its routed experts, about {memory.gb(want)} over {len(nodes)} "
                      f"node{'s' if len(nodes) != 1 else ''}, {memory.gb(max(0, want - have))} more than they offer")

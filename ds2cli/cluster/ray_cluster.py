@@ -133,7 +133,27 @@ def connect(address: str):
         except Exception as e:      # Ray raises ConnectionError, RuntimeError and its own
             raise ClusterError(f"cannot join the Ray cluster at {address}: {str(e).splitlines()[0]} "
                                f"(is it a Ray head's GCS port?)") from None
+        errors_to_stderr()
     return ray
+
+
+def errors_to_stderr() -> None:
+    """Ray's driver prints the cluster's error events (a node marked dead, a worker killed for
+    memory) to stdout from a thread of its own, whatever log_to_driver says: they go to stderr,
+    so that stdout holds only the generated text. (Ray 2.x: the thread calls the module's
+    print_to_stdstream by name; where that is not so, nothing changes.)"""
+    try:
+        from ray._private import worker
+    except ImportError:
+        return
+    shown = getattr(worker, "print_to_stdstream", None)
+    if shown is None or getattr(shown, "ds2_stderr", False):
+        return
+
+    def to_stderr(data, ignore_prefix):
+        shown({**data, "is_err": True}, ignore_prefix)
+    to_stderr.ds2_stderr = True
+    worker.print_to_stdstream = to_stderr
 
 
 KEPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

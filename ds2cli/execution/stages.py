@@ -135,6 +135,10 @@ class ClusterCache(LatentCache):
         self.width = kv_lora_rank + qk_rope_head_dim
         self.number = next(executor.numbers)        # the cache's name on the stages
         self.executor = executor
+        # the ids its positions hold, as the driver sent them: what a healed cluster rebuilds a
+        # lost node's part from (healing.py); None once it holds positions of unknown ids
+        self.tokens: np.ndarray | None = np.zeros(capacity, dtype=np.int64)
+        executor.caches.add(self)
         weakref.finalize(self, executor.drop, self.number)
 
     @property
@@ -161,26 +165,51 @@ class ClusterCache(LatentCache):
         if n > self.capacity:
             super().set_prefix(latent, k_pe)      # its error
         self.executor.each("set_prefix", *self.ref, split=(latent, k_pe))
-        self.length = n
+        self.length, self.tokens = n, None        # latents without their ids: not rebuilt by healing
 
     def copy_prefix(self, src: "ClusterCache", n: int) -> None:
         self.executor.each("copy_prefix", src.ref, self.ref, n)
         self.length = n
+        if src.tokens is None:
+            self.tokens = None
+        else:
+            if self.tokens is None:
+                self.tokens = np.zeros(self.capacity, dtype=np.int64)
+            self.tokens[:n] = src.tokens[:n]
 
     def repeat(self, n: int, at: int) -> None:
         self.executor.each("repeat", *self.ref, n, at)
+        self.tokens = None
+
+    def record(self, start: int, ids: np.ndarray) -> None:
+        """A pass sends `ids` to positions from `start` on."""
+        if self.tokens is not None:
+            self.tokens[start:start + len(ids)] = ids
+
+
+class StageLost(ClusterError):
+    """A stage's process or node is gone, and the cluster can heal (healing.py)."""
 
 
 class RayPasses(Passes):
     """The driver's passes part: runs each pass over the stages in order, waits for the last."""
 
-    def __init__(self, ray, placement: Placement, path: str, load, quantize=None, context: int | None = None):
+    def __init__(self, ray, placement: Placement, path: str, load, quantize=None, context: int | None = None,
+                 heal: bool = True, show=None, replan=None):
         """`load`: what a stage loads its range with and composes its executor (factory.load);
-        each stage streams its experts within its budget in the placement (Stage.budget)."""
+        each stage streams its experts within its budget in the placement (Stage.budget).
+        `heal`: a lost node's layers move to the nodes left and the pass goes on (healing.py;
+        spread by layers), else a loss fails every later pass; `show`: where healing says so;
+        `replan(nodes, layers)`: where a lost range goes (placement.plan_range, the load's terms)."""
         self.ray, self.placement, self.path, self.quantize = ray, placement, str(path), quantize
-        self.load, self.context = load, context
+        self.load, self.context, self.heal, self.show, self.replan = load, context, heal, show, replan
         self.numbers = itertools.count()      # the caches' numbers, as the stages know them
         self.stages = []
+        self.caches: weakref.WeakSet = weakref.WeakSet()     # every live cache, to rebuild after a loss
+        self.model = None
+        self.epoch = 0                        # how many times the stages were healed
+        self.healing: str | None = None       # what is being moved, while it is
+        self.healed = {"nodes_lost": 0, "heal_seconds": 0.0, "stages_loaded": 0, "tokens_rebuilt": 0}
         self.lost: str | None = None          # why the cluster is degraded, once a node is lost
         # what the passes sent, for bench: actor calls, bytes of hidden states and logits moved
         # between processes (the pass's description aside), seconds the driver waited
@@ -190,22 +219,29 @@ class RayPasses(Passes):
 
     def start(self, model) -> None:
         """Create a stage on each node of the placement and wait until every one has loaded."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        actor = self.ray.remote(StageActor)
-        by_experts = self.placement.spread == "experts"
-        for s in self.placement.stages:
-            # spread by experts a stage answers other stages' calls for its experts while its own
-            # pass waits on theirs: two threads (a pass visits one stage at a time)
-            self.stages.append(actor.options(
-                num_cpus=s.node.cpus, max_restarts=0, max_task_retries=0, max_concurrency=2 if by_experts else 1,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(s.node.node_id, soft=False),
-            ).remote(self.load, self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus,
-                     (s.experts.start, s.experts.stop) if s.experts is not None else None, s.budget,
-                     self.context, s.node.name))
+        self.model = model
+        self.stages = [self.new_actor(s) for s in self.placement.stages]
         self.get([a.ready.remote() for a in self.stages])
+        by_experts = self.placement.spread == "experts"
         if by_experts:
             peers = [(s.experts.start, s.experts.stop, a) for s, a in zip(self.placement.stages, self.stages)]
             self.get([a.connect.remote([p for p in peers if p[2] is not a]) for a in self.stages])
+
+    def new_actor(self, s, cpus: int | None = None):
+        """The stage actor for placement stage `s`, pinned to its node, asking Ray for `cpus` of
+        its CPUs (default: all; a stage moved to a node that runs one already asks none) and
+        running its kernels on all of them."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        # spread by experts a stage answers other stages' calls for its experts while its own
+        # pass waits on theirs: two threads (a pass visits one stage at a time)
+        by_experts = self.placement.spread == "experts"
+        return self.ray.remote(StageActor).options(
+            num_cpus=s.node.cpus if cpus is None else cpus, max_restarts=0, max_task_retries=0,
+            max_concurrency=2 if by_experts else 1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(s.node.node_id, soft=False),
+        ).remote(self.load, self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus,
+                 (s.experts.start, s.experts.stop) if s.experts is not None else None, s.budget,
+                 self.context, s.node.name)
 
     def stop(self) -> None:
         for a in self.stages:
@@ -222,26 +258,41 @@ class RayPasses(Passes):
     def run_pass(self, model, p):
         return self.start_pass(model, p)()
 
+    def recover(self, lost: "StageLost", epoch: int) -> None:
+        """After a pass (begun at `epoch`) lost a stage: heal the cluster, unless a pass that
+        failed before already did (its epoch is older than the stages')."""
+        from ds2cli.execution.healing import heal
+        if epoch == self.epoch:
+            heal(self, lost)
+
     def pipeline_depth(self) -> int:
         """By layers, as many passes as stages may be under way: each stage runs the passes in
         the order they were sent, and a later pass's first stages work while an earlier one is
         on the last. By experts one: a stage answering expert calls is not also computing."""
         return len(self.computing()) if self.placement.spread == "layers" else 1
 
-    def start_pass(self, model, p):
+    def start_pass(self, model, p, tries: int = 3):
         """Every stage's call for pass p sent (each hands its hidden state to the next as an
         object reference); the call returned waits for the logits."""
         wire = p.with_caches([c.ref for c in p.caches], [] if p.trace is not None else None)
+        for cache, start, row in zip(p.caches, p.starts, p.rows):
+            cache.record(start, p.tokens[row])
         x, infos = None, []
-        stages = self.computing()
+        stages, epoch = self.computing(), self.epoch
         for a in stages:
             x, info = a.compute.options(num_returns=2).remote(wire, x)
             infos.append(info)
-        return lambda: self.finish_pass(model, p, stages, infos, x)
+        return lambda: self.finish_pass(model, p, stages, infos, x, epoch, tries)
 
-    def finish_pass(self, model, p, stages: list, infos: list, x):
+    def finish_pass(self, model, p, stages: list, infos: list, x, epoch: int = 0, tries: int = 3):
         t0 = time.perf_counter()
-        *infos, logits = self.get(infos + [x])
+        try:
+            *infos, logits = self.get(infos + [x])
+        except StageLost as lost:
+            if tries <= 1:
+                raise ClusterError(f"lost a node of the cluster again and again: {lost}") from None
+            self.recover(lost, epoch)      # the nodes left hold the lost layers: the pass again
+            return self.start_pass(model, p, tries - 1)()
         n, D = int(sum(p.lengths)), model.config.hidden_size
         t = self.traffic
         t["passes"], t["tokens"], t["calls"] = t["passes"] + 1, t["tokens"] + n, t["calls"] + len(stages)
@@ -273,8 +324,18 @@ class RayPasses(Passes):
         total = {k: sum(st[k] for _, st in parts) for k in parts[0][1]}
         return {**total, "nodes": [{"node": name, **st} for name, st in parts]}
 
-    def each(self, method: str, *args, split=None) -> list:
-        """`method` on every stage, all at once; `split`: arrays (L, ...) each stage gets its rows of."""
+    def each(self, method: str, *args, split=None, again: bool = True) -> list:
+        """`method` on every stage, all at once; `split`: arrays (L, ...) each stage gets its rows of.
+        A stage lost meanwhile: the cluster healed, and the call made again once."""
+        try:
+            return self.each_once(method, *args, split=split)
+        except StageLost as lost:
+            if not again:
+                raise ClusterError(f"lost a node of the cluster again: {lost}") from None
+            self.recover(lost, self.epoch)
+            return self.each(method, *args, split=split, again=False)
+
+    def each_once(self, method: str, *args, split=None) -> list:
         refs = []
         for s, a in zip(self.placement.stages, self.stages):
             if not len(s.layers):
@@ -292,13 +353,21 @@ class RayPasses(Passes):
                     pass
 
     def health(self) -> str | None:
-        """None while every stage's node is alive; else what was lost."""
+        """None while every stage's node is alive; else what was lost (healing: what is being
+        moved, or what the next pass will move)."""
+        if self.healing is not None:
+            return self.healing
         if self.lost is None and self.stages:
             alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
             gone = [s.node.name for s in self.placement.stages if s.node.node_id not in alive]
+            if gone and self.healable():
+                return f"node {', '.join(gone)} left the cluster; its layers move to the nodes left at the next pass"
             if gone:
                 self.lost = f"node {', '.join(gone)} left the cluster"
         return self.lost
+
+    def healable(self) -> bool:
+        return self.heal and self.replan is not None and self.placement.spread == "layers" and self.model is not None
 
     def get(self, refs):
         """ray.get, with a lost node or stage as one ClusterError naming it; a ds2 error a stage
@@ -317,8 +386,11 @@ class RayPasses(Passes):
             ds2 = next((c for c in chain if isinstance(c, Ds2Error) and not isinstance(c, errors.RayError)), None)
             if ds2 is not None and not gone:
                 raise type(ds2)(str(ds2)) from None
-            if not gone and not self.dead_stages():
+            dead = self.dead_stages()
+            if not gone and not dead:
                 raise ClusterError(f"a stage failed: {str(e).strip().splitlines()[-1][:300]}") from None
+            if dead is not None and self.healable():
+                raise StageLost(self.which_lost(e)) from None
             self.lost = self.which_lost(e)
             raise ClusterError(f"lost a node of the cluster: {self.lost}") from None
 

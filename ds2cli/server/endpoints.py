@@ -49,7 +49,9 @@ class Endpoints:
 
     def metrics(self) -> None:
         scheduler = self.server.state.scheduler
-        text = self.server.state.metrics.render(scheduler.running(), scheduler.waiting(), len(scheduler.prompt_cache.entries))
+        healed = getattr(getattr(scheduler.model.executor, "passes", None), "healed", None)   # over --ray
+        text = self.server.state.metrics.render(scheduler.running(), scheduler.waiting(),
+                                                len(scheduler.prompt_cache.entries), healed)
         self.send_body(200, text.encode(), METRICS_TYPE)
 
     def tokenize(self) -> None:

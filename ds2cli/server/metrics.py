@@ -39,7 +39,8 @@ class Metrics:
             t["prompt_cache_cached_tokens"] += cached
             self.last = {"prefill": last.prefill_tok_per_s, "decode": last.decode_tok_per_s}
 
-    def render(self, running: int, waiting: int, cache_entries: int) -> str:
+    def render(self, running: int, waiting: int, cache_entries: int, cluster: dict | None = None) -> str:
+        """`cluster`: a cluster's healing counters (RayPasses.healed), over --ray."""
         with self.lock:
             t, last, requests = dict(self.totals), dict(self.last), sorted(self.requests.items())
         out: list[str] = []
@@ -66,6 +67,11 @@ class Metrics:
                [("", last["prefill"])])
         metric("last_decode_tokens_per_second", "gauge", "The last generation's decode rate.",
                [("", last["decode"])])
+        if cluster is not None:
+            metric("cluster_nodes_lost_total", "counter", "Cluster nodes lost, whose layers moved to the nodes left.",
+                   [("", cluster["nodes_lost"])])
+            metric("cluster_heal_seconds_total", "counter", "Seconds spent moving lost nodes' layers and "
+                   "rebuilding their caches.", [("", cluster["heal_seconds"])])
         return "\n".join(out) + "\n"
 
 

@@ -1,0 +1,161 @@
+"""A cluster that heals (spread by layers): a stage whose process or node is lost mid-run has its
+layers moved to the nodes left, its part of every live cache rebuilt, and the pass that failed
+runs again, so a reply goes on where it was.
+
+When a pass finds a stage gone (stages.RayPasses.get raises StageLost), the driver asks every
+stage whether it still answers, plans the lost stages' layers onto the nodes left with what each
+has left of what it offered (cluster/placement.plan_range: whole where they fit, their routed
+experts streamed where not and the checkpoint allows it), loads them there (a node that runs a
+stage already runs the moved one beside it, asking Ray for no more CPUs), and prints the new
+placement. Then each live cache's lost layers are rebuilt from the ids the driver sent to it
+(ClusterCache.tokens), in chunks: the layers before them run those ids again into a scratch
+cache, only to hand the moved layers their input; the moved layers write the cache itself; the
+layers after them are untouched. What cannot heal is one ClusterError, as without healing: the
+head gone, the lost layers fitting nowhere, a cache restored from saved latents (its ids unknown),
+a cluster spread by experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ds2cli.cluster.placement import Placement, PlacementError
+from ds2cli.cluster.ray_cluster import ClusterError
+from ds2cli.model.passes import Pass
+
+ANSWER_S = 30            # a stage that does not answer within this is lost
+
+
+def heal(passes, lost) -> None:
+    """Move the layers of `passes`' lost stages (RayPasses) to the nodes left and rebuild them."""
+    t0 = time.perf_counter()
+    passes.healing = f"{lost}: moving its layers to the nodes left"
+    try:
+        gone = lost_stages(passes)
+        if not gone:            # every stage answers: the failed pass only needs running again
+            passes.epoch += 1
+            return
+        old = passes.placement
+        names = ", ".join(f"{old.stages[i].node.name} (layers {old.stages[i].layers.start}-"
+                          f"{old.stages[i].layers.stop - 1})" for i in gone)
+        for i in gone:
+            try:
+                passes.ray.kill(passes.stages[i])
+            except Exception:       # noqa: BLE001 - gone with its node
+                pass
+        moved = replace_stages(passes, gone)
+        passes.epoch += 1
+        tokens, caches = rebuild(passes, moved)
+        seconds = time.perf_counter() - t0
+        passes.healed["nodes_lost"] += len(gone)
+        passes.healed["heal_seconds"] += seconds
+        passes.healed["stages_loaded"] += sum(len(m) for _, m in moved)
+        passes.healed["tokens_rebuilt"] += tokens
+        if passes.show is not None:
+            passes.show(f"lost {names}: its layers moved to the nodes left and {tokens} cached "
+                        f"positions of {caches} rebuilt in {seconds:.1f} s; the placement now:")
+            for line in passes.placement.lines(passes.model.config.num_hidden_layers):
+                passes.show("  " + line)
+    except PlacementError as e:
+        passes.lost = f"{lost}; its layers fit on no node left ({e})"
+        raise ClusterError(f"lost a node of the cluster: {passes.lost}") from None
+    except ClusterError as e:
+        passes.lost = passes.lost or str(e)
+        raise
+    finally:
+        passes.healing = None
+
+
+def lost_stages(passes) -> list[int]:
+    """The indices of the stages that do not answer (their process or node gone)."""
+    ray = passes.ray
+    refs = [a.ready.remote() for a in passes.stages]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ANSWER_S)
+    out = []
+    for i, ref in enumerate(refs):
+        if ref not in ready:
+            out.append(i)
+            continue
+        try:
+            ray.get(ref)
+        except Exception:           # noqa: BLE001 - its actor or node died
+            out.append(i)
+    return out
+
+
+def replace_stages(passes, gone: list[int]) -> list[tuple[range, list]]:
+    """Plan and load the lost stages' layers on the nodes left; the new placement and actors in
+    `passes`. Returns each lost range with the actors that now hold it."""
+    ray, old = passes.ray, passes.placement
+    try:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:               # noqa: BLE001 - the head does not answer: nothing to heal with
+        raise ClusterError("the cluster's head does not answer") from None
+    kept = [i for i in range(len(old.stages)) if i not in gone]
+    nodes, used = {}, {}
+    for s in old.stages:
+        nodes.setdefault(s.node.node_id, s.node)
+    for n in old.idle:
+        nodes.setdefault(n.node_id, n)
+    for i in kept:
+        s = old.stages[i]
+        used[s.node.node_id] = used.get(s.node.node_id, 0) + (s.budget or s.need["total"])
+    left = [dataclasses.replace(n, available=None if n.available is None else max(0, n.available - used.get(k, 0)))
+            for k, n in nodes.items() if k in alive]
+    if not left:
+        raise ClusterError("no node of the cluster is left")
+    stages, actors, moved = [old.stages[i] for i in kept], [passes.stages[i] for i in kept], []
+    for i in gone:
+        share = passes.replan(left, old.stages[i].layers)
+        for s in share:     # what it takes is no longer left for the next lost range
+            left = [dataclasses.replace(n, available=n.available - (s.budget or s.need["total"]))
+                    if n.node_id == s.node.node_id and n.available is not None else n for n in left]
+        running = {s.node.node_id for s in stages}
+        new = [passes.new_actor(s, cpus=0 if s.node.node_id in running else None) for s in share]
+        ray.get([a.ready.remote() for a in new])
+        stages += share
+        actors += new
+        moved.append((old.stages[i].layers, new))
+    order = sorted(range(len(stages)), key=lambda j: stages[j].layers.start)
+    holding = {s.node.node_id for s in stages}
+    passes.placement = Placement([stages[j] for j in order], [n for n in old.idle if n.node_id not in holding])
+    passes.stages = [actors[j] for j in order]
+    return moved
+
+
+def rebuild(passes, moved: list[tuple[range, list]]) -> tuple[int, str]:
+    """Each live cache's positions in the moved layers, from the ids it was sent, chunk by chunk;
+    the positions rebuilt (summed over the caches and moved ranges), and the caches' lengths."""
+    ray, model, done, lengths = passes.ray, passes.model, 0, []
+    chunk = model.prefill_chunk
+    for cache in list(passes.caches):
+        if cache.length == 0:
+            continue
+        if cache.tokens is None:
+            raise ClusterError("a cache restored from saved latents cannot be rebuilt on the nodes left "
+                               "(its token ids are not known to the driver)")
+        for layers, movers in moved:
+            before = [a for s, a in zip(passes.placement.stages, passes.stages)
+                      if len(s.layers) and s.layers.stop <= layers.start]
+            scratch = (next(passes.numbers), cache.capacity)
+            try:
+                for at in range(0, cache.length, chunk):
+                    ids = cache.tokens[at:min(cache.length, at + chunk)]
+                    p = Pass(ids, [len(ids)], [at], [0], [scratch])
+                    x = None
+                    for a in before:
+                        x, _ = a.compute.options(num_returns=2).remote(p, x)
+                    own = p.with_caches([cache.ref], None)
+                    for a in movers:
+                        x, _ = a.compute.options(num_returns=2).remote(own, x)
+                    ray.get(x)
+            except Exception as e:      # noqa: BLE001 - a node lost while healing
+                raise ClusterError(f"a node was lost while the cluster healed: {str(e).strip().splitlines()[-1][:300]}") from None
+            finally:
+                for a in before:
+                    a.drop.remote(scratch[0])
+            done += cache.length
+        lengths.append(cache.length)
+    return done, (f"{len(lengths)} cache{'s' * (len(lengths) != 1)} ({', '.join(map(str, sorted(lengths)))} "
+                  f"positions)")
