@@ -17,7 +17,6 @@ import pytest
 from support.ray_local import ADDRESS, CALL_TIMEOUT
 from conftest import run_split, splits
 from ds2cli.model.transformer import Step
-from ds2cli.weights import memory
 
 pytestmark = pytest.mark.slow
 
