@@ -14,6 +14,7 @@ Bottom-up:
     remote      RemoteExperts: a cluster's experts on other nodes, this node's by its local part
     passes      the passes part: every layer here (Passes)
     executor    Executor: compute, experts and passes composed; the math's requests to each
+    healing     a cluster that heals: a lost stage's layers moved to the nodes left, caches rebuilt
     stages      RayPasses: the layers on a Ray cluster's stages, the StageActor, ClusterCache
     factory     the options into an executor; load (ds2cli.load)
 """
