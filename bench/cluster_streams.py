@@ -2,15 +2,17 @@
 by side (issue 59's targets). Each cluster run is a fresh Ray cluster on this machine inside a
 private network namespace (tests/support/ray_local.py: 127.0.0.1 only, ended by process group):
 a head that holds nothing (no CPU) and --nodes worker nodes, each in a cgroup-v1 memory cgroup
-of its own held to --node-memory (page cache counted), offering ds2 what its cgroup admits; the
-driver runs `ds2 generate --ray ... --stats` outside them (it holds no weights). Each one-process
+of its own held to --node-memory (page cache counted), offering ds2 what its cgroup admits and
+--node-cpus CPUs (default: this machine's, as the one process has: each node stands for a
+machine of its own, and by layers the nodes compute one after the other); the driver runs `ds2
+generate --ray ... --json --stats` outside them (it holds no weights). Each one-process
 run is `ds2 generate --memory-budget --one-budget --stats` in one cgroup of --one-limit. Runs
 alternate (cluster, one; then one, cluster; ...) --pairs times, the page cache dropped before
 each. First, the reference: one process, no limit, no budget, the same greedy text expected of
-every run. Prints each run's decode tok/s (ds2's own --stats figure), the cgroups' peaks and
+every run. Prints each run's decode tok/s (ds2's own figure, --json's), the cgroups' peaks and
 oom_kill counts, the placement the cluster printed, and min / median / max with the ratio.
 
-Root only (cgroups, unshare, drop_caches). Ray's memory monitor is turned off on the nodes
+Root only (cgroups, unshare, drop_caches; DROP_CACHES=0 keeps the page cache). Ray's memory monitor is turned off on the nodes
 (RAY_memory_monitor_refresh_ms=0): it kills a worker at 95% of its node's memory, and a streaming
 stage fills what its node offers by design (docs/cluster.md). Object stores are 200 MB a node:
 a pass moves hidden states of a few kB.
@@ -38,6 +40,9 @@ DS2 = [sys.executable, "-m", "ds2cli"]
 
 
 def drop_caches() -> None:
+    """The page cache dropped before a run (DROP_CACHES=0 keeps it: a test, or others measuring)."""
+    if os.environ.get("DROP_CACHES", "1") == "0":
+        return
     subprocess.run(["sync"], check=True)
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
@@ -62,16 +67,18 @@ class Group:
             pass
 
 
-def decode_rate(stderr: str) -> float:
-    m = re.search(r"decode \d+ tok, ([\d.]+) tok/s", stderr)
-    if not m:
-        sys.exit(f"error: no --stats line in: {stderr[-2000:]}")
-    return float(m.group(1))
+def result(r) -> tuple[str, float]:
+    """The text and decode tok/s of a `ds2 generate --json` run."""
+    try:
+        out = json.loads(r.stdout)
+    except ValueError:
+        sys.exit(f"error: no JSON from ds2 generate: {r.stdout[-500:]} {r.stderr[-2000:]}")
+    return out["text"], out["timings"]["decode_tok_per_s"]
 
 
 def generate(args, *more: str) -> list[str]:
     return [*DS2, "generate", "-m", args.model, args.prompt, "-n", str(args.tokens), "--temperature", "0",
-            "--ignore-eos", "--stats", *more]
+            "--ignore-eos", "--json", "--stats", *more]
 
 
 def cluster_run(args) -> dict:
@@ -83,14 +90,16 @@ def cluster_run(args) -> dict:
             cluster.env.update(RAY_memory_monitor_refresh_ms="0")
             cluster.start_head(cpus=0)
             for g in groups:
-                cluster.add_node(memory=None, cgroup=str(g.path), extra=("--object-store-memory", "200000000"))
+                cluster.add_node(memory=None, cgroup=str(g.path), extra=("--object-store-memory", "200000000"),
+                                 cpus=args.node_cpus)
             r = cluster.run(generate(args, "--ray", ADDRESS, "--ray-spread", args.spread), timeout=3600, cwd=tmp)
             if r.returncode != 0:
                 sys.exit(f"error: the cluster run failed: {r.stderr.strip()[-3000:]}")
             lines = r.stderr.splitlines()
             at = next(i for i, line in enumerate(lines) if line.startswith("placement of"))
             placement = [lines[at]] + [line for line in lines[at + 1:at + 1 + args.nodes] if line.startswith("  ")]
-            return {"text": r.stdout, "tok_per_s": decode_rate(r.stderr), "placement": placement,
+            text, rate = result(r)
+            return {"text": text, "tok_per_s": rate, "placement": placement,
                     "stats": [line for line in r.stderr.splitlines() if "slots" in line],
                     "nodes": [g.report() for g in groups]}
         finally:
@@ -108,7 +117,8 @@ def one_run(args) -> dict:
                            capture_output=True, text=True, timeout=3600)
         if r.returncode != 0:
             sys.exit(f"error: the one-process run failed: {r.stderr.strip()[-3000:]}")
-        return {"text": r.stdout, "tok_per_s": decode_rate(r.stderr), "one": g.report()}
+        text, rate = result(r)
+        return {"text": text, "tok_per_s": rate, "one": g.report()}
     finally:
         g.remove()
 
@@ -122,6 +132,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--node-memory", default="6G", help="each node's memory cgroup limit")
+    ap.add_argument("--node-cpus", type=int, default=os.cpu_count(), help="the CPUs each node offers")
     ap.add_argument("--one-limit", default="12G", help="the one process's memory cgroup limit")
     ap.add_argument("--one-budget", default="11G", help="the one process's --memory-budget")
     ap.add_argument("--tokens", type=int, default=16)
@@ -132,12 +143,13 @@ def main() -> None:
     reference = subprocess.run(generate(args), capture_output=True, text=True, timeout=3600)
     if reference.returncode != 0:
         sys.exit(f"error: the reference run failed: {reference.stderr.strip()[-3000:]}")
-    print(f"reference (one process, no limit): {reference.stdout!r}", file=sys.stderr)
+    reference_text = result(reference)[0]
+    print(f"reference (one process, no limit): {reference_text!r}", file=sys.stderr)
     got = {"cluster": [], "one": []}
     for k in range(args.pairs):
         for side in (("cluster", "one") if k % 2 == 0 else ("one", "cluster")):
             run = cluster_run(args) if side == "cluster" else one_run(args)
-            run["same_text"] = run["text"] == reference.stdout
+            run["same_text"] = run["text"] == reference_text
             got[side].append(run)
             print(f"pair {k + 1} {side}: " + json.dumps({key: v for key, v in run.items() if key != "text"}),
                   file=sys.stderr)
@@ -146,7 +158,7 @@ def main() -> None:
     ratios = [x / y for x, y in zip(c, o)]
     print("\n".join(got["cluster"][0]["placement"]))
     print(f"{args.pairs} pairs, {args.tokens} greedy tokens: decode tok/s min / median / max")
-    print(f"cluster of {args.nodes} x {args.node_memory}: {spread(c)}")
+    print(f"cluster of {args.nodes} x {args.node_memory} bytes, {args.node_cpus} CPUs each: {spread(c)}")
     print(f"one process, --memory-budget {args.one_budget} in {args.one_limit}: {spread(o)}")
     print(f"cluster / one: median {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
     print(f"text as the reference: cluster {all(r['same_text'] for r in got['cluster'])}, "

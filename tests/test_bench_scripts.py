@@ -174,6 +174,19 @@ def test_cluster_ab_compares_two_trees_over_fresh_clusters(tmp_path):
 
 @pytest.mark.slow
 @needs_cgroups
+def test_cluster_streams_holds_streaming_nodes_against_one_process(tiny_q8):
+    from support.ray_local import usable
+    if usable():
+        pytest.skip(usable())
+    # ds2-tiny's resident part is mostly the working margin (370 MB): nodes of 700 MB stream it
+    out = python("cluster_streams.py", str(tiny_q8), "--node-memory", "700M", "--one-limit", "1G", "--one-budget",
+                 "380M", "--tokens", "4", "--pairs", "1", "--node-cpus", "1", timeout=2 * CALL_TIMEOUT).stdout
+    assert re.search(r"cluster / one: median [\d.]+ ", out) and "text as the reference: cluster True, one True" in out, out
+    assert out.startswith("placement of tiny-q8") and "oom_kill [0, 0]" in out, out
+
+
+@pytest.mark.slow
+@needs_cgroups
 def test_stream_run_alternates_streamed_and_mapped_under_a_limit(tiny_q8, budget, tmp_path):
     one = run("bench/stream_one.sh", "2G", f"budget:{budget}", "3", str(tmp_path / "one"), MODEL=str(tiny_q8))
     assert re.match(r"budget:\d+: 3 steps after 9 tokens", one.stdout) and "oom_kill 0" in one.stdout

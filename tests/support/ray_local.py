@@ -88,14 +88,14 @@ class Cluster:
             time.sleep(0.5)
 
     def add_node(self, hide: Path | None = None, memory: str | None = NODE_MEMORY, cgroup: str | None = None,
-                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
+                 extra: tuple[str, ...] = (), cpus: int = 1) -> subprocess.Popen:
         """A worker node (`ray start --block` in a process group of its own, so a test can kill
         it whole). `hide`: a directory this node cannot see (an empty one mounted over it, in
         a mount namespace of the node's own): a node without the checkpoint. `memory`: what it
         offers ds2 (DS2_MEMORY_AVAILABLE; None: what its memory cgroup or machine has);
         `cgroup`: a v1 memory cgroup's directory it runs in, with every process it starts;
-        `extra`: more `ray start` options."""
-        cmd = [str(BIN / "ray"), "start", "--address", ADDRESS, "--num-cpus", "1", "--block", "--disable-usage-stats",
+        `extra`: more `ray start` options; `cpus`: the CPUs it offers."""
+        cmd = [str(BIN / "ray"), "start", "--address", ADDRESS, "--num-cpus", str(cpus), "--block", "--disable-usage-stats",
                *extra]
         if cgroup is not None:
             cmd = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *cmd]
