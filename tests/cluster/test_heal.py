@@ -96,3 +96,76 @@ def test_generate_goes_on_over_a_lost_node_with_the_text_of_a_run_that_lost_noth
     assert p.returncode == 0, err.decode()[-3000:]
     assert (first + out).decode() == alone.stdout
     assert "its layers moved to the nodes left" in err.decode() and "Traceback" not in err.decode()
+
+
+STREAM = """
+import json, pathlib, sys, time, urllib.request
+base, ready = "http://127.0.0.1:%(port)d", %(ready)r
+deadline = time.time() + 120
+while True:
+    try:
+        if json.load(urllib.request.urlopen(base + "/health"))["status"] == "ok":
+            break
+    except Exception:
+        if time.time() > deadline:
+            raise
+        time.sleep(0.5)
+body = json.dumps({"messages": [{"role": "user", "content": "What is 451 - 123?"}], "temperature": 0,
+                   "max_tokens": 600, "ignore_eos": True, "stream": True}).encode()
+req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+text, finish, errors = [], None, []
+with urllib.request.urlopen(req) as r:
+    for line in r:
+        line = line.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            errors.append(event)
+            continue
+        choice = event["choices"][0]
+        text.append(choice["delta"].get("content") or "")
+        finish = choice.get("finish_reason") or finish
+        if ready and len(text) == 2:
+            pathlib.Path(ready).touch()
+metrics = urllib.request.urlopen(base + "/metrics").read().decode() if ready else ""
+print(json.dumps({"text": "".join(text), "finish": finish, "errors": errors, "metrics": metrics,
+                  "health": json.load(urllib.request.urlopen(base + "/health"))["status"]}))
+"""
+
+
+def test_serve_keeps_a_stream_open_over_a_lost_node(cluster, tmp_path):
+    port, alone_port = 8768, 8769
+    alone = subprocess.Popen([sys.executable, "-m", "ds2cli", "serve", "--port", str(alone_port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        r = subprocess.run([sys.executable, "-c", STREAM % {"port": alone_port, "ready": ""}], capture_output=True,
+                           text=True, timeout=CALL_TIMEOUT)
+        assert r.returncode == 0, r.stderr
+        want = json.loads(r.stdout)
+    finally:
+        alone.terminate()
+        alone.wait(timeout=60)
+    node = cluster.add_node()
+    ready = tmp_path / "streaming"
+    server = cluster.popen([sys.executable, "-m", "ds2cli", "serve", "--ray", ADDRESS, "--port", str(port)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        client = cluster.popen([sys.executable, "-c", STREAM % {"port": port, "ready": str(ready)}],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + CALL_TIMEOUT
+        while not ready.exists():
+            assert client.poll() is None and time.monotonic() < deadline, client.stderr.read().decode()[-2000:]
+            time.sleep(0.05)
+        cluster.kill(node)
+        out, err = client.communicate(timeout=CALL_TIMEOUT)
+        assert client.returncode == 0, err.decode()[-2000:]
+    finally:
+        cluster.nodes.remove(node)
+        server.terminate()
+        server.wait(timeout=60)
+        cluster.wait_for(2)
+    got = json.loads(out)
+    assert got["errors"] == [] and got["finish"] == "length" and got["health"] == "ok"
+    assert got["text"] == want["text"] and want["finish"] == "length"
+    assert "ds2_cluster_nodes_lost_total 1" in got["metrics"], got["metrics"]
