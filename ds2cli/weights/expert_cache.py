@@ -17,6 +17,7 @@ import mmap
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -63,15 +64,46 @@ class StoredExperts:
                 self.formats[kind], self.shapes[kind] = f, shapes["mlp", kind][1:]
         self.E = cfg.n_routed_experts
         self.paths = {info.file for info in tensors.values()}
+        # what ds2 quantize recorded for each expert (weights/checksums.py), checked on an
+        # expert's first read in this process: a file changed after it was written is an error,
+        # not another model's answers. Later reads of the same expert are not checked (hashing
+        # every read would cost decode about what the reads do; docs/performance.md).
+        self.sums: dict[str, list[str]] = {}
+        self.checked: set[tuple[int, int, str]] = set()
+        if self.where:
+            from ds2cli.weights.checksums import recorded
+            record = recorded(Path(next(iter(self.paths))).parent) or {}
+            for (i, kind) in self.where:
+                for part in ("qweight", "scales"):
+                    name = f"{qcheckpoint.stored_name(i, 'mlp', kind)}.{part}"
+                    if isinstance(record.get(name), list) and len(record[name]) == self.E:
+                        self.sums[name] = record[name]
         first = min((i for i, _ in self.where), default=None)
         self.read_bytes = 0 if first is None else \
             sum(info.nbytes // self.E for kind in KINDS for info in self.where[first, kind])   # an expert, from disk
 
-    def read(self, layer: int, e: int, kind: str, qweight: np.ndarray, scales: np.ndarray, pread) -> None:
-        """Expert e of `layer`'s `kind` into a slot's arrays: one read for each."""
-        for info, dst in zip(self.where[layer, kind], (qweight, scales)):
+    def read(self, layer: int, e: int, kind: str, qweight: np.ndarray, scales: np.ndarray, pread,
+             check: bool = True) -> None:
+        """Expert e of `layer`'s `kind` into a slot's arrays: one read for each, checked against
+        its recorded checksum on its first read (`check`: False for reads nobody uses)."""
+        for part, info, dst in zip(("qweight", "scales"), self.where[layer, kind], (qweight, scales)):
             n = info.nbytes // self.E
-            pread(info.file, info.offset + e * n, dst.reshape(-1).view(np.uint8), e, layer)
+            raw = dst.reshape(-1).view(np.uint8)
+            pread(info.file, info.offset + e * n, raw, e, layer)
+            if check:
+                self.check(layer, e, kind, part, raw, info.file)
+
+    def check(self, layer: int, e: int, kind: str, part: str, raw: np.ndarray, path) -> None:
+        """The bytes just read of expert e against the checksum ds2 quantize recorded, once."""
+        name = f"{qcheckpoint.stored_name(layer, 'mlp', kind)}.{part}"
+        if name not in self.sums or (layer, e, name) in self.checked:
+            return
+        from ds2cli.weights.checksums import digest
+        if digest(memoryview(raw)) != self.sums[name][e]:
+            raise StreamingError(f"{path}: expert {e} of layer {layer} ({name}) does not match the checksum "
+                                 f"ds2 quantize recorded (the file changed after it was written?); "
+                                 f"ds2 inspect --verify checks the whole checkpoint")
+        self.checked.add((layer, e, name))
 
 
 class ExpertCache:
@@ -219,7 +251,7 @@ class ExpertCache:
                             return
                         layer, e = todo.popleft()
                     for kind, (qweight, scales) in scratch.items():
-                        self.source.read(layer, e, kind, qweight, scales, self.pread)
+                        self.source.read(layer, e, kind, qweight, scales, self.pread, check=False)
             except BaseException as err:  # noqa: BLE001 - raised below, on the calling thread
                 failed.append(err)
         t0 = time.perf_counter()

@@ -111,7 +111,7 @@ while True:
             raise
         time.sleep(0.5)
 body = json.dumps({"messages": [{"role": "user", "content": "What is 451 - 123?"}], "temperature": 0,
-                   "max_tokens": 600, "ignore_eos": True, "stream": True}).encode()
+                   "max_tokens": 300, "ignore_eos": True, "stream": True}).encode()
 req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
 text, finish, errors = [], None, []
 with urllib.request.urlopen(req) as r:

@@ -471,3 +471,27 @@ def test_two_reading_threads_open_a_file_once(q8, monkeypatch):
         t.join(timeout=30)
     assert opened == [path] and list(cache.files) == [path]
     m.executor.stop()
+
+
+def test_an_expert_changed_after_quantize_is_an_error_on_its_first_read(q8, tmp_path):
+    """A streamed run checks each expert's bytes against the checksum ds2 quantize recorded, on
+    its first read in the process (later reads of the same expert are not hashed again)."""
+    import shutil
+    from ds2cli.weights import checkpoint
+    copy = shutil.copytree(q8, tmp_path / "copy")
+    m = ds2cli.load(copy, context=64, memory_budget=budget_for(copy, 2))
+    cache = m.streamed
+    cache.fetch(1, [2])                           # read and checked
+    assert ("model.layers.1.mlp.experts_gate_up.qweight" in cache.source.sums
+            and (1, 2, "model.layers.1.mlp.experts_gate_up.qweight") in cache.source.checked)
+    name = "model.layers.1.mlp.experts_gate_up.qweight"
+    info = next(t for shard in copy.glob("*.safetensors") for n, t in checkpoint.read_header(shard).items() if n == name)
+    with open(info.file, "r+b") as f:             # expert 5's first byte, one bit flipped: the same size
+        f.seek(info.offset + 5 * (info.nbytes // 8))
+        b = f.read(1)[0]
+        f.seek(info.offset + 5 * (info.nbytes // 8))
+        f.write(bytes([b ^ 1]))
+    with pytest.raises(expert_cache.StreamingError, match=r"expert 5 of layer 1 .*does not match the checksum"):
+        cache.fetch(1, [5])
+    cache.fetch(1, [2])                           # one already checked: not read or hashed again
+    m.executor.stop()

@@ -66,7 +66,8 @@ class GGUFExperts:
         self.widest = max((sum(n for *_, n in spans) for spans in self.where.values()), default=0)
         self.staging = Buffers()            # one matrix's blocks, lent to each reading thread
 
-    def read(self, layer: int, e: int, kind: str, qweight: np.ndarray, scales: np.ndarray, pread) -> None:
+    def read(self, layer: int, e: int, kind: str, qweight: np.ndarray, scales: np.ndarray, pread,
+             check: bool = True) -> None:
         """Expert e of `layer`'s `kind` into a q8b slot: its Q8_0 rows (gate's, then up's, for
         gate_up), one read a stored tensor, then each block's 32 values and f16 scale into the
         slot's panels, q8b.to_panels' layout: qweight (P, in, R), scales (P, in/32, R)."""
