@@ -175,13 +175,16 @@ def failing_disk(monkeypatch):
 # ---- a real Ray cluster (tests/cluster), made by support/ray_local.py ----
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """Two nodes (the head and a worker) on 127.0.0.1 inside a private network namespace."""
+def cluster(tmp_path_factory, request):
+    """Two nodes (the head and a worker) on 127.0.0.1 inside a private network namespace,
+    stopped after the last test that uses it (pytest_runtest_teardown), not at the session's
+    end: an idle cluster's processes would take CPU from every later test."""
     from support.ray_local import Cluster, usable
     why = usable()
     if why:
         pytest.skip(why)
     c = Cluster(tmp_path_factory.mktemp("cluster"))
+    request.config.stash[CLUSTER] = c
     try:
         c.start_head()
         c.own.append(c.add_node())
@@ -189,3 +192,19 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.stop()
+
+
+CLUSTER = pytest.StashKey()          # the session's cluster, once made
+LAST_CLUSTER_TEST = pytest.StashKey()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    users = [item.nodeid for item in items if "cluster" in getattr(item, "fixturenames", ())]
+    config.stash[LAST_CLUSTER_TEST] = users[-1] if users else None
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if item.nodeid == item.config.stash.get(LAST_CLUSTER_TEST, None):
+        c = item.config.stash.get(CLUSTER, None)
+        if c is not None:
+            c.stop()          # again at the session's end: stopping twice is harmless

@@ -206,6 +206,15 @@ def test_unlimited_ab_rotates_the_trees_round_by_round(tiny_q8):
 
 
 @pytest.mark.slow
+def test_check_cost_runs_a_checkpoint_with_and_without_its_checksums(tiny_q8, budget, tmp_path):
+    out = python("check_cost.py", str(tiny_q8), str(tmp_path), "--budget", budget, "--tokens", "3", "--pairs", "1").stdout
+    assert re.search(r"checked/unchecked median [\d.]+ ", out), out
+    index = json.loads((tmp_path / "checked" / "model.safetensors.index.json").read_text())
+    assert index["checksums"] == json.loads((tiny_q8 / "model.safetensors.index.json").read_text())["checksums"]
+    assert "checksums" not in json.loads((tmp_path / "unchecked" / "model.safetensors.index.json").read_text())
+
+
+@pytest.mark.slow
 def test_plan_cost_times_a_plan_with_each_count_of_helpers():
     out = python("plan_cost.py", "--plans", "20", "--helpers", "2").stdout.splitlines()
     assert re.match(r"a 384x1024 q8 product, 20 plans, \d+ cores here: the product alone [\d.]+ us", out[0])
