@@ -113,11 +113,20 @@ class Cluster:
         return node
 
     def kill(self, node: subprocess.Popen) -> None:
-        """The node dies at once: its `ray start`, raylet and workers, SIGKILL."""
+        """The node dies at once, as a machine that lost power: its `ray start`, raylet and
+        workers, SIGKILL. The workers (a stage's actor among them) run in process groups of their
+        own, so every descendant is killed too: left alive, a stage answers calls until the
+        head counts its node dead."""
+        doomed = descendants(node.pid)
         try:
             os.killpg(node.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         node.wait(timeout=30)
 
     def remove(self, node: subprocess.Popen) -> None:
@@ -131,11 +140,11 @@ class Cluster:
         return int(next(line for line in out.splitlines() if line.startswith("alive ")).split()[1])
 
     def wait_for(self, n: int, within: float = 60) -> None:
-        deadline = time.monotonic() + within
-        while self.count() != n:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the cluster did not reach {n} alive nodes in {within} s")
-            time.sleep(0.5)
+        """Until the head counts `n` alive nodes: one driver that joins once and asks every
+        0.2 s (a driver a question took a second or two of starting Python and Ray each)."""
+        r = self.run([sys.executable, "-c", WAIT, ADDRESS, str(n), str(within)], timeout=within + 60)
+        if r.returncode != 0:
+            raise RuntimeError(f"the cluster did not reach {n} alive nodes in {within} s: {r.stderr[-500:]}")
 
     def stop(self) -> None:
         """Every process of this cluster, by its process group (never `ray stop`, which ends
@@ -145,6 +154,35 @@ class Cluster:
         self.keeper.kill()
         self.keeper.wait()
 
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+WAIT = """
+import logging, sys, time, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level=logging.ERROR)
+deadline = time.monotonic() + float(sys.argv[3])
+while sum(1 for n in ray.nodes() if n["Alive"]) != int(sys.argv[2]):
+    if time.monotonic() > deadline:
+        sys.exit(1)
+    time.sleep(0.2)
+"""
 
 COUNT = """
 import logging, sys, ray
