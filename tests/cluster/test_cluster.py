@@ -153,9 +153,9 @@ def test_serve_answers_two_requests_at_once_over_the_cluster(cluster):
         server.wait(timeout=60)
 
 
-CLIENT = """
-import json, threading, time, urllib.request
-base = "http://127.0.0.1:%(port)d"
+# a client's first lines: the server at `base` answering /health "ok" (it loads first)
+HEALTHY = """
+import json, time, urllib.request
 deadline = time.time() + 120
 while True:
     try:
@@ -165,6 +165,12 @@ while True:
         if time.time() > deadline:
             raise
         time.sleep(0.5)
+"""
+
+CLIENT = """
+import threading
+base = "http://127.0.0.1:%(port)d"
+""" + HEALTHY + """
 out = [None, None]
 def ask(i):
     body = json.dumps({"messages": [{"role": "user", "content": "What is 451 - 123?"}], "temperature": 0}).encode()
