@@ -199,8 +199,15 @@ LAST_CLUSTER_TEST = pytest.StashKey()
 
 
 def pytest_collection_modifyitems(session, config, items):
-    users = [item.nodeid for item in items if "cluster" in getattr(item, "fixturenames", ())]
-    config.stash[LAST_CLUSTER_TEST] = users[-1] if users else None
+    """The tests that use the session's cluster run one after another, where the first of them
+    is (tests/cli's signal tests and a bench script's come beside tests/cluster), so that the
+    cluster lives only while they run."""
+    users = [item for item in items if "cluster" in getattr(item, "fixturenames", ())]
+    if users:
+        first, chosen = items.index(users[0]), set(map(id, users))
+        rest = [item for item in items if id(item) not in chosen]
+        items[:] = rest[:first] + users + rest[first:]
+    config.stash[LAST_CLUSTER_TEST] = users[-1].nodeid if users else None
 
 
 def pytest_runtest_teardown(item, nextitem):

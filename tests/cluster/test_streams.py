@@ -125,6 +125,7 @@ def test_stats_and_bench_give_each_streaming_nodes_reads(cluster, tiny_q8):
     r = cluster.ds2("generate", "-m", str(tiny_q8), "--chat", "What is 451 - 123?", "--temperature", "0",
                     "--ray", ADDRESS, "--memory-budget", size, "--stats")
     assert r.returncode == 0 and r.stdout.strip() == "451 - 123 = 328.", r.stderr
+    assert r.stderr.index("placement of tiny-q8") < r.stderr.index("[load ")      # printed before loading
     stats = " ".join(r.stderr.split())        # the --stats line, wrapped within 80 columns
     nodes = re.findall(r"node 127\.0\.0\.1 \([0-9a-f]{8}\): experts \d+ slots, \d+% hits, [\d.]+ [kMG]?B read .*? "
                        r"[\d.]+ [kMG]?B a token", stats)
