@@ -154,16 +154,8 @@ def plan(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nod
     streams them (every node, within `budget` at most, when a budget is given)."""
     if not nodes:
         raise PlacementError("the cluster has no node with CPUs to place the model on")
-    whole = Demand(cfg, qc, context, quantize_at_load, None)
-    if budget is None:
-        try:
-            return Placement(*_ranges(cfg, nodes, whole, whole.offered, name))
-        except PlacementError:
-            if not streamable:
-                raise
-    stream = Demand(cfg, qc, context, quantize_at_load, budget, streaming=True)
-    stages, idle = _ranges(cfg, nodes, stream, stream.offered, name, whole)
-    return Placement([stream.stage(s.node, s.layers, None, forced=budget is not None) for s in stages], idle)
+    return Placement(*plan_range(cfg, qc, context, nodes, range(cfg.num_hidden_layers), quantize_at_load,
+                                 streamable, name, budget, idle=True))
 
 
 class Demand:
@@ -206,21 +198,24 @@ class Demand:
 
 def plan_range(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nodes: list[Node],
                layers: range, quantize_at_load: bool = False, streamable: bool = False,
-               name: str = "the model", budget: int | None = None) -> list[Stage]:
-    """The decoder layers `layers` alone over `nodes` (each offering what it has left), as
-    `plan` shares out the whole: where a lost node's layers go (execution/healing.py). Streams
-    where a share does not fit whole and the checkpoint allows it (within `budget`, if given)."""
+               name: str = "the model", budget: int | None = None, idle: bool = False):
+    """The decoder layers `layers` over `nodes` as `plan` shares out the whole (plan is this
+    over every layer; execution/healing.py places a lost node's layers with it, each node
+    offering what it has left): whole shares where they fit, else (`streamable`) streaming
+    where a share does not fit whole; every node streams within `budget` when one is given.
+    The stages, and with `idle` the nodes that hold nothing too."""
+    whole = Demand(cfg, qc, context, quantize_at_load, None)
     if budget is None:
-        whole = Demand(cfg, qc, context, quantize_at_load, None)
         try:
-            return _ranges(cfg, nodes, whole, whole.offered, name, layers=layers)[0]
+            stages, left = _ranges(cfg, nodes, whole, whole.offered, name, layers=layers)
+            return (stages, left) if idle else stages
         except PlacementError:
             if not streamable:
                 raise
-    whole = Demand(cfg, qc, context, quantize_at_load, None)
     stream = Demand(cfg, qc, context, quantize_at_load, budget, streaming=True)
-    return [stream.stage(s.node, s.layers, None, forced=budget is not None)
-            for s in _ranges(cfg, nodes, stream, stream.offered, name, whole, layers=layers)[0]]
+    shares, left = _ranges(cfg, nodes, stream, stream.offered, name, whole, layers=layers)
+    stages = [stream.stage(s.node, s.layers, None, forced=budget is not None) for s in shares]
+    return (stages, left) if idle else stages
 
 
 def _ranges(cfg: DeepseekV2Config, nodes: list[Node], need, offered, name: str,
