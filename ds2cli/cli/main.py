@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -121,6 +122,14 @@ class Ds2Group(click.Group):
         except OSError as e:      # a file or the system failed where no ds2 error names it: still one line
             where = f" ({e.filename})" if getattr(e, "filename", None) else ""
             console.error(f"{e.strerror or type(e).__name__}{where}")
+            ctx.exit(1)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise                 # click's own exits and errors: main prints them
+        except Exception as e:    # noqa: BLE001 - a bug's or a library's error: one line still (the traceback on request)
+            if os.environ.get("DS2_TRACEBACK"):
+                raise
+            text = (str(e).strip().splitlines() or [""])[-1][:300]
+            console.error(f"internal error: {type(e).__name__}: {text} (a bug in ds2; DS2_TRACEBACK=1 shows where)")
             ctx.exit(1)
 
 

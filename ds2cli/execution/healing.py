@@ -21,7 +21,8 @@ import dataclasses
 import time
 
 from ds2cli.cluster.placement import Placement, PlacementError
-from ds2cli.cluster.ray_cluster import ClusterError
+from ds2cli.cluster.ray_cluster import ClusterError, causes
+from ds2cli.errors import Ds2Error
 from ds2cli.model.passes import Pass
 
 ANSWER_S = 30            # a stage that does not answer within this is lost
@@ -101,19 +102,32 @@ def replace_stages(passes, gone: list[int]) -> list[tuple[range, list]]:
     for i in kept:
         s = old.stages[i]
         used[s.node.node_id] = used.get(s.node.node_id, 0) + (s.budget or s.need["total"])
+    # a lost stage's node is not one of the nodes left, even while the head still counts it alive:
+    # the head learns of a machine's death by missed heartbeats (15 s by default), and an actor
+    # placed there meanwhile is cancelled when it does
+    suspect = {old.stages[i].node.node_id for i in gone} - {old.stages[i].node.node_id for i in kept}
     left = [dataclasses.replace(n, available=None if n.available is None else max(0, n.available - used.get(k, 0)))
-            for k, n in nodes.items() if k in alive]
-    if not left:
-        raise ClusterError("no node of the cluster is left")
+            for k, n in nodes.items() if k in alive and k not in suspect]
     stages, actors, moved = [old.stages[i] for i in kept], [passes.stages[i] for i in kept], []
     for i in gone:
-        share = passes.replan(left, old.stages[i].layers)
+        while True:
+            if not left:
+                raise ClusterError("no node of the cluster is left")
+            share = passes.replan(left, old.stages[i].layers)
+            running = {s.node.node_id for s in stages}
+            new = [passes.new_actor(s, cpus=0 if s.node.node_id in running else None) for s in share]
+            failed = failed_nodes(ray, new, share)
+            if not failed:
+                break
+            for a in new:           # a node lost while its share loaded: plan again without it
+                try:
+                    ray.kill(a)
+                except Exception:   # noqa: BLE001 - gone with its node
+                    pass
+            left = [n for n in left if n.node_id not in failed]
         for s in share:     # what it takes is no longer left for the next lost range
             left = [dataclasses.replace(n, available=n.available - (s.budget or s.need["total"]))
                     if n.node_id == s.node.node_id and n.available is not None else n for n in left]
-        running = {s.node.node_id for s in stages}
-        new = [passes.new_actor(s, cpus=0 if s.node.node_id in running else None) for s in share]
-        ray.get([a.ready.remote() for a in new])
         stages += share
         actors += new
         moved.append((old.stages[i].layers, new))
@@ -122,6 +136,22 @@ def replace_stages(passes, gone: list[int]) -> list[tuple[range, list]]:
     passes.placement = Placement([stages[j] for j in order], [n for n in old.idle if n.node_id not in holding])
     passes.stages = [actors[j] for j in order]
     return moved
+
+
+def failed_nodes(ray, actors: list, share: list) -> set:
+    """The nodes whose new stage did not load because the stage or its node died; a ds2 error a
+    stage raised while loading (its checkpoint, its memory) is raised as itself."""
+    failed = set()
+    for a, s in zip(actors, share):
+        try:
+            ray.get(a.ready.remote())
+        except ray.exceptions.RayError as e:
+            ds2 = next((c for c in causes(e) if isinstance(c, Ds2Error) and not isinstance(c, ray.exceptions.RayError)),
+                       None)
+            if ds2 is not None:
+                raise type(ds2)(str(ds2)) from None      # it names its node
+            failed.add(s.node.node_id)
+    return failed
 
 
 def rebuild(passes, moved: list[tuple[range, list]]) -> tuple[int, str]:

@@ -1,0 +1,104 @@
+"""Where healing puts a lost stage's layers, without a cluster: a Ray stand-in whose head may
+still count a dead machine alive (it learns of it by missed heartbeats) and whose new actors
+may die before they answer. The real cluster's healing is tests/cluster/test_heal.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from ds2cli.cluster.placement import Node, Placement, Stage
+from ds2cli.cluster.ray_cluster import ClusterError
+from ds2cli.execution.healing import replace_stages
+
+GB = 1 << 30
+
+
+class RayError(Exception):
+    pass
+
+
+class Ref:
+    def __init__(self, value=None, error=None):
+        self.value, self.error = value, error
+
+
+class Actor:
+    def __init__(self, node_id: str, dead: bool):
+        self.node_id = node_id
+        self.ready = types.SimpleNamespace(remote=lambda: Ref(error=RayError(f"{node_id} died") if dead else None))
+
+
+class FakeRay:
+    """Ray's calls healing makes: nodes(), get(), kill(), exceptions.RayError."""
+    exceptions = types.SimpleNamespace(RayError=RayError)
+
+    def __init__(self, alive: set[str], dying: set[str]):
+        self.alive, self.dying, self.killed = alive, dying, []
+
+    def nodes(self):
+        return [{"NodeID": n, "Alive": True} for n in sorted(self.alive)]
+
+    def get(self, ref):
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def kill(self, actor):
+        self.killed.append(actor)
+
+
+def node(name: str) -> Node:
+    return Node(name * 8, "127.0.0.1", 2, 8 * GB)
+
+
+def stage(n: Node, layers: range) -> Stage:
+    return Stage(n, layers, {"total": GB})
+
+
+def passes_over(ray: FakeRay, nodes: list[Node]):
+    """Three stages of two layers each, one a node; replan puts a lost range whole on the first
+    node left (the real one shares it by memory: tests/cluster/test_placement.py)."""
+    stages = [stage(n, range(2 * i, 2 * i + 2)) for i, n in enumerate(nodes)]
+    planned = []
+
+    def replan(left, layers):
+        planned.append([n.node_id for n in left])
+        return [stage(left[0], layers)]
+
+    def new_actor(s, cpus=None):
+        return Actor(s.node.node_id, s.node.node_id in ray.dying)
+
+    p = types.SimpleNamespace(ray=ray, placement=Placement(stages, []), replan=replan, new_actor=new_actor,
+                              stages=[Actor(s.node.node_id, False) for s in stages])
+    return p, planned
+
+
+def test_a_lost_stage_s_node_is_no_node_left_even_while_the_head_counts_it_alive():
+    a, b, c = node("a"), node("b"), node("c")
+    ray = FakeRay(alive={a.node_id, b.node_id, c.node_id}, dying={c.node_id})   # c lost, not yet declared
+    p, planned = passes_over(ray, [a, b, c])
+    moved = replace_stages(p, [2])
+    assert planned == [[a.node_id, b.node_id]]
+    assert [(s.node.node_id, s.layers) for s in p.placement.stages] == [
+        (a.node_id, range(0, 2)), (b.node_id, range(2, 4)), (a.node_id, range(4, 6))]
+    assert [layers for layers, _ in moved] == [range(4, 6)] and len(p.stages) == 3
+
+
+def test_a_node_lost_while_its_share_loads_is_planned_around():
+    a, b, c = node("a"), node("b"), node("c")
+    ray = FakeRay(alive={a.node_id, b.node_id}, dying={a.node_id})     # a dies as the moved layers load
+    p, planned = passes_over(ray, [a, b, c])
+    replace_stages(p, [2])
+    assert planned == [[a.node_id, b.node_id], [b.node_id]]
+    assert len(ray.killed) == 1                                        # the stage begun on a, let go
+    assert p.placement.stages[-1].node.node_id == b.node_id
+
+
+def test_no_node_left_is_one_cluster_error():
+    a, b = node("a"), node("b")
+    ray = FakeRay(alive={a.node_id, b.node_id}, dying={a.node_id})
+    p, _ = passes_over(ray, [a, b])
+    with pytest.raises(ClusterError, match="no node of the cluster is left"):
+        replace_stages(p, [1])
