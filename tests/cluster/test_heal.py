@@ -79,13 +79,14 @@ def test_a_node_killed_mid_run_moves_its_layers_and_the_steps_go_on(cluster, tmp
     assert "lost 127.0.0.1 (" in str(z["said"]) and "its layers moved to the nodes left" in str(z["said"])
 
 
-def test_generate_goes_on_over_a_lost_node_with_the_text_of_a_run_that_lost_nothing(cluster):
+def test_generate_goes_on_over_a_lost_node_with_the_text_of_a_run_that_lost_nothing(cluster, tmp_path):
     args = ["generate", "--chat", QUESTION, "-n", "200", "--ignore-eos", "--temperature", "0"]
     alone = subprocess.run([sys.executable, "-m", "ds2cli", *args], capture_output=True, text=True,
                            timeout=CALL_TIMEOUT)
+    saved = tmp_path / "prompt.cache"
     node = cluster.add_node()
     try:
-        p = cluster.popen([sys.executable, "-m", "ds2cli", *args, "--ray", ADDRESS],
+        p = cluster.popen([sys.executable, "-m", "ds2cli", *args, "--ray", ADDRESS, "--prompt-cache", str(saved)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         first = p.stdout.read(1)                   # generating: the first byte of text has come
         assert first, p.stderr.read().decode()
@@ -97,6 +98,42 @@ def test_generate_goes_on_over_a_lost_node_with_the_text_of_a_run_that_lost_noth
     assert p.returncode == 0, err.decode()[-3000:]
     assert (first + out).decode() == alone.stdout
     assert "its layers moved to the nodes left" in err.decode() and "Traceback" not in err.decode()
+    # the prompt's cache, saved from the healed cluster (the moved layers' part rebuilt), read on one machine
+    again = subprocess.run([sys.executable, "-m", "ds2cli", *args, "--prompt-cache", str(saved)], capture_output=True,
+                           text=True, timeout=CALL_TIMEOUT)
+    assert again.returncode == 0 and "already read" in again.stderr, again.stderr
+    assert again.stdout == alone.stdout
+
+
+def test_a_chat_session_saved_after_healing_resumes_on_one_machine(cluster, tmp_path):
+    """A turn, a node lost, a turn that heals (the first turn's positions in the lost layers
+    rebuilt), the session saved on leaving; one machine resumes it with a third turn, whose reply
+    is one machine's over the three turns."""
+    turns = ["What is 451 - 123?", "What is 12 + 30?", "What is 7 + 8?"]
+    alone = subprocess.run([sys.executable, "-m", "ds2cli", "chat", "--session", str(tmp_path / "alone.ds2")],
+                           input="".join(t + "\n" for t in turns), capture_output=True, text=True, timeout=CALL_TIMEOUT)
+    assert alone.returncode == 0, alone.stderr
+    session = tmp_path / "s.ds2"
+    node = cluster.add_node()
+    try:
+        p = cluster.popen([sys.executable, "-m", "ds2cli", "chat", "--session", str(session), "--ray", ADDRESS],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p.stdin.write((turns[0] + "\n").encode())
+        p.stdin.flush()
+        reply = p.stdout.readline()                 # the first reply, over three nodes
+        assert reply, p.stderr.read().decode()[-3000:]
+        cluster.kill(node)
+        cluster.wait_for(2)
+        out, err = p.communicate((turns[1] + "\n").encode(), timeout=CALL_TIMEOUT)
+    finally:
+        cluster.nodes.remove(node)
+        cluster.wait_for(2)
+    assert p.returncode == 0, err.decode()[-3000:]
+    assert "its layers moved to the nodes left" in err.decode()
+    resumed = subprocess.run([sys.executable, "-m", "ds2cli", "chat", "--session", str(session)],
+                             input=turns[2] + "\n", capture_output=True, text=True, timeout=CALL_TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (reply.decode() + out.decode() + resumed.stdout).splitlines() == alone.stdout.splitlines()
 
 
 STREAM = """
