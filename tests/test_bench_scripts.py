@@ -173,6 +173,19 @@ def test_cluster_ab_compares_two_trees_over_fresh_clusters(tmp_path):
 
 
 @pytest.mark.slow
+def test_cluster_heal_times_a_lost_node_against_its_bound():
+    from support.ray_local import usable
+    if usable():
+        pytest.skip(usable())
+    # ds2-tiny decodes hundreds of tokens a second over three nodes: a long reply, killed early
+    out = python("cluster_heal.py", str(bundled_model_dir()), "--runs", "1", "--tokens", "300", "--kill-after", "0.3",
+                 "--context", "60", "--node-memory", "1000000000", "--node-cpus", "1", timeout=2 * CALL_TIMEOUT).stdout
+    assert re.search(r"^healing \(loss met to the pass run again\): [\d.]+ / ", out, re.M), out
+    assert re.search(r"^  bound: the moved layers loaded [\d.]+ / ", out, re.M), out
+    assert re.search(r"positions rebuilt \[\d+\]; text as one process's: True$", out.strip()), out
+
+
+@pytest.mark.slow
 @needs_cgroups
 def test_cluster_streams_holds_streaming_nodes_against_one_process(tiny_q8):
     from support.ray_local import usable

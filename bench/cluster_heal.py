@@ -1,0 +1,185 @@
+"""A cluster that heals, timed (issue 62's targets): a node SIGKILLed mid-reply, the reply's text
+against one process's, and the healing time against what it is bounded by: loading the moved
+layers plus re-reading their share of the context.
+
+Each run is a fresh Ray cluster on this machine inside a private network namespace
+(tests/support/ray_local.py: 127.0.0.1 only, ended by process group): a head that holds nothing
+and --nodes worker nodes offering --node-memory each (DS2_MEMORY_AVAILABLE) and --node-cpus CPUs.
+The driver, outside them, runs `ds2 generate --ray ...` on a prompt of about --context tokens;
+--kill-after seconds after the reply's first byte the --lose'th node (0-based, in the order they
+joined) dies as a machine that loses power (its processes SIGKILLed). ds2 says on stderr what it
+lost, what moved and how long healing took (from the loss met to the pass run again); the
+script notes when that line came, so "noticed" = kill to line, minus healing.
+
+The bound, measured right after each run on this machine in a fresh process (the page cache as
+the cluster left it): the moved layers loaded alone (ds2cli.load(layers=...); and from the
+process's start, as a moved stage is a new process), then their share
+of the context re-read: Model.compute over those layers alone for the context's positions, in
+the prefill's chunks (a hidden state of the right shape as input). Healing also recomputes the
+layers before a moved range into a scratch cache (their output is the moved layers' input);
+that part is reported apart as "before".
+
+Root only (unshare, nsenter). Prints each run as JSON on stderr, then min / median / max.
+
+    python bench/cluster_heal.py MODEL [--nodes 3] [--node-memory 8G] [--node-cpus 2]
+        [--lose 1] [--context 200] [--tokens 40] [--kill-after 8] [--runs 3]
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+from support.ray_local import ADDRESS, Cluster   # noqa: E402  (the tests' cluster, reused)
+
+DS2 = [sys.executable, "-m", "ds2cli"]
+HEALED = re.compile(r"lost (.*): its layers moved to the nodes left and (\d+) cached positions of .* rebuilt in "
+                    r"([0-9.]+) s")
+LAYERS = re.compile(r"\(layers (\d+)-(\d+)\)")
+
+BOUND = r"""
+import json, sys, time
+import numpy as np
+import ds2cli
+from ds2cli.model.cache import LatentCache
+from ds2cli.model.passes import Pass
+path, first, stop, context, spawned = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+t0 = time.perf_counter()
+model = ds2cli.load(path, layers=range(first, stop), memory_check=False, context=context)
+load_s, started_s = time.perf_counter() - t0, time.time() - spawned
+cfg = model.config
+rng = np.random.default_rng(0)
+def reread(layers):
+    cache = LatentCache(cfg.num_hidden_layers, context, cfg.kv_lora_rank, cfg.qk_rope_head_dim, layers=layers)
+    t0 = time.perf_counter()
+    for at in range(0, context, model.prefill_chunk):
+        n = min(context, at + model.prefill_chunk) - at
+        ids = rng.integers(cfg.vocab_size, size=n)
+        x = None if layers.start == 0 else rng.standard_normal((n, cfg.hidden_size)).astype(np.float32)
+        model.compute(Pass(ids, [n], [at], [0], [cache]), layers, x)
+    return time.perf_counter() - t0
+reread(range(first, stop))           # untimed: the first pass's own costs; then the best of 3
+print(json.dumps({"load_s": load_s, "started_s": started_s, "reread_s": min(reread(range(first, stop)) for _ in range(3))}))
+"""
+
+
+def prompt_of(context: int) -> str:
+    """A text of about `context` tokens (numbers read as one token or two each)."""
+    return " ".join(str(i) for i in range(context // 2))
+
+
+def generate(args) -> list[str]:
+    return [*DS2, "generate", "-m", args.model, prompt_of(args.context), "-n", str(args.tokens), "--temperature",
+            "0", "--ignore-eos"]
+
+
+def cluster_run(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ds2-cluster-heal-") as tmp:
+        cluster = Cluster(Path(tmp))
+        try:
+            cluster.env.update(RAY_memory_monitor_refresh_ms="0")
+            cluster.start_head(cpus=0)
+            nodes = [cluster.add_node(memory=args.node_memory, extra=("--object-store-memory", "200000000"),
+                                      cpus=args.node_cpus) for _ in range(args.nodes)]
+            p = cluster.popen([*generate(args), "--ray", ADDRESS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              cwd=tmp)
+            lines: list[tuple[float, str]] = []
+            reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), raw.decode(errors="replace"))
+                                                                  for raw in p.stderr), daemon=True)
+            reader.start()
+            first = p.stdout.read(1)
+            if not first:
+                p.wait(timeout=600)
+                reader.join(10)
+                sys.exit("error: the cluster run failed: " + "".join(line for _, line in lines)[-3000:])
+            time.sleep(args.kill_after)
+            killed = time.monotonic()
+            cluster.kill(nodes[args.lose])
+            rest = p.stdout.read()
+            p.wait(timeout=3600)
+            reader.join(30)
+            err = "".join(line for _, line in lines)
+            if p.returncode != 0:
+                sys.exit(f"error: the cluster run failed: {err[-3000:]}")
+            at, said = next(((t, line) for t, line in lines if HEALED.search(line)), (None, None))
+            if said is None:
+                sys.exit(f"error: the cluster did not heal: {err[-3000:]}")
+            m = HEALED.search(said)
+            first_layer, last_layer = map(int, LAYERS.search(m.group(1)).groups())
+            return {"text": (first + rest).decode(errors="replace"), "heal_s": float(m.group(3)),
+                    "noticed_s": at - killed - float(m.group(3)), "rebuilt": int(m.group(2)),
+                    "moved": [first_layer, last_layer + 1],
+                    "placement": [line.rstrip() for _, line in lines[lines.index((at, said)) + 1:]
+                                  if line.startswith("  ")]}
+        finally:
+            cluster.stop()
+
+
+def bound(args, moved: list[int]) -> dict:
+    """The moved layers loaded alone, their share of the context re-read; and the layers before
+    them re-read (what healing also pays, computing their output for the moved layers)."""
+    def one(first: int, stop: int) -> dict:
+        r = subprocess.run([sys.executable, "-c", BOUND, args.model, str(first), str(stop), str(args.context),
+                            str(time.time())],
+                           capture_output=True, text=True, timeout=3600)
+        if r.returncode != 0:
+            sys.exit(f"error: the bound's run failed: {r.stderr[-3000:]}")
+        return json.loads(r.stdout.splitlines()[-1])
+    own = one(*moved)
+    before = one(0, moved[0])["reread_s"] if moved[0] > 0 else 0.0
+    return {"load_s": own["load_s"], "started_s": own["started_s"], "reread_s": own["reread_s"], "before_s": before}
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--node-memory", default="8000000000", help="bytes each node offers ds2")
+    ap.add_argument("--node-cpus", type=int, default=os.cpu_count())
+    ap.add_argument("--lose", type=int, default=1, help="the node killed, 0-based in the order they joined")
+    ap.add_argument("--context", type=int, default=200, help="about this many prompt tokens")
+    ap.add_argument("--tokens", type=int, default=40)
+    ap.add_argument("--kill-after", type=float, default=8.0, help="seconds after the reply's first byte")
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    if Path(args.model).exists():          # the cluster's driver runs in a scratch folder
+        args.model = str(Path(args.model).resolve())
+    reference = subprocess.run(generate(args), capture_output=True, text=True, timeout=3600)
+    if reference.returncode != 0:
+        sys.exit(f"error: the reference run failed: {reference.stderr.strip()[-3000:]}")
+    runs = []
+    for k in range(args.runs):
+        run = cluster_run(args)
+        run["same_text"] = run.pop("text") == reference.stdout
+        run.update(bound(args, run["moved"]))
+        runs.append(run)
+        print(f"run {k + 1}: " + json.dumps(run), file=sys.stderr)
+    print("\n".join(runs[0]["placement"]))
+    print(f"{args.runs} runs, {args.nodes} nodes, node {args.lose} killed {args.kill_after:.0f} s into a "
+          f"{args.tokens}-token reply to about {args.context} tokens; seconds min / median / max")
+    print(f"healing (loss met to the pass run again): {spread([r['heal_s'] for r in runs])}")
+    print(f"  bound: the moved layers loaded {spread([r['load_s'] for r in runs])} (a new process started, "
+          f"ds2 imported and they loaded: {spread([r['started_s'] for r in runs])}) + their share of the context "
+          f"re-read {spread([r['reread_s'] for r in runs])} = {spread([r['load_s'] + r['reread_s'] for r in runs])} "
+          f"({spread([r['started_s'] + r['reread_s'] for r in runs])})")
+    print(f"  the layers before them re-read (healing's input for them): {spread([r['before_s'] for r in runs])}")
+    print(f"noticed (kill to healing begun): {spread([r['noticed_s'] for r in runs])}")
+    print(f"positions rebuilt {[r['rebuilt'] for r in runs]}; text as one process's: "
+          f"{all(r['same_text'] for r in runs)}")
+
+
+if __name__ == "__main__":
+    main()
