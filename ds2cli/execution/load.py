@@ -7,10 +7,16 @@ uses follow the cores that are free, read from the kernel's own accounting: the 
 the CPUs this process may run on (/proc/stat) minus this process's and its helpers' own CPU
 time (/proc/PID/stat), over the last INTERVAL seconds at least. `--threads N` stays the upper
 bound (Machine's `threads`); where /proc is not there, every allowed core counts as free.
+
+Niced programs' time counts as free (while this process is not niced itself): the kernel gives a
+nice 10 job about a tenth of a core that a nice 0 thread also wants, and nice 19 about 1/70, so
+a pass that takes the core is slowed by little, and a batch job (`nice make -j`) would otherwise
+hold ds2 at one core for nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -28,7 +34,8 @@ class Load:
         """`clock`, `busy(cpus)`, `ticks(pids)` and `tick` (ticks a second) read the time and the
         kernel's accounting (/proc, sysconf): given, they replace it (a test's script)."""
         self.cpus = cpus if cpus is not None else allowed_cpus()
-        self.clock, self.busy, self.ticks = clock, busy or cpus_busy, ticks or process_ticks
+        self.clock, self.ticks = clock, ticks or process_ticks
+        self.busy = busy or functools.partial(cpus_busy, niced=niced_busy())
         self.tick = tick or (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self.others: float | None = None      # cores other programs keep busy (smoothed)
         self.last: tuple[float, int, int] | None = None     # (time, CPUs' busy ticks, ours)
@@ -61,8 +68,18 @@ def allowed_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def cpus_busy(cpus: set[int]) -> int | None:
-    """Ticks the given CPUs have spent on anything but idling (iowait counts as idle), since boot."""
+def niced_busy() -> bool:
+    """Whether niced programs' time counts as busy: when this process is niced itself (they then
+    compete with it as equals, or above it)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0) > 0
+    except (AttributeError, OSError):
+        return True
+
+
+def cpus_busy(cpus: set[int], niced: bool = True) -> int | None:
+    """Ticks the given CPUs have spent on anything but idling (iowait counts as idle), since boot;
+    without `niced`, niced programs' user time counts as idle too."""
     try:
         with open("/proc/stat") as f:
             lines = f.read().splitlines()
@@ -74,7 +91,7 @@ def cpus_busy(cpus: set[int]) -> int | None:
             name, *ticks = line.split()
             if int(name[3:]) in cpus:
                 values = [int(t) for t in ticks[:8]]          # user nice system idle iowait irq softirq steal
-                total += sum(values) - values[3] - values[4]
+                total += sum(values) - values[3] - values[4] - (0 if niced else values[1])
     return total
 
 

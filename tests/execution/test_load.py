@@ -70,6 +70,28 @@ def busy_loops(n: int):
             p.wait()
 
 
+@pytest.mark.skipif(len(load.allowed_cpus()) < 2 or not sys.platform.startswith("linux") or load.niced_busy(),
+                    reason="two CPUs, /proc, and this process not niced")
+def test_a_niced_program_leaves_its_core_free_and_a_plain_one_does_not():
+    """A `nice -n 19` busy loop gets about 1/70 of a core a nice 0 thread wants: its core counts
+    as free; a plain busy loop's does not. Compared with each other (whatever else this machine
+    runs counts in both), after several readings (a loop's first window may start before it)."""
+    def others(cmd: list[str]) -> float:
+        p = subprocess.Popen(cmd)
+        try:
+            machine = load.Load()
+            for _ in range(6):
+                time.sleep(1.5 * load.INTERVAL)
+                machine.free(len(machine.cpus))
+            return machine.others
+        finally:
+            p.kill()
+            p.wait()
+    loop = [sys.executable, "-c", "while 1: pass"]
+    niced, plain = others(["nice", "-n", "19", *loop]), others(loop)
+    assert plain - niced > 0.5, (niced, plain)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Machine(helpers=True).helpers_allowed or sys.platform != "linux",
                     reason="helper processes: Linux, two cores or more")
