@@ -60,8 +60,8 @@ def forward_weight_bytes(model: Model, routed_experts: float, tokens: int = 1) -
 
 def storage_format(w) -> str:
     """How a weight is stored, in the ceiling probe's names: a low-bit QuantMatrix's format (q8b
-    counts as q8: int8 values, a scale per 32), bfloat16 arrays as bf16, the rest f32; q's
-    product with W_UK (parallel.absorbed.AbsorbedQuery) as q's."""
+    counts as q8: int8 values, a scale per 32), bfloat16 arrays as bf16, the rest f32; a
+    weight made of parts (a stack) as its first part's."""
     if hasattr(w, "parts"):
         return storage_format(w.parts[0])
     f = getattr(w, "f", None)
