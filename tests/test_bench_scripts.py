@@ -172,6 +172,12 @@ def test_cluster_ab_compares_two_trees_over_fresh_clusters(tmp_path):
     assert out.startswith("1 pairs over two nodes, A = ., B = .") and re.search(r"B/A median [\d.]+ ", out), out
 
 
+def test_busy_runs_two_ways_side_by_side_beside_a_busy_loop():
+    out = python("busy.py", "--pairs", "1", "--tokens", "4", "--b", "--threads 1 --draft 2").stdout
+    assert out.startswith("1 pairs, 4 tokens, beside 1 busy loop; decode tok/s") and "B (--threads 1 --draft 2): " in out
+    assert re.search(r"^A / B: median [\d.]+ \([\d.]+-[\d.]+\); pairs [\d.]+$", out, re.M), out
+
+
 @pytest.mark.slow
 def test_cluster_heal_times_a_lost_node_against_its_bound():
     from support.ray_local import usable

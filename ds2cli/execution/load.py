@@ -30,11 +30,11 @@ class Load:
     """The CPU time other programs take on this process's CPUs, as a number of cores."""
 
     def __init__(self, cpus: set[int] | None = None, clock=time.perf_counter, busy=None, ticks=None,
-                 tick: int | None = None):
-        """`clock`, `busy(cpus)`, `ticks(pids)` and `tick` (ticks a second) read the time and the
-        kernel's accounting (/proc, sysconf): given, they replace it (a test's script)."""
+                 tick: int | None = None, running=None):
+        """`clock`, `busy(cpus)`, `ticks(pids)`, `tick` (ticks a second) and `running()` read the
+        time and the kernel's accounting (/proc, sysconf): given, they replace it (a test's script)."""
         self.cpus = cpus if cpus is not None else allowed_cpus()
-        self.clock, self.ticks = clock, ticks or process_ticks
+        self.clock, self.ticks, self.running = clock, ticks or process_ticks, running or procs_running
         self.busy = busy or functools.partial(cpus_busy, niced=niced_busy())
         self.tick = tick or (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self.others: float | None = None      # cores other programs keep busy (smoothed)
@@ -47,9 +47,15 @@ class Load:
         now = self.clock()
         if self.last is None or now - self.last[0] >= INTERVAL:
             self.read(now, own_pids)
-        if self.others is None:
-            return most
-        return max(1, min(most, int(len(self.cpus) - self.others + ROUND_UP)))
+        others = self.others
+        if others is None:
+            # before the first window has passed (a small model's first steps take less): the
+            # tasks runnable right now but this thread; one sample, read until a window has passed
+            running = self.running()
+            if running is None:
+                return most
+            others = max(0, running - 1)
+        return max(1, min(most, int(len(self.cpus) - others + ROUND_UP)))
 
     def read(self, now: float, own_pids) -> None:
         busy, ours = self.busy(self.cpus), self.ticks([0, *own_pids])
@@ -93,6 +99,18 @@ def cpus_busy(cpus: set[int], niced: bool = True) -> int | None:
                 values = [int(t) for t in ticks[:8]]          # user nice system idle iowait irq softirq steal
                 total += sum(values) - values[3] - values[4] - (0 if niced else values[1])
     return total
+
+
+def procs_running() -> int | None:
+    """The tasks runnable on the machine at this instant, this one included (/proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("procs_running "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def process_ticks(pids) -> int | None:

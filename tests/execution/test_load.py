@@ -48,14 +48,20 @@ def test_the_cores_used_are_those_others_leave():
 
 
 def test_no_proc_means_every_core():
-    machine = load.Load({0, 1, 2, 3}, busy=lambda cpus: None)
+    machine = load.Load({0, 1, 2, 3}, busy=lambda cpus: None, running=lambda: None)
     assert machine.free(3) == 3 and machine.free(3) == 3
 
 
-def test_before_a_window_has_passed_every_core_counts():
-    """A pass that starts within INTERVAL of the pool's making has no reading yet: all cores."""
-    machine = load.Load({0, 1, 2, 3}, clock=lambda: 5.0)
-    assert machine.others is None and machine.free(3) == 3
+def test_before_a_window_has_passed_the_tasks_running_now_count():
+    """A pass that starts within INTERVAL of the pool's making has no window read yet: the tasks
+    runnable at that instant but this one are the others (a small model's first steps, all of
+    its reply perhaps, come before a window has passed)."""
+    running = iter([1, 3, 9])
+    machine = load.Load({0, 1, 2, 3}, clock=lambda: 5.0, running=lambda: next(running))
+    assert machine.others is None
+    assert machine.free(3) == 3        # only this thread: every core
+    assert machine.free(3) == 2        # two others
+    assert machine.free(3) == 1        # more than the CPUs: never below one
 
 
 @contextlib.contextmanager
