@@ -66,6 +66,15 @@ class Stage:
         """The bytes its routed experts are streamed within (its stage's --memory-budget), or None."""
         return None if self.stream is None else self.stream["budget"]
 
+    @property
+    def share(self) -> str:
+        """What it holds, in short (how a lost node's share is named): "layers 2-3"; spread by
+        experts "layers 2-3, experts 3-4" ("no layers", "no experts" where it holds none)."""
+        out = f"layers {self.layers.start}-{self.layers.stop - 1}" if len(self.layers) else "no layers"
+        if self.experts is not None:
+            out += f", experts {self.experts.start}-{self.experts.stop - 1}" if len(self.experts) else ", no experts"
+        return out
+
     def describe(self, num_layers: int) -> str:
         first, last = self.layers.start, self.layers.stop - 1
         extra = (["embedding"] if first == 0 else []) + (["norm and head"] if last == num_layers - 1 else [])
@@ -296,48 +305,84 @@ def shares(total: int, weights: list[float]) -> list[range]:
 
 def plan_experts(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nodes: list[Node],
                  quantize_at_load: bool = False, name: str = "the model", streamable: bool = False,
-                 budget: int | None = None) -> Placement:
+                 budget: int | None = None, layers: range | None = None, experts: range | None = None) -> Placement:
     """Every node a contiguous range of each MoE layer's routed experts and a contiguous range of
     layers (without their routed experts), both in proportion to what it offers; each node's
     share checked with memory.required; a PlacementError when one does not fit. `streamable`
-    and `budget` as in `plan`: a node whose share does not fit whole streams its experts."""
+    and `budget` as in `plan`: a node whose share does not fit whole streams its experts.
+    `layers`, `experts`: only those (default: all) shared out, as plan_lost_experts does with a
+    lost node's share."""
     E, L = cfg.n_routed_experts or 0, cfg.num_hidden_layers
+    layers = range(L) if layers is None else layers
+    experts = range(E) if experts is None else experts
     if not nodes:
         raise PlacementError("the cluster has no node with CPUs to place the model on")
     if not E or not any(cfg.is_moe_layer(i) for i in range(L)):
         raise PlacementError(f"{name} has no routed experts to spread: use --ray-spread layers")
 
     demand = Demand(cfg, qc, context, quantize_at_load, budget, streaming=streamable or budget is not None)
-
-    def offered(n: Node) -> int:
-        return min(demand.offered(n), 1 << 50)
-
-    weights = [offered(n) for n in nodes]
-    expert_ranges = shares(E, weights)
-    # a layer's cost where it lives without its routed experts: its other weights and its cache
-    cost = [sum(memory.required(cfg, qc, context, quantize_at_load, range(i, i + 1), range(0))[k]
-                for k in ("weights", "cache")) for i in range(L)]
-    total, acc, owner = sum(cost), 0.0, []
-    bounds = [sum(weights[:j + 1]) / sum(weights) * total for j in range(len(nodes))]
-    for i in range(L):
-        middle = acc + cost[i] / 2
-        owner.append(next((j for j, b in enumerate(bounds) if middle <= b), len(nodes) - 1))
-        acc += cost[i]
+    weights = [min(demand.offered(n), 1 << 50) for n in nodes]
+    expert_ranges = [range(experts.start + r.start, experts.start + r.stop) for r in shares(len(experts), weights)]
+    owner = _layer_owners(cfg, qc, context, quantize_at_load, layers, weights)
     stages, idle, short = [], [], []
     for j, n in enumerate(nodes):
-        mine = [i for i in range(L) if owner[i] == j]
-        layers = range(mine[0], mine[-1] + 1) if mine else range(0)
-        if not len(layers) and not len(expert_ranges[j]):
+        mine = [i for i, o in zip(layers, owner) if o == j]
+        held = range(mine[0], mine[-1] + 1) if mine else range(0)
+        if not len(held) and not len(expert_ranges[j]):
             idle.append(n)
             continue
-        need = demand(layers, expert_ranges[j])
+        need = demand(held, expert_ranges[j])
         if n.available is not None or budget is not None:
             if need["total"] > demand.offered(n):
                 short.append(f"{n.name} would need {memory.gb(need['total'])}{' streaming' if demand.streaming else ''} "
                              f"and offers {memory.gb(demand.offered(n))}")
                 continue
-        stages.append(demand.stage(n, layers, expert_ranges[j], forced=budget is not None))
+        stages.append(demand.stage(n, held, expert_ranges[j], forced=budget is not None))
     if short:
         raise PlacementError(f"the cluster cannot hold {name} spread by experts: " + "; ".join(short)
                              + "; add nodes, use a smaller --ctx, a 4-bit copy or --ray-spread layers")
     return Placement(stages, idle)
+
+
+def _layer_owners(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, quantize_at_load: bool,
+                  layers: range, weights: list[float]) -> list[int]:
+    """Spread by experts, which node (an index of `weights`) holds each of `layers`: contiguous
+    shares in proportion to the weights, by what a layer costs where it lives without its routed
+    experts (its other weights and its cache)."""
+    cost = [sum(memory.required(cfg, qc, context, quantize_at_load, range(i, i + 1), range(0))[k]
+                for k in ("weights", "cache")) for i in layers]
+    total, acc, owner, whole = sum(cost), 0.0, [], sum(weights) or 1
+    bounds = [sum(weights[:j + 1]) / whole * total for j in range(len(weights))]
+    for c in cost:
+        middle = acc + c / 2
+        owner.append(next((j for j, b in enumerate(bounds) if middle <= b), len(weights) - 1))
+        acc += c
+    return owner
+
+
+def plan_lost_experts(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nodes: list[Node],
+                      layers: range, experts: range, quantize_at_load: bool = False, streamable: bool = False,
+                      name: str = "the model", budget: int | None = None) -> list[Stage]:
+    """Spread by experts, a lost node's share (its `layers`, maybe none, and its range `experts`
+    of every MoE layer) over the `nodes` left, each offering what it has left: whole on the node
+    with the most room where it fits there (else streaming its experts, when `streamable`), so
+    that the other nodes gain one peer to ask; else shared out over them all as plan_experts
+    shares out the whole. A PlacementError when neither fits."""
+    if not nodes:
+        raise PlacementError("the cluster has no node left to place the lost share on")
+    demand = Demand(cfg, qc, context, quantize_at_load, budget, streaming=streamable or budget is not None)
+    roomiest = max(nodes, key=lambda n: min(demand.offered(n), 1 << 50))
+    if demand(layers, experts)["total"] <= demand.offered(roomiest):
+        return [demand.stage(roomiest, layers, experts, forced=budget is not None)]
+    return plan_experts(cfg, qc, context, nodes, quantize_at_load, name, streamable, budget, layers, experts).stages
+
+
+def plan_lost(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nodes: list[Node],
+              layers: range, experts: range | None = None, quantize_at_load: bool = False, streamable: bool = False,
+              name: str = "the model", budget: int | None = None) -> list[Stage]:
+    """Where a lost stage's share goes over the `nodes` left (execution/healing.py): its `layers`
+    as plan_range shares them (spread by layers), or with `experts` (spread by experts) its
+    layers and experts as plan_lost_experts places them."""
+    if experts is None:
+        return plan_range(cfg, qc, context, nodes, layers, quantize_at_load, streamable, name, budget)
+    return plan_lost_experts(cfg, qc, context, nodes, layers, experts, quantize_at_load, streamable, name, budget)

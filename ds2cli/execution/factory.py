@@ -38,7 +38,7 @@ def load(path=None, progress=None, quantize: int | str | None = None, context: i
     `spread_experts` (a node of a cluster spread by experts) the other nodes' experts asked of
     them. `ray`: the model's layers over that Ray cluster's nodes instead (cluster_model).
     `executor`: one composed already (or any of model/executor.py's interface), used as given.
-    `heal`: over a cluster by layers, a lost node's layers move to the nodes left (healing.py)."""
+    `heal`: over a cluster, a lost node's share moves to the nodes left (healing.py)."""
     if ray is not None:
         return cluster_model(open_model(path), ray, quantize, context, show, memory_check, spread, memory_budget,
                              heal)
@@ -64,16 +64,16 @@ def cluster_model(source, address: str, quantize=None, context: int | None = Non
     own disk (its experts streamed within `memory_budget` when given), and the driver's Model,
     which holds no weights, over them. A node that cannot hold its share whole streams its
     routed experts (cluster/placement.py), every node within `memory_budget` when given. `heal`:
-    a node lost mid-run has its layers moved to the nodes left (by layers; healing.py), its
-    lines shown with `show`."""
+    a node lost mid-run has its share (its layers; spread by experts, its experts too) moved to
+    the nodes left (healing.py), its lines shown with `show`."""
     from ds2cli.cluster import driver
-    from ds2cli.cluster.placement import plan_range
+    from ds2cli.cluster.placement import plan_lost
     from ds2cli.execution.stages import RayPasses
     ray, placement, bits, qc = driver.plan(source, address, quantize, context, memory_check, spread, memory_budget)
     for line in driver.describe(source, placement) if show else ():
         show(line)
     cfg = source.config
-    replan = functools.partial(plan_range, cfg, qc, context, quantize_at_load=source.stored is None and bits is not None,
+    replan = functools.partial(plan_lost, cfg, qc, context, quantize_at_load=source.stored is None and bits is not None,
                                streamable=loader.stream_problem(source, qc) is None,
                                name=memory.model_name(cfg, source.path), budget=memory_budget)
     passes = RayPasses(ray, placement, source.path, load, bits if quantize == "auto" else quantize, context,

@@ -1,18 +1,23 @@
-"""A cluster that heals (spread by layers): a stage whose process or node is lost mid-run has its
-layers moved to the nodes left, its part of every live cache rebuilt, and the pass that failed
-runs again, so a reply goes on where it was.
+"""A cluster that heals: a stage whose process or node is lost mid-run has its share (its layers;
+spread by experts, its range of every MoE layer's routed experts too) moved to the nodes left,
+its part of every live cache rebuilt, and the pass that failed runs again, so a reply goes on
+where it was.
 
 When a pass finds a stage gone (stages.RayPasses.get raises StageLost), the driver asks every
-stage whether it still answers, plans the lost stages' layers onto the nodes left with what each
-has left of what it offered (cluster/placement.plan_range: whole where they fit, their routed
-experts streamed where not and the checkpoint allows it), loads them there (a node that runs a
-stage already runs the moved one beside it, asking Ray for no more CPUs), and prints the new
-placement. Then each live cache's lost layers are rebuilt from the ids the driver sent to it
+stage whether it still answers, plans the lost stages' shares onto the nodes left with what each
+has left of what it offered (cluster/placement.plan_lost: by layers as plan_range shares layers
+out, by experts the lost layers and experts whole on the node with the most room, else shared out
+as plan_experts does; whole where they fit, their routed experts streamed where not and the
+checkpoint allows it), loads them there (a node that runs a stage already runs the moved one
+beside it, asking Ray for no more CPUs), and prints the new placement. Spread by experts, every
+stage is then told its peers again, so the survivors ask the new stages for the moved experts.
+Then each live cache's lost layers are rebuilt from the ids the driver sent to it
 (ClusterCache.tokens), in chunks: the layers before them run those ids again into a scratch
-cache, only to hand the moved layers their input; the moved layers write the cache itself; the
-layers after them are untouched. What cannot heal is one ClusterError, as without healing: the
-head gone, the lost layers fitting nowhere, a cache restored from saved latents (its ids unknown),
-a cluster spread by experts.
+cache, only to hand the moved layers their input (by experts, asking every node for its experts
+as a pass does); the moved layers write the cache itself; the layers after them are untouched (a
+stage that held experts alone leaves no cache to rebuild). What cannot heal is one ClusterError,
+as without healing: the head gone, the lost share fitting nowhere, a cache restored from saved
+latents (its ids unknown).
 """
 
 from __future__ import annotations
@@ -29,17 +34,17 @@ ANSWER_S = 30            # a stage that does not answer within this is lost
 
 
 def heal(passes, lost) -> None:
-    """Move the layers of `passes`' lost stages (RayPasses) to the nodes left and rebuild them."""
+    """Move the shares of `passes`' lost stages (RayPasses) to the nodes left and rebuild their caches."""
     t0 = time.perf_counter()
-    passes.healing = f"{lost}: moving its layers to the nodes left"
+    passes.healing = f"{lost}: moving its share to the nodes left"
     try:
         gone = lost_stages(passes)
         if not gone:            # every stage answers: the failed pass only needs running again
             passes.epoch += 1
             return
         old = passes.placement
-        names = ", ".join(f"{old.stages[i].node.name} (layers {old.stages[i].layers.start}-"
-                          f"{old.stages[i].layers.stop - 1})" for i in gone)
+        names = ", ".join(f"{old.stages[i].node.name} ({old.stages[i].share})" for i in gone)
+        what = "its layers" if old.spread == "layers" else "its layers and experts"
         for i in gone:
             try:
                 passes.ray.kill(passes.stages[i])
@@ -47,15 +52,16 @@ def heal(passes, lost) -> None:
                 pass
         moved = replace_stages(passes, gone)
         passes.epoch += 1
-        tokens, caches = rebuild(passes, moved)
+        tokens, caches = rebuild(passes, [layers for layers, _ in moved])
         seconds = time.perf_counter() - t0
         passes.healed["nodes_lost"] += len(gone)
         passes.healed["heal_seconds"] += seconds
         passes.healed["stages_loaded"] += sum(len(m) for _, m in moved)
         passes.healed["tokens_rebuilt"] += tokens
         if passes.show is not None:
-            passes.show(f"lost {names}: its layers moved to the nodes left and {tokens} cached "
-                        f"positions of {caches} rebuilt in {seconds:.1f} s; the placement now:")
+            rebuilt = f" and {tokens} cached positions of {caches} rebuilt" if tokens else ""
+            passes.show(f"lost {names}: {what} moved to the nodes left{rebuilt} in {seconds:.1f} s; "
+                        f"the placement now:")
             for line in passes.placement.lines(passes.model.config.num_hidden_layers):
                 passes.show("  " + line)
     except PlacementError as e:
@@ -86,8 +92,9 @@ def lost_stages(passes) -> list[int]:
 
 
 def replace_stages(passes, gone: list[int]) -> list[tuple[range, list]]:
-    """Plan and load the lost stages' layers on the nodes left; the new placement and actors in
-    `passes`. Returns each lost range with the actors that now hold it."""
+    """Plan and load the lost stages' shares on the nodes left; the new placement and actors in
+    `passes`, connected to each other when spread by experts. Returns each lost range of layers
+    with the actors that now hold it."""
     ray, old = passes.ray, passes.placement
     try:
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
@@ -110,10 +117,12 @@ def replace_stages(passes, gone: list[int]) -> list[tuple[range, list]]:
             for k, n in nodes.items() if k in alive and k not in suspect]
     stages, actors, moved = [old.stages[i] for i in kept], [passes.stages[i] for i in kept], []
     for i in gone:
+        lost = old.stages[i]
         while True:
             if not left:
                 raise ClusterError("no node of the cluster is left")
-            share = passes.replan(left, old.stages[i].layers)
+            share = (passes.replan(left, lost.layers) if lost.experts is None
+                     else passes.replan(left, lost.layers, lost.experts))
             running = {s.node.node_id for s in stages}
             new = [passes.new_actor(s, cpus=0 if s.node.node_id in running else None) for s in share]
             failed = failed_nodes(ray, new, share)
@@ -130,11 +139,17 @@ def replace_stages(passes, gone: list[int]) -> list[tuple[range, list]]:
                     if n.node_id == s.node.node_id and n.available is not None else n for n in left]
         stages += share
         actors += new
-        moved.append((old.stages[i].layers, new))
-    order = sorted(range(len(stages)), key=lambda j: stages[j].layers.start)
+        moved.append((lost.layers, new))
+    # the stages holding layers in their order (experts alone: wherever)
+    order = sorted(range(len(stages)), key=lambda j: (stages[j].layers.start, (stages[j].experts or range(0)).start))
     holding = {s.node.node_id for s in stages}
     passes.placement = Placement([stages[j] for j in order], [n for n in old.idle if n.node_id not in holding])
     passes.stages = [actors[j] for j in order]
+    if passes.placement.spread == "experts":
+        try:        # the survivors ask the new stages for the moved experts
+            ray.get(passes.connect())
+        except Exception as e:      # noqa: BLE001 - a node lost while healing
+            raise lost_while_healing(e) from None
     return moved
 
 
@@ -154,20 +169,23 @@ def failed_nodes(ray, actors: list, share: list) -> set:
     return failed
 
 
-def rebuild(passes, moved: list[tuple[range, list]]) -> tuple[int, str]:
-    """Each live cache's positions in the moved layers, from the ids it was sent, chunk by chunk;
-    the positions rebuilt (summed over the caches and moved ranges), and the caches' lengths."""
+def rebuild(passes, moved: list[range]) -> tuple[int, str]:
+    """Each live cache's positions in the `moved` ranges of layers, from the ids it was sent, chunk
+    by chunk; the positions rebuilt (summed over the caches and moved ranges), and the caches'
+    lengths."""
     ray, model, done, lengths = passes.ray, passes.model, 0, []
     chunk = model.prefill_chunk
+    moved = [layers for layers in moved if len(layers)]       # a stage of experts alone: no cache
+    held = [(s, a) for s, a in zip(passes.placement.stages, passes.stages) if len(s.layers)]
     for cache in list(passes.caches):
-        if cache.length == 0:
+        if cache.length == 0 or not moved:
             continue
         if cache.tokens is None:
             raise ClusterError("a cache restored from saved latents cannot be rebuilt on the nodes left "
                                "(its token ids are not known to the driver)")
-        for layers, movers in moved:
-            before = [a for s, a in zip(passes.placement.stages, passes.stages)
-                      if len(s.layers) and s.layers.stop <= layers.start]
+        for layers in moved:
+            before = [a for s, a in held if s.layers.stop <= layers.start]
+            movers = [a for s, a in held if layers.start <= s.layers.start < layers.stop]
             scratch = (next(passes.numbers), cache.capacity)
             try:
                 for at in range(0, cache.length, chunk):
@@ -181,7 +199,7 @@ def rebuild(passes, moved: list[tuple[range, list]]) -> tuple[int, str]:
                         x, _ = a.compute.options(num_returns=2).remote(own, x)
                     ray.get(x)
             except Exception as e:      # noqa: BLE001 - a node lost while healing
-                raise ClusterError(f"a node was lost while the cluster healed: {str(e).strip().splitlines()[-1][:300]}") from None
+                raise lost_while_healing(e) from None
             finally:
                 for a in before:
                     a.drop.remote(scratch[0])
@@ -189,3 +207,7 @@ def rebuild(passes, moved: list[tuple[range, list]]) -> tuple[int, str]:
         lengths.append(cache.length)
     return done, (f"{len(lengths)} cache{'s' * (len(lengths) != 1)} ({', '.join(map(str, sorted(lengths)))} "
                   f"positions)")
+
+
+def lost_while_healing(error: Exception) -> ClusterError:
+    return ClusterError(f"a node was lost while the cluster healed: {str(error).strip().splitlines()[-1][:300]}")

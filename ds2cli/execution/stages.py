@@ -198,9 +198,10 @@ class RayPasses(Passes):
                  heal: bool = True, show=None, replan=None):
         """`load`: what a stage loads its range with and composes its executor (factory.load);
         each stage streams its experts within its budget in the placement (Stage.budget).
-        `heal`: a lost node's layers move to the nodes left and the pass goes on (healing.py;
-        spread by layers), else a loss fails every later pass; `show`: where healing says so;
-        `replan(nodes, layers)`: where a lost range goes (placement.plan_range, the load's terms)."""
+        `heal`: a lost node's share (its layers; spread by experts, its experts too) moves to the
+        nodes left and the pass goes on (healing.py), else a loss fails every later pass; `show`:
+        where healing says so; `replan(nodes, layers[, experts])`: where a lost share goes
+        (placement.plan_lost, the load's terms)."""
         self.ray, self.placement, self.path, self.quantize = ray, placement, str(path), quantize
         self.load, self.context, self.heal, self.show, self.replan = load, context, heal, show, replan
         self.numbers = itertools.count()      # the caches' numbers, as the stages know them
@@ -222,10 +223,16 @@ class RayPasses(Passes):
         self.model = model
         self.stages = [self.new_actor(s) for s in self.placement.stages]
         self.get([a.ready.remote() for a in self.stages])
-        by_experts = self.placement.spread == "experts"
-        if by_experts:
-            peers = [(s.experts.start, s.experts.stop, a) for s, a in zip(self.placement.stages, self.stages)]
-            self.get([a.connect.remote([p for p in peers if p[2] is not a]) for a in self.stages])
+        self.get(self.connect())
+
+    def connect(self) -> list:
+        """Spread by experts, every stage told the others' ranges of experts, to ask them for
+        theirs (at the start, and after healing moved a lost stage's): the calls' references
+        (none by layers)."""
+        if self.placement.spread != "experts":
+            return []
+        peers = [(s.experts.start, s.experts.stop, a) for s, a in zip(self.placement.stages, self.stages)]
+        return [a.connect.remote([p for p in peers if p[2] is not a]) for a in self.stages]
 
     def new_actor(self, s, cpus: int | None = None):
         """The stage actor for placement stage `s`, pinned to its node, asking Ray for `cpus` of
@@ -361,13 +368,13 @@ class RayPasses(Passes):
             alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
             gone = [s.node.name for s in self.placement.stages if s.node.node_id not in alive]
             if gone and self.healable():
-                return f"node {', '.join(gone)} left the cluster; its layers move to the nodes left at the next pass"
+                return f"node {', '.join(gone)} left the cluster; its share moves to the nodes left at the next pass"
             if gone:
                 self.lost = f"node {', '.join(gone)} left the cluster"
         return self.lost
 
     def healable(self) -> bool:
-        return self.heal and self.replan is not None and self.placement.spread == "layers" and self.model is not None
+        return self.heal and self.replan is not None and self.model is not None
 
     def get(self, refs):
         """ray.get, with a lost node or stage as one ClusterError naming it; a ds2 error a stage
@@ -407,5 +414,5 @@ class RayPasses(Passes):
         if gone is None:
             return "the cluster's head does not answer"
         if gone:
-            return "; ".join(f"node {s.node.name} (layers {s.layers.start}-{s.layers.stop - 1}) died" for s in gone)
+            return "; ".join(f"node {s.node.name} ({s.share}) died" for s in gone)
         return f"a stage's process ended ({type(error).__name__})"

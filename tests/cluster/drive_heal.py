@@ -1,9 +1,10 @@
-"""A driver the healing test runs inside the namespace: ds2-tiny over the cluster at ADDRESS by
-layers; the ids of IDS.npy in two caches (one fed a prompt then decode steps, one a shorter
-prompt); after the first HALF decode steps it writes READY and waits (at most 120 s) for GO,
-while the test kills a node; then the remaining steps, and one more pass on the second cache.
-Every step's logits, the placement's lines before and after, what healing said and its counts
-go to OUT.npz. Usage: drive_heal.py ADDRESS OUT IDS.npy PROMPT HALF READY GO"""
+"""A driver the healing test runs inside the namespace: ds2-tiny over the cluster at ADDRESS,
+spread by SPREAD (layers, the default, or experts); the ids of IDS.npy in two caches (one fed a
+prompt then decode steps, one a shorter prompt); after the first HALF decode steps it writes
+READY and waits (at most 120 s) for GO, while the test kills a node; then the remaining steps,
+and one more pass on the second cache. Every step's logits, the placement's lines before and
+after, what healing said and its counts go to OUT.npz.
+Usage: drive_heal.py ADDRESS OUT IDS.npy PROMPT HALF READY GO [SPREAD]"""
 
 import json
 import sys
@@ -16,10 +17,11 @@ from ds2cli.execution.factory import cluster_model
 from ds2cli.weights.source import open_model
 
 
-def main(address: str, out: str, ids_file: str, prompt: int, half: int, ready: str, go: str) -> None:
+def main(address: str, out: str, ids_file: str, prompt: int, half: int, ready: str, go: str,
+         spread: str = "layers") -> None:
     ids = np.load(ids_file)
     said: list[str] = []
-    model = cluster_model(open_model(None), address, show=said.append)
+    model = cluster_model(open_model(None), address, show=said.append, spread=spread)
     passes = model.executor.passes
     before = passes.placement.lines(model.config.num_hidden_layers)
     a, b = model.new_cache(len(ids)), model.new_cache(len(ids))
@@ -43,4 +45,4 @@ def main(address: str, out: str, ids_file: str, prompt: int, half: int, ready: s
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], a[1], a[2], int(a[3]), int(a[4]), a[5], a[6])
+    main(a[0], a[1], a[2], int(a[3]), int(a[4]), a[5], a[6], *a[7:8])

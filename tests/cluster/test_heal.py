@@ -1,11 +1,13 @@
 """A cluster that heals (a real local Ray cluster, loopback only): a node SIGKILLed mid-run has
-its layers moved to the nodes left, the lost part of every live cache rebuilt from the ids the
-driver sent, and the next steps' logits equal one process's within the suite's tolerance; the
-CLI's reply completes with the text of a run that lost nothing. Counts, never the clock."""
+its layers (spread by experts, its experts too) moved to the nodes left, the lost part of every
+live cache rebuilt from the ids the driver sent, and the next steps' logits equal one process's
+within the suite's tolerance; the CLI's reply completes with the text of a run that lost
+nothing. Counts, never the clock."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -37,7 +39,10 @@ def one_process(ids: np.ndarray, prompt: int) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(rows), second
 
 
-def test_a_node_killed_mid_run_moves_its_layers_and_the_steps_go_on(cluster, tmp_path):
+def killed_mid_run(cluster, tmp_path, spread: str):
+    """drive_heal.py over three nodes spread by `spread`, the third killed after the prompt and
+    half the steps: the steps around the loss and the second cache's pass equal one process's,
+    one node lost, both caches' positions in the lost layers rebuilt. Its output (OUT.npz)."""
     ids = np.load(DATA / "reference" / "ds2_tiny_chat" / "ref.npz")["ids"]
     np.save(tmp_path / "ids.npy", ids)
     prompt, half = 20, 8
@@ -45,7 +50,7 @@ def test_a_node_killed_mid_run_moves_its_layers_and_the_steps_go_on(cluster, tmp
     ready, go, out = tmp_path / "ready", tmp_path / "go", tmp_path / "heal.npz"
     try:
         p = cluster.popen([sys.executable, str(DRIVE), ADDRESS, str(out), str(tmp_path / "ids.npy"), str(prompt),
-                           str(half), str(ready), str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                           str(half), str(ready), str(go), spread], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + CALL_TIMEOUT
         while not ready.exists():
             assert p.poll() is None and time.monotonic() < deadline, p.stderr.read().decode()[-3000:]
@@ -70,13 +75,36 @@ def test_a_node_killed_mid_run_moves_its_layers_and_the_steps_go_on(cluster, tmp
     assert healed["nodes_lost"] == 1 and healed["stages_loaded"] >= 1, (healed, str(z["said"]), str(z["before"]))
     # both caches' positions in the lost layers, rebuilt: the first's prompt and steps, the second's prompt
     assert healed["tokens_rebuilt"] == (prompt + half) + prompt // 2, str(z["said"])
-    before, after = str(z["before"]).splitlines(), str(z["after"]).splitlines()
+    assert len(str(z["before"]).splitlines()) == 3 and "lost 127.0.0.1 (" in str(z["said"])
+    return z
+
+
+def spans(lines: list[str], what: str) -> list[tuple[int, int]]:
+    """Each placement line's first and last of `what` ("layers", "experts"), where it holds some."""
+    return [tuple(map(int, m)) for line in lines for m in re.findall(rf"\b{what} (\d+)-(\d+)", line)]
+
+
+def in_order(held: list[tuple[int, int]], last: int) -> bool:
+    return held[0][0] == 0 and held[-1][1] == last and all(b[0] == a[1] + 1 for a, b in zip(held, held[1:]))
+
+
+def test_a_node_killed_mid_run_moves_its_layers_and_the_steps_go_on(cluster, tmp_path):
+    z = killed_mid_run(cluster, tmp_path, "layers")
+    after = str(z["after"]).splitlines()
     # the lost range now on the nodes left (shared out by what each has left, as a placement is)
-    assert len(before) == 3 and int(z["stages"]) == len(after) >= 3
-    spans = [tuple(map(int, line.split("layers ")[1].split(" ")[0].rstrip(",").split("-"))) for line in after]
-    assert spans[0][0] == 0 and spans[-1][1] == 5 and all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:]))
+    assert int(z["stages"]) == len(after) >= 3 and in_order(spans(after, "layers"), 5)
     assert len({line.split(":")[0] for line in after}) == 2          # on two nodes
-    assert "lost 127.0.0.1 (" in str(z["said"]) and "its layers moved to the nodes left" in str(z["said"])
+    assert "its layers moved to the nodes left" in str(z["said"])
+
+
+def test_by_experts_a_node_killed_mid_run_moves_its_layers_and_experts_and_the_steps_go_on(cluster, tmp_path):
+    z = killed_mid_run(cluster, tmp_path, "experts")
+    after = str(z["after"]).splitlines()
+    # the lost node's layers and experts on a node left: every layer and every expert held once
+    layers, experts = spans(after, "layers"), sorted(spans(after, "experts"))
+    assert int(z["stages"]) == len(after) == 3 and in_order(sorted(layers), 5) and in_order(experts, 7)
+    assert len({line.split(":")[0] for line in after}) == 2          # on two nodes
+    assert "its layers and experts moved to the nodes left" in str(z["said"])
 
 
 def test_generate_goes_on_over_a_lost_node_with_the_text_of_a_run_that_lost_nothing(cluster, tmp_path):

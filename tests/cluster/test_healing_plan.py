@@ -1,6 +1,7 @@
 """Where healing puts a lost stage's layers, without a cluster: a Ray stand-in whose head may
 still count a dead machine alive (it learns of it by missed heartbeats) and whose new actors
-may die before they answer. The real cluster's healing is tests/cluster/test_heal.py."""
+may die before they answer; spread by experts, its experts too, and every stage told its peers
+again. The real cluster's healing is tests/cluster/test_heal.py."""
 
 from __future__ import annotations
 
@@ -102,3 +103,60 @@ def test_no_node_left_is_one_cluster_error():
     p, _ = passes_over(ray, [a, b])
     with pytest.raises(ClusterError, match="no node of the cluster is left"):
         replace_stages(p, [1])
+
+
+class PeerActor(Actor):
+    """A stage spread by experts: its peers as the driver last connected it."""
+
+    def __init__(self, node_id: str, dead: bool):
+        super().__init__(node_id, dead)
+        self.peers = None
+        self.connect = types.SimpleNamespace(remote=self.connected)
+
+    def connected(self, peers):
+        self.peers = peers
+        return Ref()
+
+
+class ExpertsRay(FakeRay):
+    def get(self, ref):
+        return [FakeRay.get(self, r) for r in ref] if isinstance(ref, list) else FakeRay.get(self, ref)
+
+
+@pytest.mark.parametrize("lost", [1, 3])
+def test_by_experts_a_lost_stage_s_layers_and_experts_move_and_every_stage_is_reconnected(lost):
+    """ds2-tiny by experts over four nodes, the last holding experts alone; stage `lost` lost:
+    its layers and experts on a node left (placement.plan_lost), every stage told the new peer."""
+    import functools
+    import json
+
+    from ds2cli.cluster.placement import plan_lost
+    from ds2cli.execution.stages import RayPasses
+    from ds2cli.model.config import DeepseekV2Config
+    from ds2cli.weights.source import bundled_model_dir
+    cfg = DeepseekV2Config.from_dict(json.loads((bundled_model_dir() / "config.json").read_text()))
+    a, b, c, d = node("a"), node("b"), node("c"), node("d")
+    shares = [(a, range(0, 2), range(0, 2)), (b, range(2, 4), range(2, 4)), (c, range(4, 6), range(4, 6)),
+              (d, range(0), range(6, 8))]
+    stages = [Stage(n, layers, {"total": GB}, experts) for n, layers, experts in shares]
+    ray = ExpertsRay(alive={a.node_id, b.node_id, c.node_id, d.node_id}, dying=set())
+    p = types.SimpleNamespace(ray=ray, placement=Placement(stages, []),
+                              replan=functools.partial(plan_lost, cfg, None, 64),
+                              new_actor=lambda s, cpus=None: PeerActor(s.node.node_id, False),
+                              stages=[PeerActor(s.node.node_id, False) for s in stages])
+    p.connect = lambda: RayPasses.connect(p)
+    old = list(p.stages)
+    moved = replace_stages(p, [lost])
+    [(layers, [new])] = moved
+    assert layers == shares[lost][1] and new not in old
+    s = p.placement.stages[p.stages.index(new)]
+    assert (s.layers, s.experts) == shares[lost][1:] and s.node.node_id != shares[lost][0].node_id
+    # every expert held once, every stage's layers in order
+    assert sorted(e for s in p.placement.stages for e in s.experts) == list(range(8))
+    held = [s.layers for s in p.placement.stages if len(s.layers)]
+    assert [i for r in held for i in r] == list(range(6))
+    # every stage knows every other's experts: the survivors ask the new one for the moved experts
+    for actor in p.stages:
+        want = {(t.experts.start, t.experts.stop, other) for t, other in zip(p.placement.stages, p.stages)
+                if other is not actor}
+        assert actor.peers is not None and set(actor.peers) == want

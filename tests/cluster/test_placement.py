@@ -5,7 +5,7 @@ the nodes cannot hold the model, and the nodes' own problems named."""
 import pytest
 
 from ds2cli.cli.bench.synthetic import lite_config
-from ds2cli.cluster.placement import Node, PlacementError, check_nodes, plan
+from ds2cli.cluster.placement import Node, PlacementError, check_nodes, plan, plan_range
 from ds2cli.model.config import DeepseekV2Config
 from ds2cli.weights import memory
 from ds2cli.weights.qcheckpoint import QuantConfig
@@ -178,3 +178,43 @@ def test_streaming_a_share_counts_only_its_own_experts():
     assert half["experts"] == 64 * sum(LITE.is_moe_layer(i) for i in range(14))
     share = memory.streamed(LITE, Q8, 2048, int(6e9), range(0, 14), range(0, 16))
     assert share["experts"] == 16 * sum(LITE.is_moe_layer(i) for i in range(27)) and share["expert"] == whole["expert"]
+
+
+def test_a_lost_share_by_experts_goes_whole_to_the_node_with_the_most_room():
+    """Healing a cluster spread by experts (execution/healing.py): the lost node's layers and
+    experts on one node left when one has room for them, so the others gain one peer to ask."""
+    from ds2cli.cluster.placement import plan_experts, plan_lost
+    lost = plan_experts(LITE, Q4, 2048, nodes(6, 6, 6)).stages[1]
+    left = nodes(3, 5, 4)                          # what each node has left of what it offers
+    [moved] = plan_lost(LITE, Q4, 2048, left, lost.layers, lost.experts)
+    assert moved.node == left[1] and (moved.layers, moved.experts) == (lost.layers, lost.experts)
+    assert moved.need == memory.required(LITE, Q4, 2048, False, lost.layers, lost.experts) and moved.stream is None
+    # a node that held experts alone: only its experts move
+    [alone] = plan_lost(LITE, Q4, 2048, left, range(0), range(10, 20))
+    assert alone.node == left[1] and not len(alone.layers) and alone.experts == range(10, 20)
+    # by layers the same call is plan_range's
+    assert plan_lost(LITE, Q4, 2048, left, range(6, 19)) == plan_range(LITE, Q4, 2048, left, range(6, 19))
+
+
+def test_a_lost_share_by_experts_too_big_for_any_node_left_is_shared_out_or_one_error():
+    from ds2cli.cluster.placement import plan_experts, plan_lost
+    lost = plan_experts(LITE, Q4, 2048, nodes(6, 6, 6)).stages[1]
+    assert memory.required(LITE, Q4, 2048, False, lost.layers, lost.experts)["total"] > 3e9
+    shared = plan_lost(LITE, Q4, 2048, nodes(3, 3), lost.layers, lost.experts)
+    # its layers and its experts each shared in order over the nodes left, every share within its node
+    assert [s.layers for s in shared] == [range(lost.layers.start, shared[1].layers.start),
+                                          range(shared[1].layers.start, lost.layers.stop)]
+    assert [s.experts for s in shared] == [range(lost.experts.start, shared[1].experts.start),
+                                           range(shared[1].experts.start, lost.experts.stop)]
+    assert all(len(s.layers) and len(s.experts) and s.need["total"] <= 3e9 for s in shared)
+    with pytest.raises(PlacementError, match="cannot hold the model spread by experts: 10.0.0.1 .* would need"):
+        plan_lost(LITE, Q4, 2048, nodes(2, 2), lost.layers, lost.experts)
+
+
+def test_a_lost_share_by_experts_streams_where_it_does_not_fit_whole():
+    from ds2cli.cluster.placement import plan_experts, plan_lost
+    lost = plan_experts(LITE, Q8, 2048, nodes(6, 6, 6), streamable=True).stages[1]
+    [moved] = plan_lost(LITE, Q8, 2048, nodes(2, 4), lost.layers, lost.experts, streamable=True)
+    assert moved.node.address == "10.0.0.2" and (moved.layers, moved.experts) == (lost.layers, lost.experts)
+    check_streams(moved)
+    assert moved.stream["slots"] < moved.stream["experts"]
