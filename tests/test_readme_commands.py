@@ -242,7 +242,7 @@ class Machine:
             path.mkdir()
         self.env = {"HOME": str(self.home), "HF_HUB_CACHE": str(self.cache), "HF_HOME": str(tmp / "hf-home"),
                     "HF_HUB_OFFLINE": "1", "DS2_MEMORY_AVAILABLE": AVAILABLE, "DS2_HELPERS": "0",
-                    "DS2_MODEL": None}
+                    "DS2_MODEL": None, "DS2_TRACEBACK": "1"}   # WeightsReached reaches the runner as itself
         self.float_dirs: set[Path] = set()
         self.reached: list[tuple[Path, object]] = []
         real_load_weights = loader.load_weights
