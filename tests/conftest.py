@@ -118,9 +118,13 @@ def every_matrix_split(monkeypatch):
     """Every low-bit matrix's product cut over the cores, however small (weights/formats: below
     SMALL_MATRIX values a matrix runs whole on one core): ds2-tiny's matrices then go through
     the cut kernels and the helper processes as V2-Lite's do. Weights made inside a command are
-    out of a test's reach, hence the module's constant, once, here."""
+    out of a test's reach, hence the module's constant, once, here; so are the cores' and the
+    helpers' (products and plans, however small, shared: execution/plans.PLAN_MIN_VALUES)."""
+    from ds2cli.execution import cores, helpers
     from ds2cli.weights.formats import base
     monkeypatch.setattr(base, "SMALL_MATRIX", 0)
+    monkeypatch.setattr(helpers, "PLAN_MIN_VALUES", 0)
+    monkeypatch.setattr(cores, "SPLIT_MIN_VALUES", 0)
 
 
 def use_small_probes(mp) -> None:

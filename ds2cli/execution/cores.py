@@ -24,6 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ds2cli.model.linear import FEW_TOKENS, Rows
 from ds2cli.execution.load import Load
+from ds2cli.execution.plans import UNIT_MIN_VALUES
+
+# A product of fewer weights x tokens than one of the helpers' units runs whole where it is asked:
+# whoever took it would take it as one unit, and handing it on costs more than it does.
+SPLIT_MIN_VALUES = UNIT_MIN_VALUES
 
 # A few-token pass (a decode step) attends to a cache of at least this many positions a share of
 # the keys a core: below it, handing the halves to a thread costs more than streaming them alone.
@@ -75,6 +80,7 @@ class Workers:
     def __init__(self, n: int | None = None, load: Load | None = None, blas: Blas | None = None):
         self.n = n or allowed_cores()
         self.shared_keys = SHARED_KEYS   # a few-token pass splits a cache of this many keys or more
+        self.split_min_values = SPLIT_MIN_VALUES   # a smaller product runs whole where it is asked (split)
         self.using = self.n              # the cores this pass uses: n, or fewer while other programs
                                          # keep some busy (load.py, read as each forward pass starts)
         self.load = load or Load()
@@ -158,7 +164,13 @@ class Workers:
     def split(self, product: Rows) -> None:
         """Compute a product's rows, a share a core: with the helper processes in a pass of few
         tokens (inside `together`, when the block ends, with the block's other products), else
-        on threads, now."""
+        on threads, now. A product smaller than one of the helpers' units runs whole here: it
+        would be one unit for whoever took it, and handing it on costs more than it does (a
+        small model's heads, 8K weights each)."""
+        if product.rows * product.row_values < self.split_min_values:
+            product.spans = [(0, product.rows)]
+            product.span(0, product.rows)
+            return
         product.spans = split_rows(product.rows, self.parts, product.align)
         if len(product.spans) > 1 and self.helpers_ready():
             batch = getattr(self.local, "batch", None)
@@ -268,7 +280,8 @@ class Workers:
             yield
         finally:
             self.local.batch = None
-        self.run_products(batch)
+        if batch:
+            self.run_products(batch)
 
     def heads(self, n: int, tokens: int) -> list[slice]:
         """[0, n) as consecutive slices, one for each core that may run them at once: several in a

@@ -43,7 +43,7 @@ import weakref
 import numpy as np
 
 from ds2cli.execution.plans import (GRACE, HELPER_TIMEOUT, HELPER_VALUES, PLAN, TABLE_BYTES, TOKEN, Fence,
-                                    Registry, UNIT_MIN_VALUES, cut_shapes, ends, plans, receive, shapes_of,
+                                    PLAN_MIN_VALUES, Registry, UNIT_MIN_VALUES, cut_shapes, ends, plans, receive, shapes_of,
                                     shared_views)
 
 CUTS = 1024           # plan shapes whose cut a Helpers object keeps (a decode step repeats ~10)
@@ -82,6 +82,7 @@ class Helpers:
         self.timeout = HELPER_TIMEOUT     # a helper inside one plan this long is taken as stuck
         self.cuts: dict[tuple, tuple] = {}    # plan shapes -> their cut (shared: never changed)
         self.unit_min_values = UNIT_MIN_VALUES   # the smallest unit (plans.cut)
+        self.plan_min_values = PLAN_MIN_VALUES   # a smaller plan runs here (plans.PLAN_MIN_VALUES)
         self.seq = 0                 # plans sent
         self.settled = 0             # the last plan whose every unit was run
         self.products = 0            # products the plans held
@@ -169,6 +170,11 @@ class Helpers:
             p.spans = []
         for j, a, b in units:
             plan[j].spans.append((a, b))
+        if sum((b - a) * plan[j].row_values for j, a, b in units) < self.plan_min_values:
+            for p in plan:
+                p.spans = [(0, p.rows)]
+                p.span(0, p.rows)
+            return
         ready = self.send(plan, keys, units, self.workers.using - 1)
         if not ready:                    # no helper takes part: the same units, here, in order
             for j, a, b in units:

@@ -44,6 +44,14 @@ GRACE = 2.0                           # a unit a helper took is waited for this 
 # bf16, q8b); a unit of several tokens is GEMM tiles, the same for the same rows.
 UNIT_SPLIT = 1
 UNIT_MIN_VALUES = 1 << 19
+# A plan of fewer weights x tokens than this runs here, each product whole: sending it, the
+# helper's claim and the copy back cost 50-70 us (bench/plan_cost.py), what a unit of
+# UNIT_MIN_VALUES takes at the q8 rate, so half of such a plan handed on saves nothing (a
+# small model's plans: ds2-tiny's 8-bit decode on two quiet cores was 0.81x of one core's,
+# bench/busy.py --busy 0). V2-Lite's smallest plans, one layer's W_UK or W_UV (16 heads of
+# 128 x 512), are this size and still shared. A one-token product's rows are the same bits
+# whole or cut (see above).
+PLAN_MIN_VALUES = 2 * UNIT_MIN_VALUES
 
 
 class Registry:
