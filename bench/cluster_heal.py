@@ -17,12 +17,14 @@ process's start, as a moved stage is a new process), then their share
 of the context re-read: Model.compute over those layers alone for the context's positions, in
 the prefill's chunks (a hidden state of the right shape as input). Healing also recomputes the
 layers before a moved range into a scratch cache (their output is the moved layers' input);
-that part is reported apart as "before".
+that part is reported apart as "before". With --spread experts the lost node also held a range
+of every MoE layer's routed experts: the bound's load is its layers with that range, and the
+re-read its layers' whole computation (every expert, as the cluster computes them).
 
 Root only (unshare, nsenter). Prints each run as JSON on stderr, then min / median / max.
 
     python bench/cluster_heal.py MODEL [--nodes 3] [--node-memory 8G] [--node-cpus 2]
-        [--lose 1] [--context 200] [--tokens 40] [--kill-after 8] [--runs 3]
+        [--lose 1] [--context 200] [--tokens 40] [--kill-after 8] [--runs 3] [--spread layers]
 """
 
 import argparse
@@ -42,9 +44,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from support.ray_local import ADDRESS, Cluster   # noqa: E402  (the tests' cluster, reused)
 
 DS2 = [sys.executable, "-m", "ds2cli"]
-HEALED = re.compile(r"lost (.*): its layers moved to the nodes left and (\d+) cached positions of .* rebuilt in "
-                    r"([0-9.]+) s")
-LAYERS = re.compile(r"\(layers (\d+)-(\d+)\)")
+HEALED = re.compile(r"lost (.*): its layers(?: and experts)? moved to the nodes left"
+                    r"(?: and (\d+) cached positions of .* rebuilt)? in ([0-9.]+) s")
+LAYERS = re.compile(r"\(layers (\d+)-(\d+)")
+EXPERTS = re.compile(r"experts (\d+)-(\d+)\)")
 
 BOUND = r"""
 import json, sys, time
@@ -53,9 +56,13 @@ import ds2cli
 from ds2cli.model.cache import LatentCache
 from ds2cli.model.passes import Pass
 path, first, stop, context, spawned = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+experts = range(int(sys.argv[6]), int(sys.argv[7])) if len(sys.argv) > 6 else None
 t0 = time.perf_counter()
-model = ds2cli.load(path, layers=range(first, stop), memory_check=False, context=context)
+model = ds2cli.load(path, layers=range(first, stop), memory_check=False, context=context, experts=experts)
 load_s, started_s = time.perf_counter() - t0, time.time() - spawned
+if experts is not None:      # by experts: what moved loaded above; the re-read is its layers' whole computation
+    del model
+    model = ds2cli.load(path, layers=range(first, stop), memory_check=False, context=context)
 cfg = model.config
 rng = np.random.default_rng(0)
 def reread(layers):
@@ -82,6 +89,10 @@ def generate(args) -> list[str]:
             "0", "--ignore-eos"]
 
 
+def cluster_generate(args) -> list[str]:
+    return [*generate(args), "--ray", ADDRESS, "--ray-spread", args.spread]
+
+
 def cluster_run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="ds2-cluster-heal-") as tmp:
         cluster = Cluster(Path(tmp))
@@ -90,7 +101,7 @@ def cluster_run(args) -> dict:
             cluster.start_head(cpus=0)
             nodes = [cluster.add_node(memory=args.node_memory, extra=("--object-store-memory", "200000000"),
                                       cpus=args.node_cpus) for _ in range(args.nodes)]
-            p = cluster.popen([*generate(args), "--ray", ADDRESS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            p = cluster.popen(cluster_generate(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               cwd=tmp)
             lines: list[tuple[float, str]] = []
             reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), raw.decode(errors="replace"))
@@ -115,26 +126,29 @@ def cluster_run(args) -> dict:
                 sys.exit(f"error: the cluster did not heal: {err[-3000:]}")
             m = HEALED.search(said)
             first_layer, last_layer = map(int, LAYERS.search(m.group(1)).groups())
+            experts = EXPERTS.search(m.group(1))
             return {"text": (first + rest).decode(errors="replace"), "heal_s": float(m.group(3)),
-                    "noticed_s": at - killed - float(m.group(3)), "rebuilt": int(m.group(2)),
+                    "noticed_s": at - killed - float(m.group(3)), "rebuilt": int(m.group(2) or 0),
                     "moved": [first_layer, last_layer + 1],
+                    "experts": None if experts is None else [int(experts.group(1)), int(experts.group(2)) + 1],
                     "placement": [line.rstrip() for _, line in lines[lines.index((at, said)) + 1:]
                                   if line.startswith("  ")]}
         finally:
             cluster.stop()
 
 
-def bound(args, moved: list[int]) -> dict:
-    """The moved layers loaded alone, their share of the context re-read; and the layers before
-    them re-read (what healing also pays, computing their output for the moved layers)."""
-    def one(first: int, stop: int) -> dict:
+def bound(args, moved: list[int], experts: list[int] | None = None) -> dict:
+    """The moved layers loaded alone (spread by experts, with the moved share of every MoE layer's
+    routed experts), their share of the context re-read; and the layers before them re-read
+    (what healing also pays, computing their output for the moved layers)."""
+    def one(first: int, stop: int, share: list[int] | None = None) -> dict:
         r = subprocess.run([sys.executable, "-c", BOUND, args.model, str(first), str(stop), str(args.context),
-                            str(time.time())],
+                            str(time.time()), *map(str, share or ())],
                            capture_output=True, text=True, timeout=3600)
         if r.returncode != 0:
             sys.exit(f"error: the bound's run failed: {r.stderr[-3000:]}")
         return json.loads(r.stdout.splitlines()[-1])
-    own = one(*moved)
+    own = one(*moved, experts)
     before = one(0, moved[0])["reread_s"] if moved[0] > 0 else 0.0
     return {"load_s": own["load_s"], "started_s": own["started_s"], "reread_s": own["reread_s"], "before_s": before}
 
@@ -154,6 +168,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--kill-after", type=float, default=8.0, help="seconds after the reply's first byte")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--spread", choices=["layers", "experts"], default="layers", help="as --ray-spread")
     args = ap.parse_args()
     if Path(args.model).exists():          # the cluster's driver runs in a scratch folder
         args.model = str(Path(args.model).resolve())
@@ -164,11 +179,11 @@ def main() -> None:
     for k in range(args.runs):
         run = cluster_run(args)
         run["same_text"] = run.pop("text") == reference.stdout
-        run.update(bound(args, run["moved"]))
+        run.update(bound(args, run["moved"], run["experts"]))
         runs.append(run)
         print(f"run {k + 1}: " + json.dumps(run), file=sys.stderr)
     print("\n".join(runs[0]["placement"]))
-    print(f"{args.runs} runs, {args.nodes} nodes, node {args.lose} killed {args.kill_after:.0f} s into a "
+    print(f"{args.runs} runs, {args.nodes} nodes spread by {args.spread}, node {args.lose} killed {args.kill_after:.0f} s into a "
           f"{args.tokens}-token reply to about {args.context} tokens; seconds min / median / max")
     print(f"healing (loss met to the pass run again): {spread([r['heal_s'] for r in runs])}")
     print(f"  bound: the moved layers loaded {spread([r['load_s'] for r in runs])} (a new process started, "

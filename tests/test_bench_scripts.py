@@ -178,6 +178,24 @@ def test_busy_runs_two_ways_side_by_side_beside_a_busy_loop():
     assert re.search(r"^A / B: median [\d.]+ \([\d.]+-[\d.]+\); pairs [\d.]+$", out, re.M), out
 
 
+def test_cluster_heal_reads_every_line_healing_writes():
+    """The script reads healing's seconds from ds2's stderr line: by layers and by experts, with
+    caches rebuilt or none."""
+    import importlib.util
+    from ds2cli.execution.healing import healed_line
+    spec = importlib.util.spec_from_file_location("cluster_heal", ROOT / "bench" / "cluster_heal.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for spread, names, experts in (("layers", "127.0.0.1 (layers 9-17)", None),
+                                   ("experts", "127.0.0.1 (layers 9-17, experts 21-41)", ("21", "41"))):
+        for tokens in (0, 260):
+            m = script.HEALED.search(healed_line(names, spread, tokens, "1 cache (260 positions)", 2.25))
+            assert m and m.group(1) == names and float(m.group(3)) == 2.2 and int(m.group(2) or 0) == tokens
+            assert script.LAYERS.search(m.group(1)).groups() == ("9", "17")
+            found = script.EXPERTS.search(m.group(1))
+            assert (found.groups() if found else None) == experts
+
+
 @pytest.mark.slow
 def test_cluster_heal_times_a_lost_node_against_its_bound():
     from support.ray_local import usable

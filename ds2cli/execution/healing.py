@@ -44,7 +44,6 @@ def heal(passes, lost) -> None:
             return
         old = passes.placement
         names = ", ".join(f"{old.stages[i].node.name} ({old.stages[i].share})" for i in gone)
-        what = "its layers" if old.spread == "layers" else "its layers and experts"
         for i in gone:
             try:
                 passes.ray.kill(passes.stages[i])
@@ -59,9 +58,7 @@ def heal(passes, lost) -> None:
         passes.healed["stages_loaded"] += sum(len(m) for _, m in moved)
         passes.healed["tokens_rebuilt"] += tokens
         if passes.show is not None:
-            rebuilt = f" and {tokens} cached positions of {caches} rebuilt" if tokens else ""
-            passes.show(f"lost {names}: {what} moved to the nodes left{rebuilt} in {seconds:.1f} s; "
-                        f"the placement now:")
+            passes.show(healed_line(names, old.spread, tokens, caches, seconds))
             for line in passes.placement.lines(passes.model.config.num_hidden_layers):
                 passes.show("  " + line)
     except PlacementError as e:
@@ -73,6 +70,13 @@ def heal(passes, lost) -> None:
     finally:
         passes.healing = None
 
+
+
+def healed_line(names: str, spread: str, tokens: int, caches: str, seconds: float) -> str:
+    """The stderr line that says a heal is done (bench/cluster_heal.py reads it)."""
+    what = "its layers" if spread == "layers" else "its layers and experts"
+    rebuilt = f" and {tokens} cached positions of {caches} rebuilt" if tokens else ""
+    return f"lost {names}: {what} moved to the nodes left{rebuilt} in {seconds:.1f} s; the placement now:"
 
 def lost_stages(passes) -> list[int]:
     """The indices of the stages that do not answer (their process or node gone)."""
