@@ -59,6 +59,7 @@ def plans_with(m, x: np.ndarray, taking: int, plans: int) -> tuple[list[float], 
     registry.add(m)
     workers = Workers(taking + 1, load=FreeCores(taking + 1), blas=Blas())
     helpers = workers.helpers = Helpers(max(1, taking), registry, workers)
+    helpers.plan_min_values = 0            # this one-unit plan too is sent (it is what is timed)
     sends, send = [], helpers.send
 
     def timed_send(*args):

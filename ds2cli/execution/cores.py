@@ -24,11 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ds2cli.model.linear import FEW_TOKENS, Rows
 from ds2cli.execution.load import Load
-from ds2cli.execution.plans import UNIT_MIN_VALUES
 
 # A product of fewer weights x tokens than one of the helpers' units runs whole where it is asked:
 # whoever took it would take it as one unit, and handing it on costs more than it does.
-SPLIT_MIN_VALUES = UNIT_MIN_VALUES
+SPLIT_MIN_VALUES = 1 << 19     # plans.UNIT_MIN_VALUES (plans sits above this module)
 
 # A few-token pass (a decode step) attends to a cache of at least this many positions a share of
 # the keys a core: below it, handing the halves to a thread costs more than streaming them alone.
