@@ -45,7 +45,8 @@ from support.ray_local import ADDRESS, Cluster   # noqa: E402  (the tests' clust
 
 DS2 = [sys.executable, "-m", "ds2cli"]
 HEALED = re.compile(r"lost (.*): its layers(?: and experts)? moved to the nodes left"
-                    r"(?: and (\d+) cached positions of .* rebuilt)? in ([0-9.]+) s")
+                    r"(?: and (\d+) cached positions of .* rebuilt)? in ([0-9.]+) s \(([0-9.]+) s loading, "
+                    r"([0-9.]+) s rebuilding\)")
 LAYERS = re.compile(r"\(layers (\d+)-(\d+)")
 EXPERTS = re.compile(r"experts (\d+)-(\d+)\)")
 
@@ -128,6 +129,7 @@ def cluster_run(args) -> dict:
             first_layer, last_layer = map(int, LAYERS.search(m.group(1)).groups())
             experts = EXPERTS.search(m.group(1))
             return {"text": (first + rest).decode(errors="replace"), "heal_s": float(m.group(3)),
+                    "loading_s": float(m.group(4)), "rebuilding_s": float(m.group(5)),
                     "noticed_s": at - killed - float(m.group(3)), "rebuilt": int(m.group(2) or 0),
                     "moved": [first_layer, last_layer + 1],
                     "experts": None if experts is None else [int(experts.group(1)), int(experts.group(2)) + 1],
@@ -185,7 +187,9 @@ def main() -> None:
     print("\n".join(runs[0]["placement"]))
     print(f"{args.runs} runs, {args.nodes} nodes spread by {args.spread}, node {args.lose} killed {args.kill_after:.0f} s into a "
           f"{args.tokens}-token reply to about {args.context} tokens; seconds min / median / max")
-    print(f"healing (loss met to the pass run again): {spread([r['heal_s'] for r in runs])}")
+    print(f"healing (loss met to the pass run again): {spread([r['heal_s'] for r in runs])}; of which the moved "
+          f"shares planned and loaded {spread([r['loading_s'] for r in runs])}, the caches rebuilt "
+          f"{spread([r['rebuilding_s'] for r in runs])}")
     print(f"  bound: the moved layers loaded {spread([r['load_s'] for r in runs])} (a new process started, "
           f"ds2 imported and they loaded: {spread([r['started_s'] for r in runs])}) + their share of the context "
           f"re-read {spread([r['reread_s'] for r in runs])} = {spread([r['load_s'] + r['reread_s'] for r in runs])} "

@@ -189,8 +189,9 @@ def test_cluster_heal_reads_every_line_healing_writes():
     for spread, names, experts in (("layers", "127.0.0.1 (layers 9-17)", None),
                                    ("experts", "127.0.0.1 (layers 9-17, experts 21-41)", ("21", "41"))):
         for tokens in (0, 260):
-            m = script.HEALED.search(healed_line(names, spread, tokens, "1 cache (260 positions)", 2.25))
+            m = script.HEALED.search(healed_line(names, spread, tokens, "1 cache (260 positions)", 2.25, 1.5, 0.75))
             assert m and m.group(1) == names and float(m.group(3)) == 2.2 and int(m.group(2) or 0) == tokens
+            assert (float(m.group(4)), float(m.group(5))) == (1.5, 0.8)
             assert script.LAYERS.search(m.group(1)).groups() == ("9", "17")
             found = script.EXPERTS.search(m.group(1))
             assert (found.groups() if found else None) == experts

@@ -49,16 +49,24 @@ def heal(passes, lost) -> None:
                 passes.ray.kill(passes.stages[i])
             except Exception:       # noqa: BLE001 - gone with its node
                 pass
-        moved = replace_stages(passes, gone)
-        passes.epoch += 1
-        tokens, caches = rebuild(passes, [layers for layers, _ in moved])
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        early = Inputs(passes, old.stages[gone[0]].layers) if len(gone) == 1 and old.spread == "layers" else None
+        try:
+            moved = replace_stages(passes, gone)
+            passes.epoch += 1
+            t2 = time.perf_counter()
+            tokens, caches = rebuild(passes, [layers for layers, _ in moved], early)
+        finally:
+            if early is not None:
+                early.drop()
+        t3 = time.perf_counter()
+        seconds = t3 - t0
         passes.healed["nodes_lost"] += len(gone)
         passes.healed["heal_seconds"] += seconds
         passes.healed["stages_loaded"] += sum(len(m) for _, m in moved)
         passes.healed["tokens_rebuilt"] += tokens
         if passes.show is not None:
-            passes.show(healed_line(names, old.spread, tokens, caches, seconds))
+            passes.show(healed_line(names, old.spread, tokens, caches, seconds, t2 - t1, t3 - t2))
             for line in passes.placement.lines(passes.model.config.num_hidden_layers):
                 passes.show("  " + line)
     except PlacementError as e:
@@ -72,11 +80,14 @@ def heal(passes, lost) -> None:
 
 
 
-def healed_line(names: str, spread: str, tokens: int, caches: str, seconds: float) -> str:
-    """The stderr line that says a heal is done (bench/cluster_heal.py reads it)."""
+def healed_line(names: str, spread: str, tokens: int, caches: str, seconds: float, loading: float,
+                rebuilding: float) -> str:
+    """The stderr line that says a heal is done, with its two parts' seconds: the moved shares
+    planned and loaded, the caches rebuilt (bench/cluster_heal.py reads it)."""
     what = "its layers" if spread == "layers" else "its layers and experts"
     rebuilt = f" and {tokens} cached positions of {caches} rebuilt" if tokens else ""
-    return f"lost {names}: {what} moved to the nodes left{rebuilt} in {seconds:.1f} s; the placement now:"
+    return (f"lost {names}: {what} moved to the nodes left{rebuilt} in {seconds:.1f} s ({loading:.1f} s loading, "
+            f"{rebuilding:.1f} s rebuilding); the placement now:")
 
 def lost_stages(passes) -> list[int]:
     """The indices of the stages that do not answer (their process or node gone)."""
@@ -173,12 +184,80 @@ def failed_nodes(ray, actors: list, share: list) -> set:
     return failed
 
 
-def rebuild(passes, moved: list[range]) -> tuple[int, str]:
+EARLY_BYTES = 256 << 20   # the moved layers' inputs computed while they load, at most (Ray's object store)
+
+
+class Inputs:
+    """The moved layers' input, chunk by chunk, for each live cache: what the layers before a
+    lost range give for the ids the cache was sent, run into a scratch cache of each stage before
+    it. Spread by layers the stages before the lost range survive, so this starts before the
+    moved layers are loaded and runs while they load (object refs, nothing waited for), up to
+    EARLY_BYTES of hidden states; rebuild() computes the rest as it goes."""
+
+    def __init__(self, passes, lost: range | None = None):
+        self.passes, self.lost = passes, lost
+        self.scratch: dict[int, int] = {}        # id(cache) -> its scratch number on the stages
+        self.refs: dict[tuple[int, int], object] = {}     # (id(cache), position) -> the chunk's input
+        self.used: list = []                     # the stages whose scratch caches are dropped after
+        if lost is None:
+            return
+        held = [a for s, a in zip(passes.placement.stages, passes.stages) if len(s.layers) and s.layers.stop <= lost.start]
+        room = EARLY_BYTES
+        width = 4 * passes.model.config.hidden_size
+        for cache in self.live():       # a stage lost meanwhile: rebuild() meets its error
+            for at, p in self.chunks(cache):
+                if not held or room < width * len(p.tokens):
+                    return
+                self.refs[(id(cache), at)] = self.run(held, p, None)
+                room -= width * len(p.tokens)
+
+    def live(self) -> list:
+        return [c for c in list(self.passes.caches) if c.length > 0 and c.tokens is not None]
+
+    def chunks(self, cache):
+        """(position, the pass of that chunk into the cache's scratch number) for each chunk."""
+        if id(cache) not in self.scratch:
+            self.scratch[id(cache)] = next(self.passes.numbers)
+        number = self.scratch[id(cache)]
+        chunk = self.passes.model.prefill_chunk
+        for at in range(0, cache.length, chunk):
+            ids = cache.tokens[at:min(cache.length, at + chunk)]
+            yield at, Pass(ids, [len(ids)], [at], [0], [(number, cache.capacity)])
+
+    def run(self, actors: list, p, x, scratch: bool = True):
+        """`p` through `actors` in turn from input `x` (None: the ids); the last one's output."""
+        for a in actors:
+            if scratch and a not in self.used:
+                self.used.append(a)
+            x, _ = a.compute.options(num_returns=2).remote(p, x)
+        return x
+
+    def of(self, cache, at: int, p, before: list):
+        """The moved layers' input for chunk `p` (at `at`) of `cache`: computed early, else now."""
+        early = self.refs.pop((id(cache), at), None) if self.lost is not None else None
+        return early if early is not None else self.run(before, p, None)
+
+    def drop(self) -> None:
+        for a in self.used:
+            for number in self.scratch.values():
+                try:
+                    a.drop.remote(number)
+                except Exception:   # noqa: BLE001 - gone with its node
+                    pass
+        self.refs.clear()
+
+
+def rebuild(passes, moved: list[range], early: Inputs | None = None) -> tuple[int, str]:
     """Each live cache's positions in the `moved` ranges of layers, from the ids it was sent, chunk
-    by chunk; the positions rebuilt (summed over the caches and moved ranges), and the caches'
-    lengths."""
-    ray, model, done, lengths = passes.ray, passes.model, 0, []
-    chunk = model.prefill_chunk
+    by chunk (`early`: the moved layers' inputs computed while they loaded); the positions
+    rebuilt (summed over the caches and moved ranges), and the caches' lengths. The chunks are
+    sent without waiting for one another: a stage computes a chunk while the next stage computes
+    the one before, as a pipelined prefill (spread by layers, where a stage runs its calls one at
+    a time in the order sent; by experts a stage also answers expert calls, on a second thread,
+    so each chunk is waited for)."""
+    ray, done, lengths = passes.ray, 0, []
+    ordered = passes.placement.spread == "layers"
+    width = 4 * passes.model.config.hidden_size      # a position's hidden state, float32
     moved = [layers for layers in moved if len(layers)]       # a stage of experts alone: no cache
     held = [(s, a) for s, a in zip(passes.placement.stages, passes.stages) if len(s.layers)]
     for cache in list(passes.caches):
@@ -190,23 +269,20 @@ def rebuild(passes, moved: list[range]) -> tuple[int, str]:
         for layers in moved:
             before = [a for s, a in held if s.layers.stop <= layers.start]
             movers = [a for s, a in held if layers.start <= s.layers.start < layers.stop]
-            scratch = (next(passes.numbers), cache.capacity)
+            inputs = early if early is not None and len(moved) == 1 else Inputs(passes)
             try:
-                for at in range(0, cache.length, chunk):
-                    ids = cache.tokens[at:min(cache.length, at + chunk)]
-                    p = Pass(ids, [len(ids)], [at], [0], [scratch])
-                    x = None
-                    for a in before:
-                        x, _ = a.compute.options(num_returns=2).remote(p, x)
-                    own = p.with_caches([cache.ref], None)
-                    for a in movers:
-                        x, _ = a.compute.options(num_returns=2).remote(own, x)
-                    ray.get(x)
+                outs = []           # the chunks sent and not yet waited for, (output, its bytes)
+                for at, p in inputs.chunks(cache):
+                    outs.append((inputs.run(movers, p.with_caches([cache.ref], None),
+                                            inputs.of(cache, at, p, before), scratch=False), width * len(p.tokens)))
+                    while outs and (not ordered or sum(b for _, b in outs) > EARLY_BYTES):
+                        ray.get(outs.pop(0)[0])
+                ray.get([x for x, _ in outs])
             except Exception as e:      # noqa: BLE001 - a node lost while healing
                 raise lost_while_healing(e) from None
             finally:
-                for a in before:
-                    a.drop.remote(scratch[0])
+                if inputs is not early:
+                    inputs.drop()
             done += cache.length
         lengths.append(cache.length)
     return done, (f"{len(lengths)} cache{'s' * (len(lengths) != 1)} ({', '.join(map(str, sorted(lengths)))} "

@@ -104,7 +104,7 @@ class Cluster:
             empty.mkdir()
             cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                    f"mount --bind {empty} {hide} && exec \"$@\"", "sh", *cmd]
-        before = self.count()
+        before = self.running()
         env = {k: v for k, v in self.env.items() if k != "DS2_MEMORY_AVAILABLE"}
         node = self.popen(cmd, env={**env, **({"DS2_MEMORY_AVAILABLE": memory} if memory else {})},
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -130,10 +130,15 @@ class Cluster:
         node.wait(timeout=30)
 
     def remove(self, node: subprocess.Popen) -> None:
-        before = self.count()
+        before = self.running()
         self.kill(node)
         self.nodes.remove(node)
         self.wait_for(before - 1)
+
+    def running(self) -> int:
+        """The nodes whose `ray start` still runs: what the head counts alive once it has seen
+        every loss (asking the head costs a driver's start, a second or two)."""
+        return sum(1 for node in self.own + self.nodes if node.poll() is None)
 
     def count(self) -> int:
         out = self.run([sys.executable, "-c", COUNT, ADDRESS], check=True).stdout
