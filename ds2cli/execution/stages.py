@@ -41,6 +41,11 @@ class StageActor:
         `memory_budget`: what its routed experts stream within (the placement's, for this node),
         the cache counted at `context` positions; `name`: its node's, for its errors."""
         self.layers, self.name = range(first, stop), name
+        # Ray gives a worker asking no CPUs (a stage moved beside another when healing)
+        # OMP_NUM_THREADS=1, which BLAS read at import: its count is what cores.Blas restores on
+        # a quiet machine, so such a stage ran its BLAS products on one of the node's cores
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(threads, user_api="blas")
         # spread by experts: its routed experts of every MoE layer too, computed where asked
         own = None if experts is None else range(*experts)
         with self.naming_node():

@@ -160,3 +160,27 @@ def test_by_experts_a_lost_stage_s_layers_and_experts_move_and_every_stage_is_re
         want = {(t.experts.start, t.experts.stop, other) for t, other in zip(p.placement.stages, p.stages)
                 if other is not actor}
         assert actor.peers is not None and set(actor.peers) == want
+
+
+STAGE_BLAS = """
+from threadpoolctl import threadpool_info
+from ds2cli.execution.factory import load
+from ds2cli.execution.stages import StageActor
+stage = StageActor(load, None, 0, 3, None, 2)
+print([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"])
+stage.model.executor.stop()
+"""
+
+
+def test_a_stage_given_no_cpus_by_ray_still_runs_blas_on_its_cores():
+    """Ray starts a worker that asks no CPUs (a stage moved beside another while healing) with
+    OMP_NUM_THREADS=1; the stage sets BLAS to its node's cores, which a quiet pass restores."""
+    import os
+    import subprocess
+    import sys
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core")
+    r = subprocess.run([sys.executable, "-c", STAGE_BLAS], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == "[2]", r.stdout
