@@ -19,7 +19,11 @@ the prefill's chunks (a hidden state of the right shape as input). Healing also 
 layers before a moved range into a scratch cache (their output is the moved layers' input);
 that part is reported apart as "before". With --spread experts the lost node also held a range
 of every MoE layer's routed experts: the bound's load is its layers with that range, and the
-re-read its layers' whole computation (every expert, as the cluster computes them).
+re-read its layers' whole computation (every expert, as the cluster computes them). The
+re-read is given twice: a fresh process's first pass and its best of three after. And at the
+cluster's own rate: the run's prompt prefill (--stats: the first pass over every stage, with
+the hops between them) gives seconds a position for all the layers; the moved layers' share of
+it, times the positions rebuilt, is the re-read as the cluster itself computes.
 
 Root only (unshare, nsenter). Prints each run as JSON on stderr, then min / median / max.
 
@@ -49,6 +53,7 @@ HEALED = re.compile(r"lost (.*): its layers(?: and experts)? moved to the nodes 
                     r"([0-9.]+) s rebuilding\)")
 LAYERS = re.compile(r"\(layers (\d+)-(\d+)")
 EXPERTS = re.compile(r"experts (\d+)-(\d+)\)")
+PREFILL = re.compile(r"prefill (\d+) tok, ([0-9.]+) tok/s")          # --stats' line
 
 BOUND = r"""
 import json, sys, time
@@ -92,7 +97,7 @@ def generate(args) -> list[str]:
 
 
 def cluster_generate(args) -> list[str]:
-    return [*generate(args), "--ray", ADDRESS, "--ray-spread", args.spread]
+    return [*generate(args), "--ray", ADDRESS, "--ray-spread", args.spread, "--stats"]
 
 
 def cluster_run(args) -> dict:
@@ -129,13 +134,16 @@ def cluster_run(args) -> dict:
             m = HEALED.search(said)
             first_layer, last_layer = map(int, LAYERS.search(m.group(1)).groups())
             experts = EXPERTS.search(m.group(1))
+            prefill = PREFILL.search(err)
             return {"text": (first + rest).decode(errors="replace"), "heal_s": float(m.group(3)),
                     "loading_s": float(m.group(4)), "rebuilding_s": float(m.group(5)),
                     "noticed_s": at - killed - float(m.group(3)), "rebuilt": int(m.group(2) or 0),
                     "moved": [first_layer, last_layer + 1],
+                    # the cluster's own prompt: its seconds a position, every layer (its first pass)
+                    "prefill_s_a_position": 1 / float(prefill.group(2)),
                     "experts": None if experts is None else [int(experts.group(1)), int(experts.group(2)) + 1],
                     "placement": [line.rstrip() for _, line in lines[lines.index((at, said)) + 1:]
-                                  if line.startswith("  ")]}
+                                  if line.startswith("  ") and " needs " in line]}
         finally:
             cluster.stop()
 
@@ -157,6 +165,11 @@ def bound(args, moved: list[int], experts: list[int] | None = None) -> dict:
             "first_reread_s": own["first_reread_s"], "before_s": before}
 
 
+def share(run: dict, first: int, stop: int) -> float:
+    """Seconds the cluster's own prefill rate gives layers [first, stop) for the positions rebuilt."""
+    return run["prefill_s_a_position"] * run["rebuilt"] * (stop - first) / run["layers"]
+
+
 def spread(values: list[float]) -> str:
     return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
 
@@ -176,6 +189,8 @@ def main() -> None:
     args = ap.parse_args()
     if Path(args.model).exists():          # the cluster's driver runs in a scratch folder
         args.model = str(Path(args.model).resolve())
+    from ds2cli.weights.source import open_model
+    layers = open_model(args.model).config.num_hidden_layers
     reference = subprocess.run(generate(args), capture_output=True, text=True, timeout=3600)
     if reference.returncode != 0:
         sys.exit(f"error: the reference run failed: {reference.stderr.strip()[-3000:]}")
@@ -183,6 +198,7 @@ def main() -> None:
     for k in range(args.runs):
         run = cluster_run(args)
         run["same_text"] = run.pop("text") == reference.stdout
+        run["layers"] = layers
         run.update(bound(args, run["moved"], run["experts"]))
         runs.append(run)
         print(f"run {k + 1}: " + json.dumps(run), file=sys.stderr)
@@ -196,6 +212,11 @@ def main() -> None:
           f"ds2 imported and they loaded: {spread([r['started_s'] for r in runs])}) + their share of the context "
           f"re-read {spread([r['reread_s'] for r in runs])} = {spread([r['load_s'] + r['reread_s'] for r in runs])} "
           f"({spread([r['started_s'] + r['reread_s'] for r in runs])})")
+    print(f"  at the cluster's own prefill rate (its prompt's, first pass, every stage): the moved layers' share of "
+          f"the positions rebuilt {spread([share(r, *r['moved']) for r in runs])}, the layers before them "
+          f"{spread([share(r, 0, r['moved'][0]) for r in runs])}; load + moved share "
+          f"{spread([r['load_s'] + share(r, *r['moved']) for r in runs])}, + before "
+          f"{spread([r['load_s'] + share(r, 0, r['moved'][1]) for r in runs])}")
     print(f"  the same re-read as a fresh process's first pass: {spread([r['first_reread_s'] for r in runs])}; "
           f"load + first re-read {spread([r['load_s'] + r['first_reread_s'] for r in runs])}")
     print(f"  the layers before them re-read (healing's input for them): {spread([r['before_s'] for r in runs])}")
