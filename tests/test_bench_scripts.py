@@ -204,7 +204,8 @@ def test_cluster_heal_times_a_lost_node_against_its_bound():
         pytest.skip(usable())
     # ds2-tiny decodes hundreds of tokens a second over three nodes: a long reply, killed early
     out = python("cluster_heal.py", str(bundled_model_dir()), "--runs", "1", "--tokens", "300", "--kill-after", "0.3",
-                 "--context", "60", "--node-memory", "1000000000", "--node-cpus", "1", timeout=2 * CALL_TIMEOUT).stdout
+                 "--context", "60", "--node-memory", "1000000000", "--node-cpus", "1", "--nodes", "2",
+                 timeout=2 * CALL_TIMEOUT).stdout
     assert re.search(r"^healing \(loss met to the pass run again\): [\d.]+ / ", out, re.M), out
     assert re.search(r"^  bound: the moved layers loaded [\d.]+ / ", out, re.M), out
     assert re.search(r"positions rebuilt \[\d+\]; text as one process's: True$", out.strip()), out
