@@ -12,9 +12,11 @@ checkpoint allows it), loads them there (a node that runs a stage already runs t
 beside it, asking Ray for no more CPUs), and prints the new placement. Spread by experts, every
 stage is then told its peers again, so the survivors ask the new stages for the moved experts.
 Then each live cache's lost layers are rebuilt from the ids the driver sent to it
-(ClusterCache.tokens), in chunks: the layers before them run those ids again into a scratch
-cache, only to hand the moved layers their input (by experts, asking every node for its experts
-as a pass does); the moved layers write the cache itself; the layers after them are untouched (a
+(ClusterCache.tokens), in chunks: their input is the hidden state the stage before them kept
+for each position (StageActor.keep; asked for while the moved layers load); where it is not
+held, the layers before them run those ids again into a scratch cache, only to hand the moved
+layers their input (by experts, asking every node for its experts as a pass does); the moved
+layers write the cache itself; the layers after them are untouched (a
 stage that held experts alone leaves no cache to rebuild). What cannot heal is one ClusterError,
 as without healing: the head gone, the lost share fitting nowhere, a cache restored from saved
 latents (its ids unknown).
@@ -50,7 +52,7 @@ def heal(passes, lost) -> None:
             except Exception:       # noqa: BLE001 - gone with its node
                 pass
         t1 = time.perf_counter()
-        early = Inputs(passes, old.stages[gone[0]].layers) if len(gone) == 1 and old.spread == "layers" else None
+        early = Inputs(passes, old.stages[gone[0]].layers) if len(gone) == 1 else None
         try:
             moved = replace_stages(passes, gone)
             passes.epoch += 1
@@ -184,31 +186,33 @@ def failed_nodes(ray, actors: list, share: list) -> set:
     return failed
 
 
-EARLY_BYTES = 256 << 20   # the moved layers' inputs computed while they load, at most (Ray's object store)
+EARLY_BYTES = 256 << 20   # the moved layers' inputs asked for while they load, at most (Ray's object store)
 
 
 class Inputs:
-    """The moved layers' input, chunk by chunk, for each live cache: what the layers before a
-    lost range give for the ids the cache was sent, run into a scratch cache of each stage before
-    it. Spread by layers the stages before the lost range survive, so this starts before the
-    moved layers are loaded and runs while they load (object refs, nothing waited for), up to
-    EARLY_BYTES of hidden states; rebuild() computes the rest as it goes."""
+    """The moved layers' input, chunk by chunk, for each live cache. The stage before a lost
+    range kept the hidden state it handed on at every position of every cache (StageActor.keep):
+    that is the input, read back. Where it is not held (that stage moved too, a cache whose
+    positions came otherwise), the layers before the range run the cache's ids again into a
+    scratch cache of each, only to give it. Spread by layers or by experts, the stages before a
+    lost range survive it, so with one stage lost (`lost`) the kept states are asked for before
+    the moved layers load and come while they load, up to EARLY_BYTES."""
 
     def __init__(self, passes, lost: range | None = None):
-        self.passes, self.lost = passes, lost
+        self.passes = passes
         self.scratch: dict[int, int] = {}        # id(cache) -> its scratch number on the stages
-        self.refs: dict[tuple[int, int], object] = {}     # (id(cache), position) -> the chunk's input
+        self.early: dict[tuple[int, int], object] = {}     # (id(cache), position) -> a kept state's ref
         self.used: list = []                     # the stages whose scratch caches are dropped after
-        if lost is None:
+        if lost is None or lost.start == 0:
             return
-        held = [a for s, a in zip(passes.placement.stages, passes.stages) if len(s.layers) and s.layers.stop <= lost.start]
+        prev = [a for s, a in zip(passes.placement.stages, passes.stages) if s.layers and s.layers.stop == lost.start]
         room = EARLY_BYTES
         width = 4 * passes.model.config.hidden_size
         for cache in self.live():       # a stage lost meanwhile: rebuild() meets its error
             for at, p in self.chunks(cache):
-                if not held or room < width * len(p.tokens):
+                if not prev or room < width * len(p.tokens):
                     return
-                self.refs[(id(cache), at)] = self.run(held, p, None)
+                self.early[(id(cache), at)] = prev[0].output.remote(cache.number, at, at + len(p.tokens))
                 room -= width * len(p.tokens)
 
     def live(self) -> list:
@@ -233,9 +237,15 @@ class Inputs:
         return x
 
     def of(self, cache, at: int, p, before: list):
-        """The moved layers' input for chunk `p` (at `at`) of `cache`: computed early, else now."""
-        early = self.refs.pop((id(cache), at), None) if self.lost is not None else None
-        return early if early is not None else self.run(before, p, None)
+        """The moved layers' input for chunk `p` (at `at`) of `cache` (`before`: the stages
+        holding the layers before them, in order): kept by the last of them, else computed."""
+        ref = self.early.pop((id(cache), at), None)
+        if ref is None and before:
+            ref = before[-1].output.remote(cache.number, at, at + len(p.tokens))
+        kept = None if ref is None else self.passes.ray.get(ref)
+        if kept is not None:
+            self.passes.healed["states_read"] += len(p.tokens)
+        return kept if kept is not None else self.run(before, p, None)
 
     def drop(self) -> None:
         for a in self.used:
@@ -244,12 +254,12 @@ class Inputs:
                     a.drop.remote(number)
                 except Exception:   # noqa: BLE001 - gone with its node
                     pass
-        self.refs.clear()
+        self.early.clear()
 
 
 def rebuild(passes, moved: list[range], early: Inputs | None = None) -> tuple[int, str]:
     """Each live cache's positions in the `moved` ranges of layers, from the ids it was sent, chunk
-    by chunk (`early`: the moved layers' inputs computed while they loaded); the positions
+    by chunk (`early`: the moved layers' inputs asked for while they loaded); the positions
     rebuilt (summed over the caches and moved ranges), and the caches' lengths. The chunks are
     sent without waiting for one another: a stage computes a chunk while the next stage computes
     the one before, as a pipelined prefill (spread by layers, where a stage runs its calls one at

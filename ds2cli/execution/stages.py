@@ -53,6 +53,13 @@ class StageActor:
                               experts=own, threads=threads, memory_budget=memory_budget,
                               spread_experts=own is not None)
         self.caches: dict[int, LatentCache] = {}
+        # a stage before the last keeps, for each cache, the hidden state it handed on at each
+        # position (float32, D a position, counted in its memory: weights/memory.required): a
+        # lost next stage's layers are rebuilt from it, not from the layers before recomputed
+        # (healing.py); `known` is how many leading positions it holds for sure
+        self.keeps = self.layers.stop < self.model.config.num_hidden_layers
+        self.outputs: dict[int, np.ndarray] = {}
+        self.known: dict[int, int] = {}
 
     def connect(self, peers: list) -> None:
         """Spread by experts: the other stages, [(first expert, stop, actor)], asked for theirs."""
@@ -92,23 +99,52 @@ class StageActor:
         trace = [] if p.trace is not None else None
         with self.naming_node(), self.model.executor.forward_pass(int(sum(p.lengths))):
             out = self.model.compute(p.with_caches(caches, trace), self.layers, x)
+        if self.keeps:
+            self.keep(p, out)
         sent = self.model.executor.experts_part.take_traffic()
         return out, (trace, sent)
+
+    def keep(self, p, out: np.ndarray) -> None:
+        for (number, capacity), rows, start in zip(p.caches, p.rows, p.starts):
+            if number not in self.outputs:
+                self.outputs[number] = np.empty((capacity, out.shape[1]), dtype=np.float32)
+                self.known[number] = 0
+            stop = start + rows.stop - rows.start
+            self.outputs[number][start:stop] = out[rows]
+            if start <= self.known[number]:
+                self.known[number] = max(self.known[number], stop)
+
+    def output(self, number: int, start: int, stop: int) -> np.ndarray | None:
+        """The hidden states it handed on at positions [start, stop) of cache `number`, or None
+        where it does not hold them all (a cache restored from saved latents, a scratch one)."""
+        if stop > self.known.get(number, 0):
+            return None
+        return self.outputs[number][start:stop].copy()
 
     def prefix(self, number: int, capacity: int, n: int):
         return self.cache(number, capacity).prefix(n)
 
     def set_prefix(self, number: int, capacity: int, latent, k_pe) -> None:
         self.cache(number, capacity).set_prefix(latent, k_pe)
+        self.known[number] = 0
 
     def copy_prefix(self, src: tuple, dst: tuple, n: int) -> None:
         self.cache(*dst).copy_prefix(self.cache(*src), n)
+        known = min(n, self.known.get(src[0], 0))
+        if known:
+            if dst[0] not in self.outputs:
+                self.outputs[dst[0]] = np.empty((dst[1], self.outputs[src[0]].shape[1]), dtype=np.float32)
+            self.outputs[dst[0]][:known] = self.outputs[src[0]][:known]
+        self.known[dst[0]] = known
 
     def repeat(self, number: int, capacity: int, n: int, at: int) -> None:
         self.cache(number, capacity).repeat(n, at)
+        self.known[number] = 0
 
     def drop(self, number: int) -> None:
         self.caches.pop(number, None)
+        self.outputs.pop(number, None)
+        self.known.pop(number, None)
 
     def stats(self) -> dict:
         """Its executor's (its experts streamed: hits, bytes read)."""
@@ -215,7 +251,8 @@ class RayPasses(Passes):
         self.model = None
         self.epoch = 0                        # how many times the stages were healed
         self.healing: str | None = None       # what is being moved, while it is
-        self.healed = {"nodes_lost": 0, "heal_seconds": 0.0, "stages_loaded": 0, "tokens_rebuilt": 0}
+        self.healed = {"nodes_lost": 0, "heal_seconds": 0.0, "stages_loaded": 0, "tokens_rebuilt": 0,
+                       "states_read": 0}     # positions whose input a stage before had kept
         self.lost: str | None = None          # why the cluster is degraded, once a node is lost
         # what the passes sent, for bench: actor calls, bytes of hidden states and logits moved
         # between processes (the pass's description aside), seconds the driver waited

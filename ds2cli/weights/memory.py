@@ -114,6 +114,10 @@ def required(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None,
     staging = max((staging_bytes(cfg, i, qc) for i in layers), default=0) if quantize_at_load else 0
     margin = WORKING_MARGIN_BYTES + int(WORKING_MARGIN_FRACTION * weights) + staging
     cache = cache_bytes(cfg, context, len(layers))
+    if len(layers) and layers.stop < cfg.num_hidden_layers:
+        # a node's range before the last keeps the hidden state it hands on at each position
+        # (execution/stages.py: what heals a lost next node)
+        cache += context * cfg.hidden_size * 4
     working = pass_bytes(cfg)
     return {"weights": weights, "cache": cache, "working": working, "margin": margin, "context": context,
             "total": weights + cache + working + margin}

@@ -75,6 +75,9 @@ def killed_mid_run(cluster, tmp_path, spread: str):
     assert healed["nodes_lost"] == 1 and healed["stages_loaded"] >= 1, (healed, str(z["said"]), str(z["before"]))
     # both caches' positions in the lost layers, rebuilt: the first's prompt and steps, the second's prompt
     assert healed["tokens_rebuilt"] == (prompt + half) + prompt // 2, str(z["said"])
+    # the lost layers' input read back from the stage before them, which kept it (none before layer 0)
+    first = int(re.search(r"\(layers (\d+)-", str(z["said"])).group(1))
+    assert healed["states_read"] == (healed["tokens_rebuilt"] if first > 0 else 0), (healed, str(z["said"]))
     assert len(str(z["before"]).splitlines()) == 3 and "lost 127.0.0.1 (" in str(z["said"])
     return z
 
