@@ -16,8 +16,8 @@ the cluster left it): the moved layers loaded alone (ds2cli.load(layers=...); an
 process's start, as a moved stage is a new process), then their share
 of the context re-read: Model.compute over those layers alone for the context's positions, in
 the prefill's chunks (a hidden state of the right shape as input). Healing also recomputes the
-layers before a moved range into a scratch cache (their output is the moved layers' input);
-that part is reported apart as "before". With --spread experts the lost node also held a range
+layers before a moved range into a scratch cache where the stage before it did not keep its
+output (the moved layers' input) for each position; that part is reported apart as "before". With --spread experts the lost node also held a range
 of every MoE layer's routed experts: the bound's load is its layers with that range, and the
 re-read its layers' whole computation (every expert, as the cluster computes them). The
 re-read is given twice: a fresh process's first pass and its best of three after. And at the
@@ -219,7 +219,8 @@ def main() -> None:
           f"{spread([r['load_s'] + share(r, 0, r['moved'][1]) for r in runs])}")
     print(f"  the same re-read as a fresh process's first pass: {spread([r['first_reread_s'] for r in runs])}; "
           f"load + first re-read {spread([r['load_s'] + r['first_reread_s'] for r in runs])}")
-    print(f"  the layers before them re-read (healing's input for them): {spread([r['before_s'] for r in runs])}")
+    print(f"  the layers before them re-read (healing's input for them only where the stage before did not keep "
+          f"it): {spread([r['before_s'] for r in runs])}")
     print(f"noticed (kill to healing begun): {spread([r['noticed_s'] for r in runs])}")
     print(f"positions rebuilt {[r['rebuilt'] for r in runs]}; text as one process's: "
           f"{all(r['same_text'] for r in runs)}")
