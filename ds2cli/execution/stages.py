@@ -57,7 +57,7 @@ class StageActor:
         # position (float32, D a position, counted in its memory: weights/memory.required): a
         # lost next stage's layers are rebuilt from it, not from the layers before recomputed
         # (healing.py); `known` is how many leading positions it holds for sure
-        self.keeps = self.layers.stop < self.model.config.num_hidden_layers
+        self.keeps = len(self.layers) > 0 and self.layers.stop < self.model.config.num_hidden_layers
         self.outputs: dict[int, np.ndarray] = {}
         self.known: dict[int, int] = {}
 

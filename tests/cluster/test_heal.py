@@ -112,8 +112,8 @@ def test_by_experts_a_node_killed_mid_run_moves_its_layers_and_experts_and_the_s
 
 def test_generate_goes_on_over_a_lost_node_with_the_text_of_a_run_that_lost_nothing(cluster, tmp_path):
     args = ["generate", "--chat", QUESTION, "-n", "200", "--ignore-eos", "--temperature", "0"]
-    alone = subprocess.run([sys.executable, "-m", "ds2cli", *args], capture_output=True, text=True,
-                           timeout=CALL_TIMEOUT)
+    # one machine's text, made while the cluster gains its node
+    alone = subprocess.Popen([sys.executable, "-m", "ds2cli", *args], stdout=subprocess.PIPE, text=True)
     saved = tmp_path / "prompt.cache"
     node = cluster.add_node()
     try:
@@ -126,14 +126,15 @@ def test_generate_goes_on_over_a_lost_node_with_the_text_of_a_run_that_lost_noth
     finally:
         cluster.nodes.remove(node)
         cluster.wait_for(2)
+    alone_text = alone.communicate(timeout=CALL_TIMEOUT)[0]
     assert p.returncode == 0, err.decode()[-3000:]
-    assert (first + out).decode() == alone.stdout
+    assert (first + out).decode() == alone_text
     assert "its layers moved to the nodes left" in err.decode() and "Traceback" not in err.decode()
     # the prompt's cache, saved from the healed cluster (the moved layers' part rebuilt), read on one machine
     again = subprocess.run([sys.executable, "-m", "ds2cli", *args, "--prompt-cache", str(saved)], capture_output=True,
                            text=True, timeout=CALL_TIMEOUT)
     assert again.returncode == 0 and "already read" in again.stderr, again.stderr
-    assert again.stdout == alone.stdout
+    assert again.stdout == alone_text
 
 
 def test_a_chat_session_saved_after_healing_resumes_on_one_machine(cluster, tmp_path):
@@ -141,9 +142,12 @@ def test_a_chat_session_saved_after_healing_resumes_on_one_machine(cluster, tmp_
     rebuilt), the session saved on leaving; one machine resumes it with a third turn, whose reply
     is one machine's over the three turns."""
     turns = ["What is 451 - 123?", "What is 12 + 30?", "What is 7 + 8?"]
-    alone = subprocess.run([sys.executable, "-m", "ds2cli", "chat", "--session", str(tmp_path / "alone.ds2")],
-                           input="".join(t + "\n" for t in turns), capture_output=True, text=True, timeout=CALL_TIMEOUT)
-    assert alone.returncode == 0, alone.stderr
+    # one machine's three turns, while the cluster gains its node
+    with open(tmp_path / "alone.err", "w") as err_file:
+        alone = subprocess.Popen([sys.executable, "-m", "ds2cli", "chat", "--session", str(tmp_path / "alone.ds2")],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err_file, text=True)
+    alone.stdin.write("".join(t + "\n" for t in turns))
+    alone.stdin.close()
     session = tmp_path / "s.ds2"
     node = cluster.add_node()
     try:
@@ -164,7 +168,9 @@ def test_a_chat_session_saved_after_healing_resumes_on_one_machine(cluster, tmp_
     resumed = subprocess.run([sys.executable, "-m", "ds2cli", "chat", "--session", str(session)],
                              input=turns[2] + "\n", capture_output=True, text=True, timeout=CALL_TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr
-    assert (reply.decode() + out.decode() + resumed.stdout).splitlines() == alone.stdout.splitlines()
+    alone_text = alone.stdout.read()
+    assert alone.wait(timeout=CALL_TIMEOUT) == 0, (tmp_path / "alone.err").read_text()
+    assert (reply.decode() + out.decode() + resumed.stdout).splitlines() == alone_text.splitlines()
 
 
 STREAM = """
