@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,12 +105,11 @@ class Cluster:
             empty.mkdir()
             cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                    f"mount --bind {empty} {hide} && exec \"$@\"", "sh", *cmd]
-        before = self.running()
         env = {k: v for k, v in self.env.items() if k != "DS2_MEMORY_AVAILABLE"}
         node = self.popen(cmd, env={**env, **({"DS2_MEMORY_AVAILABLE": memory} if memory else {})},
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.nodes.append(node)
-        self.wait_for(before + 1)
+        started(node)
         return node
 
     def kill(self, node: subprocess.Popen) -> None:
@@ -158,6 +158,25 @@ class Cluster:
             self.kill(node)
         self.keeper.kill()
         self.keeper.wait()
+
+
+def started(node: subprocess.Popen, within: float = 60) -> None:
+    """Until a worker node's `ray start` says it started: it says so once the head has
+    registered its raylet (Ray waits for that before printing), so the head counts it alive
+    without a driver started to ask (a second or two each). Its later output is read and
+    dropped, so that it never blocks on a full pipe."""
+    seen, said = threading.Event(), []
+
+    def read() -> None:
+        for line in node.stdout:
+            if b"Ray runtime started" in line:
+                said.append(line)
+                seen.set()
+        seen.set()          # its output ended: it did not start, or has stopped
+
+    threading.Thread(target=read, daemon=True).start()
+    if not seen.wait(within) or not said:
+        raise RuntimeError(f"a Ray node did not start within {within} s (exit {node.poll()})")
 
 
 def descendants(pid: int) -> list[int]:
