@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,7 @@ def killed_mid_run(cluster, tmp_path, spread: str):
     ids = np.load(DATA / "reference" / "ds2_tiny_chat" / "ref.npz")["ids"]
     np.save(tmp_path / "ids.npy", ids)
     prompt, half = 20, 8
+    reference = ThreadPoolExecutor(1).submit(one_process, ids, prompt)    # while the cluster gains its node
     node = cluster.add_node()            # three nodes: each holds two of ds2-tiny's six layers
     ready, go, out = tmp_path / "ready", tmp_path / "go", tmp_path / "heal.npz"
     try:
@@ -66,7 +68,7 @@ def killed_mid_run(cluster, tmp_path, spread: str):
         cluster.nodes.remove(node)
         cluster.wait_for(2)
     z = np.load(out)
-    want, second = one_process(ids, prompt)
+    want, second = reference.result(timeout=CALL_TIMEOUT)
     assert z["logits"].shape == want.shape
     diff = np.abs(z["logits"] - want).max()
     assert diff <= TOL, f"the steps around the loss differ from one process by {diff:.2e}"
@@ -203,21 +205,24 @@ print(json.dumps({"text": "".join(text), "finish": finish, "errors": errors, "me
 
 def test_serve_keeps_a_stream_open_over_a_lost_node(cluster, tmp_path):
     port, alone_port = 8768, 8769
+    # one machine's stream, while the cluster gains its node
     alone = subprocess.Popen([sys.executable, "-m", "ds2cli", "serve", "--port", str(alone_port)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    alone_client = subprocess.Popen([sys.executable, "-c", STREAM % {"port": alone_port, "ready": ""}],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        r = subprocess.run([sys.executable, "-c", STREAM % {"port": alone_port, "ready": ""}], capture_output=True,
-                           text=True, timeout=CALL_TIMEOUT)
-        assert r.returncode == 0, r.stderr
-        want = json.loads(r.stdout)
+        node = cluster.add_node()
+        alone_out, alone_err = alone_client.communicate(timeout=CALL_TIMEOUT)
     finally:
         alone.terminate()
         alone.wait(timeout=60)
-    node = cluster.add_node()
     ready = tmp_path / "streaming"
-    server = cluster.popen([sys.executable, "-m", "ds2cli", "serve", "--ray", ADDRESS, "--port", str(port)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = None
     try:
+        assert alone_client.returncode == 0, alone_err
+        want = json.loads(alone_out)
+        server = cluster.popen([sys.executable, "-m", "ds2cli", "serve", "--ray", ADDRESS, "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = cluster.popen([sys.executable, "-c", STREAM % {"port": port, "ready": str(ready)}],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + CALL_TIMEOUT
@@ -228,9 +233,12 @@ def test_serve_keeps_a_stream_open_over_a_lost_node(cluster, tmp_path):
         out, err = client.communicate(timeout=CALL_TIMEOUT)
         assert client.returncode == 0, err.decode()[-2000:]
     finally:
+        if node.poll() is None:         # the test failed before the kill
+            cluster.kill(node)
         cluster.nodes.remove(node)
-        server.terminate()
-        server.wait(timeout=60)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
         cluster.wait_for(2)
     got = json.loads(out)
     assert got["errors"] == [] and got["finish"] == "length" and got["health"] == "ok"
