@@ -380,9 +380,15 @@ def plan_lost_experts(cfg: DeepseekV2Config, qc: QuantConfig | None, context: in
 def plan_lost(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nodes: list[Node],
               layers: range, experts: range | None = None, quantize_at_load: bool = False, streamable: bool = False,
               name: str = "the model", budget: int | None = None) -> list[Stage]:
-    """Where a lost stage's share goes over the `nodes` left (execution/healing.py): its `layers`
-    as plan_range shares them (spread by layers), or with `experts` (spread by experts) its
-    layers and experts as plan_lost_experts places them."""
+    """Where a lost stage's share goes over the `nodes` left (execution/healing.py): spread by
+    layers its `layers` whole on the node with the most room where they fit there whole (one
+    stage, so a token makes no more hops than before), else as plan_range shares them out;
+    with `experts` (spread by experts) its layers and experts as plan_lost_experts places them."""
     if experts is None:
+        whole = Demand(cfg, qc, context, quantize_at_load, None)
+        if nodes and budget is None:
+            roomiest = max(nodes, key=lambda n: min(whole.offered(n), 1 << 50))
+            if whole(layers)["total"] <= whole.offered(roomiest):
+                return [whole.stage(roomiest, layers, None)]
         return plan_range(cfg, qc, context, nodes, layers, quantize_at_load, streamable, name, budget)
     return plan_lost_experts(cfg, qc, context, nodes, layers, experts, quantize_at_load, streamable, name, budget)

@@ -192,8 +192,20 @@ def test_a_lost_share_by_experts_goes_whole_to_the_node_with_the_most_room():
     # a node that held experts alone: only its experts move
     [alone] = plan_lost(LITE, Q4, 2048, left, range(0), range(10, 20))
     assert alone.node == left[1] and not len(alone.layers) and alone.experts == range(10, 20)
-    # by layers the same call is plan_range's
-    assert plan_lost(LITE, Q4, 2048, left, range(6, 19)) == plan_range(LITE, Q4, 2048, left, range(6, 19))
+
+
+
+def test_a_lost_range_by_layers_goes_whole_to_the_node_with_the_most_room_or_is_shared_out():
+    """By layers, a lost range on one node where one has room for it whole (one stage: a token
+    makes no more hops than before the loss); else shared out as plan_range shares the whole."""
+    from ds2cli.cluster.placement import plan_lost
+    left = nodes(3, 5, 4)
+    [moved] = plan_lost(LITE, Q4, 2048, left, range(6, 12))
+    assert moved.node == left[1] and moved.layers == range(6, 12) and moved.stream is None
+    assert moved.need == memory.required(LITE, Q4, 2048, False, range(6, 12)) and moved.need["total"] <= 5e9
+    assert memory.required(LITE, Q4, 2048, False, range(6, 19))["total"] > 5e9
+    shared = plan_lost(LITE, Q4, 2048, left, range(6, 19))
+    assert shared == plan_range(LITE, Q4, 2048, left, range(6, 19)) and len(shared) > 1
 
 
 def test_a_lost_share_by_experts_too_big_for_any_node_left_is_shared_out_or_one_error():
