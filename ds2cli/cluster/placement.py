@@ -360,6 +360,15 @@ def _layer_owners(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | 
     return owner
 
 
+def on_the_roomiest(demand: Demand, nodes: list[Node], layers: range, experts: range | None = None,
+                    forced: bool = False) -> Stage | None:
+    """A lost share whole on the node left with the most room, where `demand` says it fits there."""
+    roomiest = max(nodes, key=lambda n: min(demand.offered(n), 1 << 50))
+    if demand(layers, experts)["total"] <= demand.offered(roomiest):
+        return demand.stage(roomiest, layers, experts, forced=forced)
+    return None
+
+
 def plan_lost_experts(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None, nodes: list[Node],
                       layers: range, experts: range, quantize_at_load: bool = False, streamable: bool = False,
                       name: str = "the model", budget: int | None = None) -> list[Stage]:
@@ -371,9 +380,9 @@ def plan_lost_experts(cfg: DeepseekV2Config, qc: QuantConfig | None, context: in
     if not nodes:
         raise PlacementError("the cluster has no node left to place the lost share on")
     demand = Demand(cfg, qc, context, quantize_at_load, budget, streaming=streamable or budget is not None)
-    roomiest = max(nodes, key=lambda n: min(demand.offered(n), 1 << 50))
-    if demand(layers, experts)["total"] <= demand.offered(roomiest):
-        return [demand.stage(roomiest, layers, experts, forced=budget is not None)]
+    one = on_the_roomiest(demand, nodes, layers, experts, forced=budget is not None)
+    if one is not None:
+        return [one]
     return plan_experts(cfg, qc, context, nodes, quantize_at_load, name, streamable, budget, layers, experts).stages
 
 
@@ -385,10 +394,9 @@ def plan_lost(cfg: DeepseekV2Config, qc: QuantConfig | None, context: int | None
     stage, so a token makes no more hops than before), else as plan_range shares them out;
     with `experts` (spread by experts) its layers and experts as plan_lost_experts places them."""
     if experts is None:
-        whole = Demand(cfg, qc, context, quantize_at_load, None)
-        if nodes and budget is None:
-            roomiest = max(nodes, key=lambda n: min(whole.offered(n), 1 << 50))
-            if whole(layers)["total"] <= whole.offered(roomiest):
-                return [whole.stage(roomiest, layers, None)]
+        one = on_the_roomiest(Demand(cfg, qc, context, quantize_at_load, None), nodes, layers) \
+            if nodes and budget is None else None
+        if one is not None:
+            return [one]
         return plan_range(cfg, qc, context, nodes, layers, quantize_at_load, streamable, name, budget)
     return plan_lost_experts(cfg, qc, context, nodes, layers, experts, quantize_at_load, streamable, name, budget)

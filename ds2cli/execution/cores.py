@@ -167,8 +167,7 @@ class Workers:
         would be one unit for whoever took it, and handing it on costs more than it does (a
         small model's heads, 8K weights each)."""
         if product.rows * product.row_values < self.split_min_values:
-            product.spans = [(0, product.rows)]
-            product.span(0, product.rows)
+            product.whole()
             return
         product.spans = split_rows(product.rows, self.parts, product.align)
         if len(product.spans) > 1 and self.helpers_ready():

@@ -81,7 +81,6 @@ def heal(passes, lost) -> None:
         passes.healing = None
 
 
-
 def healed_line(names: str, spread: str, tokens: int, caches: str, seconds: float, loading: float,
                 rebuilding: float) -> str:
     """The stderr line that says a heal is done, with its two parts' seconds: the moved shares
@@ -90,6 +89,7 @@ def healed_line(names: str, spread: str, tokens: int, caches: str, seconds: floa
     rebuilt = f" and {tokens} cached positions of {caches} rebuilt" if tokens else ""
     return (f"lost {names}: {what} moved to the nodes left{rebuilt} in {seconds:.1f} s ({loading:.1f} s loading, "
             f"{rebuilding:.1f} s rebuilding); the placement now:")
+
 
 def lost_stages(passes) -> list[int]:
     """The indices of the stages that do not answer (their process or node gone)."""
@@ -281,12 +281,15 @@ def rebuild(passes, moved: list[range], early: Inputs | None = None) -> tuple[in
             movers = [a for s, a in held if layers.start <= s.layers.start < layers.stop]
             inputs = early if early is not None and len(moved) == 1 else Inputs(passes)
             try:
-                outs = []           # the chunks sent and not yet waited for, (output, its bytes)
+                outs, pending = [], 0    # the chunks sent and not yet waited for, their outputs' bytes
                 for at, p in inputs.chunks(cache):
                     outs.append((inputs.run(movers, p.with_caches([cache.ref], None),
                                             inputs.of(cache, at, p, before), scratch=False), width * len(p.tokens)))
-                    while outs and (not ordered or sum(b for _, b in outs) > EARLY_BYTES):
-                        ray.get(outs.pop(0)[0])
+                    pending += outs[-1][1]
+                    while outs and (not ordered or pending > EARLY_BYTES):
+                        x, b = outs.pop(0)
+                        ray.get(x)
+                        pending -= b
                 ray.get([x for x, _ in outs])
             except Exception as e:      # noqa: BLE001 - a node lost while healing
                 raise lost_while_healing(e) from None

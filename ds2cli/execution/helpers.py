@@ -42,8 +42,8 @@ import weakref
 
 import numpy as np
 
-from ds2cli.execution.plans import (GRACE, HELPER_TIMEOUT, HELPER_VALUES, PLAN, TABLE_BYTES, TOKEN, Fence,
-                                    PLAN_MIN_VALUES, Registry, UNIT_MIN_VALUES, cut_shapes, ends, plans, receive, shapes_of,
+from ds2cli.execution.plans import (GRACE, HELPER_TIMEOUT, HELPER_VALUES, PLAN, PLAN_MIN_VALUES, TABLE_BYTES, TOKEN,
+                                    Fence, Registry, UNIT_MIN_VALUES, cut_shapes, ends, plans, receive, shapes_of,
                                     shared_views)
 
 CUTS = 1024           # plan shapes whose cut a Helpers object keeps (a decode step repeats ~10)
@@ -172,8 +172,7 @@ class Helpers:
             plan[j].spans.append((a, b))
         if sum((b - a) * plan[j].row_values for j, a, b in units) < self.plan_min_values:
             for p in plan:
-                p.spans = [(0, p.rows)]
-                p.span(0, p.rows)
+                p.whole()
             return
         ready = self.send(plan, keys, units, self.workers.using - 1)
         if not ready:                    # no helper takes part: the same units, here, in order

@@ -68,6 +68,11 @@ class Rows:
     def span(self, a: int, b: int) -> None:
         (self.kernel or self.m.span)(self.x, self.y, a, b)
 
+    def whole(self) -> None:
+        """Every row in one span, on this thread (a product too small to be worth sharing)."""
+        self.spans = [(0, self.rows)]
+        self.span(0, self.rows)
+
     def result(self) -> np.ndarray:
         y = self.y.T if self.transposed else self.y
         y = y if self.k is None else y[:self.k]
