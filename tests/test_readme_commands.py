@@ -10,7 +10,8 @@ prose after it, in order), so the test runs whatever the page says. What is real
   every memory verdict are the real model's, and no value is read.
 - The tokenizer is DeepSeek-V2's published tokenizer.json and tokenizer_config.json (V2-Lite-Chat
   ships the same), chat template included. generation_config.json is not laid out.
-- The memory available is DS2_MEMORY_AVAILABLE=24GB: a machine in the section's 16 to 32 GB.
+- The memory available is DS2_MEMORY_AVAILABLE=24GB: a machine in the section's 16 to 32 GB; its
+  disk has DISK_FREE bytes free (the machine running the test may have less: CI's tmp had 14 GB).
 - `pip install` is not run (the extra it names is checked in pyproject.toml). `hf download` is run
   offline, so its arguments are parsed and it stops at the network; the download it would make is
   laid out by the test at its --local-dir and, as huggingface_hub lays it out, in a temporary
@@ -58,6 +59,7 @@ README = ROOT / "README.md"
 TOKENIZER = ROOT / "tests" / "data" / "tokenizers" / "deepseek-v2"
 GGUF_FIXTURE = ROOT / "tests" / "data" / "gguf" / "kquant_256.Q4_K_M.gguf"
 AVAILABLE = "24GB"
+DISK_FREE = 200 * 10**9   # the reader's free disk: room for the section's 8- and 4-bit copies
 COMMIT = "0123456789abcdef0123456789abcdef01234567"       # refs/main of the temporary Hub cache
 
 # DeepSeek-V2-Lite-Chat's config.json, field for field as the Hub publishes it.
@@ -254,6 +256,12 @@ class Machine:
             return real_load_weights(model_dir, cfg, progress, qc, *rest, **named)
         monkeypatch.setattr(loader, "load_weights", load_weights)
         monkeypatch.setattr(quantize, "write_all", write_headers_only)
+        real_disk_usage = shutil.disk_usage
+
+        def disk_usage(path):
+            usage = real_disk_usage(path)
+            return type(usage)(usage.total, usage.used, DISK_FREE)
+        monkeypatch.setattr(shutil, "disk_usage", disk_usage)
         monkeypatch.chdir(self.cwd)
 
     def path(self, arg: str) -> str:
