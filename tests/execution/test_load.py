@@ -81,7 +81,8 @@ def busy_loops(n: int):
 def test_a_niced_program_leaves_its_core_free_and_a_plain_one_does_not():
     """A `nice -n 19` busy loop gets about 1/70 of a core a nice 0 thread wants: its core counts
     as free; a plain busy loop's does not. Compared with each other (whatever else this machine
-    runs counts in both), after several readings (a loop's first window may start before it)."""
+    runs counts in both), after several readings (a loop's first window may start before it); on
+    a machine whose cores other work already fills the two cannot differ, and the test says so."""
     def others(cmd: list[str]) -> float:
         p = subprocess.Popen(cmd)
         try:
@@ -94,8 +95,12 @@ def test_a_niced_program_leaves_its_core_free_and_a_plain_one_does_not():
             p.kill()
             p.wait()
     loop = [sys.executable, "-c", "while 1: pass"]
+    before = others(["sleep", "5"])
+    if before > len(load.allowed_cpus()) - 0.75:   # a loop adds less than 0.75 of a core
+        # Other work already fills the cores: a further loop only shares them, the two read alike.
+        pytest.skip(f"the machine is busy ({before:.1f} cores taken): a loop's core cannot be told apart")
     niced, plain = others(["nice", "-n", "19", *loop]), others(loop)
-    assert plain - niced > 0.5, (niced, plain)
+    assert plain - niced > 0.5, (before, niced, plain)
 
 
 @pytest.mark.slow
