@@ -9,7 +9,11 @@ The driver, outside them, runs `ds2 generate --ray ...` on a prompt of about --c
 --kill-after seconds after the reply's first byte the --lose'th node (0-based, in the order they
 joined) dies as a machine that loses power (its processes SIGKILLed). ds2 says on stderr what it
 lost, what moved and how long healing took (from the loss met to the pass run again); the
-script notes when that line came, so "noticed" = kill to line, minus healing.
+script notes when that line came, so "noticed" = kill to line, minus healing. With --serve the
+driver is `ds2 serve --ray ...` instead, and a client in the namespace streams the same greedy
+completion (/v1/completions) from it; the reference is then one process's server answering the
+same request, and the stream must end with no error event, finish_reason "length" and /health
+"ok" after.
 
 The bound, measured right after each run on this machine in a fresh process (the page cache as
 the cluster left it): the moved layers loaded alone (ds2cli.load(layers=...); and from the
@@ -21,14 +25,14 @@ output (the moved layers' input) for each position; that part is reported apart 
 of every MoE layer's routed experts: the bound's load is its layers with that range, and the
 re-read its layers' whole computation (every expert, as the cluster computes them). The
 re-read is given twice: a fresh process's first pass and its best of three after. And at the
-cluster's own rate: the run's prompt prefill (--stats: the first pass over every stage, with
-the hops between them) gives seconds a position for all the layers; the moved layers' share of
+cluster's own rate: the run's prompt prefill (--stats, or with --serve the server's /metrics:
+the first pass over every stage, with the hops between them) gives seconds a position for all the layers; the moved layers' share of
 it, times the positions rebuilt, is the re-read as the cluster itself computes.
 
 Root only (unshare, nsenter). Prints each run as JSON on stderr, then min / median / max.
 
     python bench/cluster_heal.py MODEL [--nodes 3] [--node-memory 8G] [--node-cpus 2]
-        [--lose 1] [--context 200] [--tokens 40] [--kill-after 8] [--runs 3] [--spread layers]
+        [--lose 1] [--context 200] [--tokens 40] [--kill-after 8] [--runs 3] [--spread layers] [--serve]
 """
 
 import argparse
@@ -86,6 +90,45 @@ print(json.dumps({"load_s": load_s, "started_s": started_s, "first_reread_s": fi
 """
 
 
+CLIENT = r"""
+import json, sys, time, urllib.request
+base, prompt, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+deadline = time.time() + 1800                  # a 27-layer model loading over a cluster
+while True:
+    try:
+        if json.load(urllib.request.urlopen(base + "/health", timeout=30))["status"] == "ok":
+            break
+    except Exception:
+        if time.time() > deadline:
+            raise
+    time.sleep(0.5)
+body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                   "stream": True}).encode()
+req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+finish, errors = None, []
+with urllib.request.urlopen(req, timeout=3600) as r:
+    for line in r:
+        line = line.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            errors.append(event)
+            continue
+        choice = event["choices"][0]
+        sys.stdout.write(choice.get("text") or "")
+        sys.stdout.flush()
+        finish = choice.get("finish_reason") or finish
+metrics = urllib.request.urlopen(base + "/metrics", timeout=60).read().decode()
+health = json.load(urllib.request.urlopen(base + "/health", timeout=60))["status"]
+sample = lambda name: float(next(l.split()[-1] for l in metrics.splitlines() if l.startswith(name + " ")))
+print(json.dumps({"finish": finish, "errors": errors, "health": health,
+                  "prefill": [sample("ds2_prompt_tokens_total"), sample("ds2_prefill_seconds_total")]}),
+      file=sys.stderr)
+"""
+SERVE_PORT = 8790     # the cluster's server, inside its network namespace; one process's beside it outside
+
+
 def prompt_of(context: int) -> str:
     """A text of about `context` tokens (numbers read as one token or two each)."""
     return " ".join(str(i) for i in range(context // 2))
@@ -100,6 +143,47 @@ def cluster_generate(args) -> list[str]:
     return [*generate(args), "--ray", ADDRESS, "--ray-spread", args.spread, "--stats"]
 
 
+def serve(args, port: int, *ray: str) -> list[str]:
+    return [*DS2, "serve", "-m", args.model, "--port", str(port), *ray]
+
+
+def client(port: int, args) -> list[str]:
+    return [sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", prompt_of(args.context), str(args.tokens)]
+
+
+def stream_ended(client_err: str) -> dict:
+    """The client's last line, checked: the stream ended at its length with no error event, and
+    the server says ok after."""
+    try:
+        end = json.loads(client_err.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        sys.exit(f"error: the client failed: {client_err[-3000:]}")
+    if end["errors"] or end["finish"] != "length" or end["health"] != "ok":
+        sys.exit(f"error: the stream did not end as a run that lost nothing: {json.dumps(end)[:3000]}")
+    return end
+
+
+def reference_text(args) -> str:
+    """One process's greedy text for the same request: `ds2 generate`, or with --serve its server."""
+    if not args.serve:
+        r = subprocess.run(generate(args), capture_output=True, text=True, timeout=3600)
+        if r.returncode != 0:
+            sys.exit(f"error: the reference run failed: {r.stderr.strip()[-3000:]}")
+        return r.stdout
+    port = SERVE_PORT + 1
+    server = subprocess.Popen(serve(args, port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True)
+    try:
+        r = subprocess.run(client(port, args), capture_output=True, text=True, timeout=3600)
+    finally:
+        server.terminate()
+        _, err = server.communicate(timeout=60)
+    if r.returncode != 0:
+        sys.exit(f"error: the reference server's stream failed: {r.stderr[-2000:]} {err.decode()[-2000:]}")
+    stream_ended(r.stderr)
+    return r.stdout
+
+
 def cluster_run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="ds2-cluster-heal-") as tmp:
         cluster = Cluster(Path(tmp))
@@ -108,22 +192,35 @@ def cluster_run(args) -> dict:
             cluster.start_head(cpus=0)
             nodes = [cluster.add_node(memory=args.node_memory, extra=("--object-store-memory", "200000000"),
                                       cpus=args.node_cpus) for _ in range(args.nodes)]
-            p = cluster.popen(cluster_generate(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              cwd=tmp)
+            if args.serve:      # ds2's lines come from the server, the text from a client streaming it
+                server = cluster.popen(serve(args, SERVE_PORT, "--ray", ADDRESS, "--ray-spread", args.spread),
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp)
+                p = cluster.popen(client(SERVE_PORT, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp)
+            else:
+                server = p = cluster.popen(cluster_generate(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           cwd=tmp)
             lines: list[tuple[float, str]] = []
             reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), raw.decode(errors="replace"))
-                                                                  for raw in p.stderr), daemon=True)
+                                                                  for raw in server.stderr), daemon=True)
             reader.start()
             first = p.stdout.read(1)
             if not first:
                 p.wait(timeout=600)
+                if server is not p:
+                    server.terminate()
                 reader.join(10)
-                sys.exit("error: the cluster run failed: " + "".join(line for _, line in lines)[-3000:])
+                sys.exit("error: the cluster run failed: " + "".join(line for _, line in lines)[-3000:]
+                         + p.stderr.read().decode(errors="replace")[-2000:])
             time.sleep(args.kill_after)
             killed = time.monotonic()
             cluster.kill(nodes[args.lose])
             rest = p.stdout.read()
             p.wait(timeout=3600)
+            ended = None
+            if server is not p:
+                ended = stream_ended(p.stderr.read().decode(errors="replace"))
+                server.terminate()
+                server.wait(timeout=60)
             reader.join(30)
             err = "".join(line for _, line in lines)
             if p.returncode != 0:
@@ -134,13 +231,14 @@ def cluster_run(args) -> dict:
             m = HEALED.search(said)
             first_layer, last_layer = map(int, LAYERS.search(m.group(1)).groups())
             experts = EXPERTS.search(m.group(1))
-            prefill = PREFILL.search(err)
+            # the cluster's own prompt: its seconds a position, every layer (its first pass)
+            prefill = (ended["prefill"][1] / ended["prefill"][0] if ended is not None
+                       else 1 / float(PREFILL.search(err).group(2)))
             return {"text": (first + rest).decode(errors="replace"), "heal_s": float(m.group(3)),
                     "loading_s": float(m.group(4)), "rebuilding_s": float(m.group(5)),
                     "noticed_s": at - killed - float(m.group(3)), "rebuilt": int(m.group(2) or 0),
                     "moved": [first_layer, last_layer + 1],
-                    # the cluster's own prompt: its seconds a position, every layer (its first pass)
-                    "prefill_s_a_position": 1 / float(prefill.group(2)),
+                    "prefill_s_a_position": prefill,
                     "experts": None if experts is None else [int(experts.group(1)), int(experts.group(2)) + 1],
                     "placement": [line.rstrip() for _, line in lines[lines.index((at, said)) + 1:]
                                   if line.startswith("  ") and " needs " in line]}
@@ -186,24 +284,23 @@ def main() -> None:
     ap.add_argument("--kill-after", type=float, default=8.0, help="seconds after the reply's first byte")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--spread", choices=["layers", "experts"], default="layers", help="as --ray-spread")
+    ap.add_argument("--serve", action="store_true", help="a stream from `ds2 serve --ray` instead of generate")
     args = ap.parse_args()
     if Path(args.model).exists():          # the cluster's driver runs in a scratch folder
         args.model = str(Path(args.model).resolve())
     from ds2cli.weights.source import open_model
     layers = open_model(args.model).config.num_hidden_layers
-    reference = subprocess.run(generate(args), capture_output=True, text=True, timeout=3600)
-    if reference.returncode != 0:
-        sys.exit(f"error: the reference run failed: {reference.stderr.strip()[-3000:]}")
+    reference = reference_text(args)
     runs = []
     for k in range(args.runs):
         run = cluster_run(args)
-        run["same_text"] = run.pop("text") == reference.stdout
+        run["same_text"] = run.pop("text") == reference
         run["layers"] = layers
         run.update(bound(args, run["moved"], run["experts"]))
         runs.append(run)
         print(f"run {k + 1}: " + json.dumps(run), file=sys.stderr)
     print("\n".join(runs[0]["placement"]))
-    print(f"{args.runs} runs, {args.nodes} nodes spread by {args.spread}, node {args.lose} killed {args.kill_after:.0f} s into a "
+    print(f"{args.runs} runs{' (ds2 serve, a stream)' if args.serve else ''}, {args.nodes} nodes spread by {args.spread}, node {args.lose} killed {args.kill_after:.0f} s into a "
           f"{args.tokens}-token reply to about {args.context} tokens; seconds min / median / max")
     print(f"healing (loss met to the pass run again): {spread([r['heal_s'] for r in runs])}; of which the moved "
           f"shares planned and loaded {spread([r['loading_s'] for r in runs])}, the caches rebuilt "

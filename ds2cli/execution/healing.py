@@ -40,7 +40,7 @@ def heal(passes, lost) -> None:
     t0 = time.perf_counter()
     passes.healing = f"{lost}: moving its share to the nodes left"
     try:
-        gone = lost_stages(passes)
+        gone = lost_stages(passes, getattr(lost, "actors", frozenset()))
         if not gone:            # every stage answers: the failed pass only needs running again
             passes.epoch += 1
             return
@@ -91,13 +91,18 @@ def healed_line(names: str, spread: str, tokens: int, caches: str, seconds: floa
             f"{rebuilding:.1f} s rebuilding); the placement now:")
 
 
-def lost_stages(passes) -> list[int]:
-    """The indices of the stages that do not answer (their process or node gone)."""
+def lost_stages(passes, died: frozenset = frozenset()) -> list[int]:
+    """The indices of the stages that do not answer (their process or node gone). Those a call
+    already found dead or unreachable (`died`, their actors' ids) are not asked again: a dead
+    node's actor answers a new call only once the head counts the node dead (missed heartbeats:
+    2 s on the tests' cluster, 15 s by Ray's defaults)."""
     ray = passes.ray
-    refs = [a.ready.remote() for a in passes.stages]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ANSWER_S)
-    out = []
-    for i, ref in enumerate(refs):
+    known = [i for i, a in enumerate(passes.stages) if actor_id(a) in died]
+    asked = [i for i in range(len(passes.stages)) if i not in known]
+    refs = [passes.stages[i].ready.remote() for i in asked]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ANSWER_S) if refs else ([], [])
+    out = known
+    for i, ref in zip(asked, refs):
         if ref not in ready:
             out.append(i)
             continue
@@ -105,7 +110,13 @@ def lost_stages(passes) -> list[int]:
             ray.get(ref)
         except Exception:           # noqa: BLE001 - its actor or node died
             out.append(i)
-    return out
+    return sorted(out)
+
+
+def actor_id(actor) -> str | None:
+    """An actor handle's id in hex, as Ray's errors name it (no public accessor in Ray 2)."""
+    id_ = getattr(actor, "_actor_id", None)
+    return None if id_ is None else id_.hex()
 
 
 def replace_stages(passes, gone: list[int]) -> list[tuple[range, list]]:

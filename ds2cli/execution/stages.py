@@ -229,7 +229,12 @@ class ClusterCache(LatentCache):
 
 
 class StageLost(ClusterError):
-    """A stage's process or node is gone, and the cluster can heal (healing.py)."""
+    """A stage's process or node is gone, and the cluster can heal (healing.py). `actors`: the
+    ids (hex) of the stages Ray said died or cannot be reached, which healing need not ask again."""
+
+    def __init__(self, message: str, actors: frozenset = frozenset()):
+        super().__init__(message)
+        self.actors = actors
 
 
 class RayPasses(Passes):
@@ -439,7 +444,11 @@ class RayPasses(Passes):
             if not gone and not dead:
                 raise ClusterError(f"a stage failed: {str(e).strip().splitlines()[-1][:300]}") from None
             if dead is not None and self.healable():
-                raise StageLost(self.which_lost(e)) from None
+                # the actors a call found dead or unreachable: Ray says "unavailable" for a node
+                # gone until the head counts it dead (seconds of missed heartbeats); a stage that
+                # cannot be reached moves as well as a dead one
+                died = frozenset(c.actor_id for c in chain if isinstance(c, errors.RayActorError) and c.actor_id)
+                raise StageLost(self.which_lost(e), died) from None
             self.lost = self.which_lost(e)
             raise ClusterError(f"lost a node of the cluster: {self.lost}") from None
 

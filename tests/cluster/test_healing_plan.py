@@ -11,7 +11,7 @@ import pytest
 
 from ds2cli.cluster.placement import Node, Placement, Stage
 from ds2cli.cluster.ray_cluster import ClusterError
-from ds2cli.execution.healing import replace_stages
+from ds2cli.execution.healing import lost_stages, replace_stages
 
 GB = 1 << 30
 
@@ -95,6 +95,35 @@ def test_a_node_lost_while_its_share_loads_is_planned_around():
     assert planned == [[a.node_id, b.node_id], [b.node_id]]
     assert len(ray.killed) == 1                                        # the stage begun on a, let go
     assert p.placement.stages[-1].node.node_id == b.node_id
+
+
+def test_a_stage_a_call_found_dead_is_not_asked_again_and_the_others_are():
+    """A dead node's actor answers a new call only once the head counts the node dead (seconds):
+    the stage the failed pass's error named is lost without asking it; the others are asked, and
+    one that does not answer is lost too."""
+    class Id:
+        def __init__(self, hex_: str):
+            self.hex = lambda: hex_
+
+    asked = []
+
+    def stage_actor(hex_: str, answers: bool):
+        def ready():
+            asked.append(hex_)
+            return Ref(error=None if answers else RayError(f"{hex_} died"))
+        return types.SimpleNamespace(_actor_id=Id(hex_), ready=types.SimpleNamespace(remote=ready))
+
+    class WaitingRay(FakeRay):
+        def wait(self, refs, num_returns, timeout):
+            assert num_returns == len(refs) and timeout > 0
+            return refs, []
+
+    stages = [stage_actor("aa", True), stage_actor("bb", True), stage_actor("cc", False)]
+    passes = types.SimpleNamespace(ray=WaitingRay(set(), set()), stages=stages)
+    assert lost_stages(passes, frozenset({"bb"})) == [1, 2]
+    assert asked == ["aa", "cc"]
+    asked.clear()
+    assert lost_stages(passes) == [2] and asked == ["aa", "bb", "cc"]
 
 
 def test_no_node_left_is_one_cluster_error():
