@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,13 @@ def test_cluster_heal_reads_every_line_healing_writes():
             assert script.LAYERS.search(m.group(1)).groups() == ("9", "17")
             found = script.EXPERTS.search(m.group(1))
             assert (found.groups() if found else None) == experts
+    # the cluster's prefill rate, from generate's --stats line (the slow test below runs --serve)
+    from ds2cli.cli.console import stats_line
+    from ds2cli.model.cache import LatentCache
+    last = types.SimpleNamespace(prompt_tokens=203, prefill_tok_per_s=41.25, generated_tokens=40,
+                                 decode_tok_per_s=2.5, drafted=0)
+    m = script.PREFILL.search(stats_line(12.5, last, LatentCache(2, 256, 8, 4)))
+    assert m and (int(m.group(1)), float(m.group(2))) == (203, 41.2)
 
 
 @pytest.mark.slow
@@ -202,9 +210,10 @@ def test_cluster_heal_times_a_lost_node_against_its_bound():
     from support.ray_local import usable
     if usable():
         pytest.skip(usable())
-    # ds2-tiny decodes hundreds of tokens a second over three nodes: a long reply, killed early
+    # ds2-tiny decodes hundreds of tokens a second over three nodes: a long reply, killed early;
+    # a stream from ds2 serve (generate's only other part, its --stats line, is read above)
     out = python("cluster_heal.py", str(bundled_model_dir()), "--runs", "1", "--tokens", "300", "--kill-after", "0.3",
-                 "--context", "60", "--node-memory", "1000000000", "--node-cpus", "1", "--nodes", "2",
+                 "--context", "60", "--node-memory", "1000000000", "--node-cpus", "1", "--nodes", "2", "--serve",
                  timeout=2 * CALL_TIMEOUT).stdout
     assert re.search(r"^healing \(loss met to the pass run again\): [\d.]+ / ", out, re.M), out
     assert re.search(r"^  bound: the moved layers loaded [\d.]+ / ", out, re.M), out
