@@ -47,10 +47,12 @@ def heal(passes, lost) -> None:
         old = passes.placement
         names = ", ".join(f"{old.stages[i].node.name} ({old.stages[i].share})" for i in gone)
         for i in gone:
-            try:
-                passes.ray.kill(passes.stages[i])
-            except Exception:       # noqa: BLE001 - gone with its node
-                pass
+            for actor in (passes.stages[i], passes.spares.pop(old.stages[i].node.node_id, None)):
+                try:
+                    if actor is not None:
+                        passes.ray.kill(actor)
+                except Exception:   # noqa: BLE001 - gone with its node
+                    pass
         t1 = time.perf_counter()
         early = Inputs(passes, old.stages[gone[0]].layers) if len(gone) == 1 else None
         try:
@@ -63,6 +65,7 @@ def heal(passes, lost) -> None:
                 early.drop()
         t3 = time.perf_counter()
         seconds = t3 - t0
+        passes.add_spares()     # for the next loss: the nodes whose spare took a share
         passes.healed["nodes_lost"] += len(gone)
         passes.healed["heal_seconds"] += seconds
         passes.healed["stages_loaded"] += sum(len(m) for _, m in moved)

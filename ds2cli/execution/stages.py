@@ -14,8 +14,10 @@ once, for the last stage's logits. Joining the cluster and Ray's errors: cluster
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import os
+import threading
 import time
 import weakref
 
@@ -35,11 +37,32 @@ class StageActor:
     `memory_budget`, or spread with the other nodes), and its part of every cache (by the
     driver's cache number). Made a Ray actor by RayPasses."""
 
-    def __init__(self, load, path: str, first: int, stop: int, quantize, threads: int, experts: tuple | None = None,
-                 memory_budget: int | None = None, context: int | None = None, name: str = ""):
+    def __init__(self, *share):
+        """With a share (take's arguments), the stage loads it. Made with none, a spare: its
+        process started and ds2 imported, it waits for the share healing moves to its node
+        (RayPasses.add_spares: a new actor's start, Ray's worker and its imports, took about
+        half a second, on healing's path)."""
+        self.model, self.failed = None, None
+        self.loaded = threading.Event()     # `ready` answers once the share is loaded (or failed)
+        if share:
+            self.take(*share)
+        else:
+            importlib.import_module("ds2cli.execution.factory")     # what a share loads with, while idle
+
+    def take(self, load, path: str, first: int, stop: int, quantize, threads: int, experts: tuple | None = None,
+             memory_budget: int | None = None, context: int | None = None, name: str = "") -> None:
         """`load`: factory.load, handed over by the driver (Ray sends a function by its name);
         `memory_budget`: what its routed experts stream within (the placement's, for this node),
         the cache counted at `context` positions; `name`: its node's, for its errors."""
+        try:
+            self.load_share(load, path, first, stop, quantize, threads, experts, memory_budget, context, name)
+        except BaseException as e:
+            self.failed = e
+            raise
+        finally:
+            self.loaded.set()
+
+    def load_share(self, load, path, first, stop, quantize, threads, experts, memory_budget, context, name) -> None:
         self.layers, self.name = range(first, stop), name
         # Ray gives a worker asking no CPUs (a stage moved beside another when healing)
         # OMP_NUM_THREADS=1, which BLAS read at import: its count is what cores.Blas restores on
@@ -84,7 +107,14 @@ class StageActor:
                 named = Ds2Error(f"node {self.name}: {e}")
             raise named from None
 
+    def started(self) -> int:
+        return os.getpid()
+
     def ready(self) -> int:
+        """Once its share is loaded: its process id; the error that stopped the load, raised."""
+        self.loaded.wait()
+        if self.failed is not None:
+            raise self.failed
         return os.getpid()
 
     def cache(self, number: int, capacity: int) -> LatentCache:
@@ -252,12 +282,14 @@ class RayPasses(Passes):
         self.load, self.context, self.heal, self.show, self.replan = load, context, heal, show, replan
         self.numbers = itertools.count()      # the caches' numbers, as the stages know them
         self.stages = []
+        self.spares: dict[str, object] = {}   # by node id: a stage actor with no share yet (healing's)
         self.caches: weakref.WeakSet = weakref.WeakSet()     # every live cache, to rebuild after a loss
         self.model = None
         self.epoch = 0                        # how many times the stages were healed
         self.healing: str | None = None       # what is being moved, while it is
         self.healed = {"nodes_lost": 0, "heal_seconds": 0.0, "stages_loaded": 0, "tokens_rebuilt": 0,
-                       "states_read": 0}     # positions whose input a stage before had kept
+                       "states_read": 0,     # positions whose input a stage before had kept
+                       "spares_taken": 0}    # moved shares loaded by a node's spare
         self.lost: str | None = None          # why the cluster is degraded, once a node is lost
         # what the passes sent, for bench: actor calls, bytes of hidden states and logits moved
         # between processes (the pass's description aside), seconds the driver waited
@@ -271,6 +303,23 @@ class RayPasses(Passes):
         self.stages = [self.new_actor(s) for s in self.placement.stages]
         self.get([a.ready.remote() for a in self.stages])
         self.get(self.connect())
+        self.get(self.add_spares())
+
+    def add_spares(self) -> list:
+        """Healing on: a spare on each node of the placement that has none (a process with Ray
+        and ds2 imported: about 0.1 GB of the node's memory). A share healing moves to a node
+        loads into its spare: no worker to start on healing's path. Returns the calls that
+        answer once they started: the load waits for them, so they do not start beside its
+        first pass; after healing they start beside the passes."""
+        if not self.healable():
+            return []
+        nodes = {s.node.node_id: s.node for s in self.placement.stages} | {n.node_id: n for n in self.placement.idle}
+        started = []
+        for node_id, node in nodes.items():
+            if node_id not in self.spares:
+                self.spares[node_id] = self.actor(node, 0).remote()
+                started.append(self.spares[node_id].started.remote())
+        return started
 
     def connect(self) -> list:
         """Spread by experts, every stage told the others' ranges of experts, to ask them for
@@ -284,26 +333,34 @@ class RayPasses(Passes):
     def new_actor(self, s, cpus: int | None = None):
         """The stage actor for placement stage `s`, pinned to its node, asking Ray for `cpus` of
         its CPUs (default: all; a stage moved to a node that runs one already asks none) and
-        running its kernels on all of them."""
+        running its kernels on all of them; its node's spare, where it has one."""
+        share = (self.load, self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus,
+                 (s.experts.start, s.experts.stop) if s.experts is not None else None, s.budget,
+                 self.context, s.node.name)
+        spare = self.spares.pop(s.node.node_id, None)
+        if spare is not None:
+            spare.take.remote(*share)
+            self.healed["spares_taken"] += 1
+            return spare
+        return self.actor(s.node, s.node.cpus if cpus is None else cpus).remote(*share)
+
+    def actor(self, node, cpus: int):
+        """The stage actor class, pinned to `node`, asking Ray for `cpus` of its CPUs."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         # spread by experts a stage answers other stages' calls for its experts while its own
         # pass waits on theirs: two threads (a pass visits one stage at a time)
         by_experts = self.placement.spread == "experts"
         return self.ray.remote(StageActor).options(
-            num_cpus=s.node.cpus if cpus is None else cpus, max_restarts=0, max_task_retries=0,
-            max_concurrency=2 if by_experts else 1,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(s.node.node_id, soft=False),
-        ).remote(self.load, self.path, s.layers.start, s.layers.stop, self.quantize, s.node.cpus,
-                 (s.experts.start, s.experts.stop) if s.experts is not None else None, s.budget,
-                 self.context, s.node.name)
+            num_cpus=cpus, max_restarts=0, max_task_retries=0, max_concurrency=2 if by_experts else 1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
 
     def stop(self) -> None:
-        for a in self.stages:
+        for a in [*self.stages, *self.spares.values()]:
             try:
                 self.ray.kill(a)
             except Exception:       # noqa: BLE001 - already gone with its node
                 pass
-        self.stages = []
+        self.stages, self.spares = [], {}
 
     def new_cache(self, model, capacity: int):
         cfg = model.config

@@ -75,6 +75,8 @@ def killed_mid_run(cluster, tmp_path, spread: str):
     assert np.abs(z["second"] - second).max() <= TOL       # the other cache was rebuilt too
     healed = json.loads(str(z["healed"]))
     assert healed["nodes_lost"] == 1 and healed["stages_loaded"] >= 1, (healed, str(z["said"]), str(z["before"]))
+    # every moved share loaded by its node's spare (started at load: no worker to start while healing)
+    assert healed["spares_taken"] == healed["stages_loaded"], healed
     # both caches' positions in the lost layers, rebuilt: the first's prompt and steps, the second's prompt
     assert healed["tokens_rebuilt"] == (prompt + half) + prompt // 2, str(z["said"])
     # the lost layers' input read back from the stage before them, which kept it (none before layer 0)

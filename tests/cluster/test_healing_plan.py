@@ -213,3 +213,35 @@ def test_a_stage_given_no_cpus_by_ray_still_runs_blas_on_its_cores():
                        env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-1] == "[2]", r.stdout
+
+
+def test_a_spare_answers_ready_once_its_share_loaded_and_raises_what_stopped_it():
+    """A spare (a stage actor made with no share) loads the share it is given; `ready` answers
+    only then, and raises the error that stopped a load (a node without the checkpoint), as a
+    stage made with its share raises it from its start."""
+    import os
+    import threading
+
+    from ds2cli.errors import ConfigError
+    from ds2cli.execution.factory import load
+    from ds2cli.execution.stages import StageActor
+
+    spare = StageActor()
+    assert spare.model is None and not spare.loaded.is_set()
+    answered = []
+    waiting = threading.Thread(target=lambda: answered.append(spare.ready()))
+    waiting.start()
+    waiting.join(0.2)
+    assert answered == []                   # no share yet: no answer
+    spare.take(load, None, 0, 3, None, 1)
+    waiting.join(30)
+    assert answered == [os.getpid()] and spare.model.layers[0] is not None
+    spare.model.executor.stop()
+
+    def no_checkpoint(*args, **kw):
+        raise ConfigError("no such file or directory: /models/x")
+    broken = StageActor()
+    with pytest.raises(ConfigError):
+        broken.take(no_checkpoint, "/models/x", 0, 3, None, 1, name="node-b")
+    with pytest.raises(ConfigError, match="node node-b: no such file"):
+        broken.ready()
