@@ -276,7 +276,8 @@ def memory_options(f):
         ray_spread_option,
         click.option("--no-heal", "no_heal", is_flag=True,
                      help="With --ray: a node lost mid-run ends the request with an error, as llama.cpp's RPC "
-                          "backend does, instead of its layers moving to the nodes left (docs/cluster.md)."),
+                          "backend does, instead of its layers moving to the nodes left; no spare process waits on "
+                          "each node for them (docs/cluster.md)."),
         click.option("--memory-budget", "memory_budget", metavar="SIZE", callback=budget_size,
                      help="Run a low-bit checkpoint or a Q8_0 GGUF larger than memory: everything but the routed experts "
                           "stays resident, the experts are read from disk into a cache that fills the rest of "

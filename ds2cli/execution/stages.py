@@ -301,16 +301,17 @@ class RayPasses(Passes):
         """Create a stage on each node of the placement and wait until every one has loaded."""
         self.model = model
         self.stages = [self.new_actor(s) for s in self.placement.stages]
+        spares = self.add_spares()          # starting while the stages load
         self.get([a.ready.remote() for a in self.stages])
         self.get(self.connect())
-        self.get(self.add_spares())
+        self.get(spares)
 
     def add_spares(self) -> list:
         """Healing on: a spare on each node of the placement that has none (a process with Ray
         and ds2 imported: about 0.1 GB of the node's memory). A share healing moves to a node
         loads into its spare: no worker to start on healing's path. Returns the calls that
-        answer once they started: the load waits for them, so they do not start beside its
-        first pass; after healing they start beside the passes."""
+        answer once they started: the load waits for them (they start while the stages load),
+        so they do not start beside its first pass; after healing they start beside the passes."""
         if not self.healable():
             return []
         nodes = {s.node.node_id: s.node for s in self.placement.stages} | {n.node_id: n for n in self.placement.idle}

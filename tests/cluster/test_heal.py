@@ -40,15 +40,16 @@ def one_process(ids: np.ndarray, prompt: int) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(rows), second
 
 
-def killed_mid_run(cluster, tmp_path, spread: str):
-    """drive_heal.py over three nodes spread by `spread`, the third killed after the prompt and
-    half the steps: the steps around the loss and the second cache's pass equal one process's,
-    one node lost, both caches' positions in the lost layers rebuilt. Its output (OUT.npz)."""
+def killed_mid_run(cluster, tmp_path, spread: str, lose: int = 1):
+    """drive_heal.py over 2 + `lose` nodes spread by `spread`, the `lose` last killed at once
+    after the prompt and half the steps: the steps around the loss and the second cache's pass
+    equal one process's, `lose` nodes lost, both caches' positions in each lost range of layers
+    rebuilt. Its output (OUT.npz)."""
     ids = np.load(DATA / "reference" / "ds2_tiny_chat" / "ref.npz")["ids"]
     np.save(tmp_path / "ids.npy", ids)
     prompt, half = 20, 8
     reference = ThreadPoolExecutor(1).submit(one_process, ids, prompt)    # while the cluster gains its node
-    node = cluster.add_node()            # three nodes: each holds two of ds2-tiny's six layers
+    nodes = [cluster.add_node() for _ in range(lose)]   # three nodes: each holds two of ds2-tiny's six layers
     ready, go, out = tmp_path / "ready", tmp_path / "go", tmp_path / "heal.npz"
     try:
         p = cluster.popen([sys.executable, str(DRIVE), ADDRESS, str(out), str(tmp_path / "ids.npy"), str(prompt),
@@ -57,7 +58,8 @@ def killed_mid_run(cluster, tmp_path, spread: str):
         while not ready.exists():
             assert p.poll() is None and time.monotonic() < deadline, p.stderr.read().decode()[-3000:]
             time.sleep(0.1)
-        cluster.kill(node)
+        for node in nodes:
+            cluster.kill(node)
         # the node's stage may answer a call or two after its raylet died (actor calls go worker to
         # worker): the steps go on once the head counts the node dead, so the next step meets the loss
         cluster.wait_for(2)
@@ -65,7 +67,10 @@ def killed_mid_run(cluster, tmp_path, spread: str):
         _, err = p.communicate(timeout=CALL_TIMEOUT)
         assert p.returncode == 0, err.decode()[-3000:]
     finally:
-        cluster.nodes.remove(node)
+        for node in nodes:
+            if node.poll() is None:         # the test failed before the kill
+                cluster.kill(node)
+            cluster.nodes.remove(node)
         cluster.wait_for(2)
     z = np.load(out)
     want, second = reference.result(timeout=CALL_TIMEOUT)
@@ -74,15 +79,19 @@ def killed_mid_run(cluster, tmp_path, spread: str):
     assert diff <= TOL, f"the steps around the loss differ from one process by {diff:.2e}"
     assert np.abs(z["second"] - second).max() <= TOL       # the other cache was rebuilt too
     healed = json.loads(str(z["healed"]))
-    assert healed["nodes_lost"] == 1 and healed["stages_loaded"] >= 1, (healed, str(z["said"]), str(z["before"]))
+    assert healed["nodes_lost"] == lose and healed["stages_loaded"] >= lose, (healed, str(z["said"]), str(z["before"]))
     # every moved share loaded by its node's spare (started at load: no worker to start while healing)
     assert healed["spares_taken"] == healed["stages_loaded"], healed
-    # both caches' positions in the lost layers, rebuilt: the first's prompt and steps, the second's prompt
-    assert healed["tokens_rebuilt"] == (prompt + half) + prompt // 2, str(z["said"])
-    # the lost layers' input read back from the stage before them, which kept it (none before layer 0)
-    first = int(re.search(r"\(layers (\d+)-", str(z["said"])).group(1))
-    assert healed["states_read"] == (healed["tokens_rebuilt"] if first > 0 else 0), (healed, str(z["said"]))
-    assert len(str(z["before"]).splitlines()) == 3 and "lost 127.0.0.1 (" in str(z["said"])
+    # both caches' positions in each lost range of layers, rebuilt: the first's prompt and steps,
+    # the second's prompt
+    lost = next(line for line in str(z["said"]).splitlines() if line.startswith("lost "))
+    firsts = [int(f) for f in re.findall(r"\(layers (\d+)-", lost)]
+    assert len(firsts) == lose and healed["tokens_rebuilt"] == lose * ((prompt + half) + prompt // 2), str(z["said"])
+    # each lost range's input read back from the stage before it, which kept it (none before
+    # layer 0; a range after another lost one reads what that range's new stage kept rebuilding)
+    assert healed["states_read"] == sum(f > 0 for f in firsts) * ((prompt + half) + prompt // 2), \
+        (healed, str(z["said"]))
+    assert len(str(z["before"]).splitlines()) == 2 + lose and "lost 127.0.0.1 (" in str(z["said"])
     return z
 
 
@@ -102,6 +111,13 @@ def test_a_node_killed_mid_run_moves_its_layers_and_the_steps_go_on(cluster, tmp
     assert int(z["stages"]) == len(after) >= 3 and in_order(spans(after, "layers"), 5)
     assert len({line.split(":")[0] for line in after}) == 2          # on two nodes
     assert "its layers moved to the nodes left" in str(z["said"])
+
+
+def test_two_nodes_killed_at_once_move_their_layers_and_the_steps_go_on(cluster, tmp_path):
+    z = killed_mid_run(cluster, tmp_path, "layers", lose=2)
+    after = str(z["after"]).splitlines()
+    assert in_order(spans(after, "layers"), 5) and len({line.split(":")[0] for line in after}) == 2
+    assert str(z["said"]).count("its layers moved to the nodes left") == 1      # one heal, both nodes
 
 
 def test_by_experts_a_node_killed_mid_run_moves_its_layers_and_experts_and_the_steps_go_on(cluster, tmp_path):
