@@ -93,6 +93,8 @@ print(json.dumps({"load_s": load_s, "started_s": started_s, "first_reread_s": fi
 CLIENT = r"""
 import json, sys, time, urllib.request
 base, prompt, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sys.path.insert(0, sys.argv[4])
+from support.sse import events
 deadline = time.time() + 1800                  # a 27-layer model loading over a cluster
 while True:
     try:
@@ -107,11 +109,7 @@ body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ig
 req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
 finish, errors = None, []
 with urllib.request.urlopen(req, timeout=3600) as r:
-    for line in r:
-        line = line.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
+    for event in events(r):
         if "error" in event:
             errors.append(event)
             continue
@@ -148,7 +146,8 @@ def serve(args, port: int, *ray: str) -> list[str]:
 
 
 def client(port: int, args) -> list[str]:
-    return [sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", prompt_of(args.context), str(args.tokens)]
+    return [sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", prompt_of(args.context), str(args.tokens),
+            str(HERE.parent / "tests")]
 
 
 def stream_ended(client_err: str) -> dict:

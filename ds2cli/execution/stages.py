@@ -46,6 +46,8 @@ class StageActor:
         self.loaded = threading.Event()     # `ready` answers once the share is loaded (or failed)
         if share:
             self.take(*share)
+            if self.failed is not None:     # the actor's start fails with it, as Ray reports
+                raise self.failed
         else:
             importlib.import_module("ds2cli.execution.factory")     # what a share loads with, while idle
 
@@ -53,12 +55,13 @@ class StageActor:
              memory_budget: int | None = None, context: int | None = None, name: str = "") -> None:
         """`load`: factory.load, handed over by the driver (Ray sends a function by its name);
         `memory_budget`: what its routed experts stream within (the placement's, for this node),
-        the cache counted at `context` positions; `name`: its node's, for its errors."""
+        the cache counted at `context` positions; `name`: its node's, for its errors. An error
+        that stops the load is kept for `ready` to raise, not raised here: the driver does not
+        wait for this call (Ray would print an error nobody fetched on stderr)."""
         try:
             self.load_share(load, path, first, stop, quantize, threads, experts, memory_budget, context, name)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - kept for ready
             self.failed = e
-            raise
         finally:
             self.loaded.set()
 

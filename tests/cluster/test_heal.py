@@ -23,6 +23,7 @@ from test_cluster import HEALTHY
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parents[1] / "data"
+TESTS = str(Path(__file__).parents[1])      # support.sse, for the stream's client
 TOL = 1e-3        # the references' READMEs: above 1e-3 is a bug
 DRIVE = Path(__file__).with_name("drive_heal.py")
 QUESTION = "What is 451 - 123?"
@@ -194,19 +195,17 @@ def test_a_chat_session_saved_after_healing_resumes_on_one_machine(cluster, tmp_
 
 
 STREAM = """
-import pathlib
+import pathlib, sys
 base, ready = "http://127.0.0.1:%(port)d", %(ready)r
+sys.path.insert(0, %(tests)r)
+from support.sse import events
 """ + HEALTHY + """
 body = json.dumps({"messages": [{"role": "user", "content": "What is 451 - 123?"}], "temperature": 0,
                    "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
 req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
 text, finish, errors = [], None, []
 with urllib.request.urlopen(req) as r:
-    for line in r:
-        line = line.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
+    for event in events(r):
         if "error" in event:
             errors.append(event)
             continue
@@ -226,7 +225,7 @@ def test_serve_keeps_a_stream_open_over_a_lost_node(cluster, tmp_path):
     # one machine's stream, while the cluster gains its node
     alone = subprocess.Popen([sys.executable, "-m", "ds2cli", "serve", "--port", str(alone_port)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    alone_client = subprocess.Popen([sys.executable, "-c", STREAM % {"port": alone_port, "ready": ""}],
+    alone_client = subprocess.Popen([sys.executable, "-c", STREAM % {"port": alone_port, "ready": "", "tests": TESTS}],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         node = cluster.add_node()
@@ -241,7 +240,7 @@ def test_serve_keeps_a_stream_open_over_a_lost_node(cluster, tmp_path):
         want = json.loads(alone_out)
         server = cluster.popen([sys.executable, "-m", "ds2cli", "serve", "--ray", ADDRESS, "--port", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client = cluster.popen([sys.executable, "-c", STREAM % {"port": port, "ready": str(ready)}],
+        client = cluster.popen([sys.executable, "-c", STREAM % {"port": port, "ready": str(ready), "tests": TESTS}],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + CALL_TIMEOUT
         while not ready.exists():

@@ -241,7 +241,8 @@ def test_a_spare_answers_ready_once_its_share_loaded_and_raises_what_stopped_it(
     def no_checkpoint(*args, **kw):
         raise ConfigError("no such file or directory: /models/x")
     broken = StageActor()
-    with pytest.raises(ConfigError):
-        broken.take(no_checkpoint, "/models/x", 0, 3, None, 1, name="node-b")
+    broken.take(no_checkpoint, "/models/x", 0, 3, None, 1, name="node-b")   # the driver does not wait for it
     with pytest.raises(ConfigError, match="node node-b: no such file"):
         broken.ready()
+    with pytest.raises(ConfigError, match="node node-b: no such file"):    # made with its share: from its start
+        StageActor(no_checkpoint, "/models/x", 0, 3, None, 1, None, None, None, "node-b")
