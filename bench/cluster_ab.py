@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
     args = ap.parse_args()
+    if Path(args.model).exists():          # the cluster's driver runs in a scratch folder
+        args.model = str(Path(args.model).resolve())
     got = {"a": [], "b": []}
     for k in range(args.pairs):
         for side in (("a", "b") if k % 2 == 0 else ("b", "a")):

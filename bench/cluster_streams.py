@@ -140,6 +140,8 @@ def main() -> None:
     ap.add_argument("--spread", choices=("layers", "experts"), default="layers")
     ap.add_argument("--prompt", default="The capital of France is")
     args = ap.parse_args()
+    if Path(args.model).exists():          # the cluster's driver runs in a scratch folder
+        args.model = str(Path(args.model).resolve())
     reference = subprocess.run(generate(args), capture_output=True, text=True, timeout=3600)
     if reference.returncode != 0:
         sys.exit(f"error: the reference run failed: {reference.stderr.strip()[-3000:]}")
