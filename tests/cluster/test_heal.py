@@ -81,8 +81,12 @@ def killed_mid_run(cluster, tmp_path, spread: str, lose: int = 1):
     assert np.abs(z["second"] - second).max() <= TOL       # the other cache was rebuilt too
     healed = json.loads(str(z["healed"]))
     assert healed["nodes_lost"] == lose and healed["stages_loaded"] >= lose, (healed, str(z["said"]), str(z["before"]))
-    # every moved share loaded by its node's spare (started at load: no worker to start while healing)
-    assert healed["spares_taken"] == healed["stages_loaded"], healed
+    # every moved share loaded by its node's spare (started at load: no worker to start while
+    # healing); two lost ranges may go to one node, whose one spare takes the first
+    if lose == 1:
+        assert healed["spares_taken"] == healed["stages_loaded"], healed
+    else:
+        assert 1 <= healed["spares_taken"] <= healed["stages_loaded"], healed
     # both caches' positions in each lost range of layers, rebuilt: the first's prompt and steps,
     # the second's prompt
     lost = next(line for line in str(z["said"]).splitlines() if line.startswith("lost "))
