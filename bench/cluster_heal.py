@@ -91,19 +91,11 @@ print(json.dumps({"load_s": load_s, "started_s": started_s, "first_reread_s": fi
 
 
 CLIENT = r"""
-import json, sys, time, urllib.request
+import json, sys, urllib.request
 base, prompt, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sys.path.insert(0, sys.argv[4])
-from support.sse import events
-deadline = time.time() + 1800                  # a 27-layer model loading over a cluster
-while True:
-    try:
-        if json.load(urllib.request.urlopen(base + "/health", timeout=30))["status"] == "ok":
-            break
-    except Exception:
-        if time.time() > deadline:
-            raise
-    time.sleep(0.5)
+from support.sse import events, healthy
+healthy(base, 1800)                             # a 27-layer model loading over a cluster
 body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
                    "stream": True}).encode()
 req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})

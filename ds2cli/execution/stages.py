@@ -51,21 +51,23 @@ class StageActor:
         else:
             importlib.import_module("ds2cli.execution.factory")     # what a share loads with, while idle
 
-    def take(self, load, path: str, first: int, stop: int, quantize, threads: int, experts: tuple | None = None,
-             memory_budget: int | None = None, context: int | None = None, name: str = "") -> None:
-        """`load`: factory.load, handed over by the driver (Ray sends a function by its name);
-        `memory_budget`: what its routed experts stream within (the placement's, for this node),
-        the cache counted at `context` positions; `name`: its node's, for its errors. An error
-        that stops the load is kept for `ready` to raise, not raised here: the driver does not
-        wait for this call (Ray would print an error nobody fetched on stderr)."""
+    def take(self, *share, **named) -> None:
+        """Load `share` (load_share's arguments). An error that stops the load is kept for
+        `ready` to raise, not raised here: the driver does not wait for this call (Ray would
+        print an error nobody fetched on stderr)."""
         try:
-            self.load_share(load, path, first, stop, quantize, threads, experts, memory_budget, context, name)
+            self.load_share(*share, **named)
         except BaseException as e:  # noqa: BLE001 - kept for ready
             self.failed = e
         finally:
             self.loaded.set()
 
-    def load_share(self, load, path, first, stop, quantize, threads, experts, memory_budget, context, name) -> None:
+    def load_share(self, load, path: str, first: int, stop: int, quantize, threads: int,
+                   experts: tuple | None = None, memory_budget: int | None = None, context: int | None = None,
+                   name: str = "") -> None:
+        """`load`: factory.load, handed over by the driver (Ray sends a function by its name);
+        `memory_budget`: what its routed experts stream within (the placement's, for this node),
+        the cache counted at `context` positions; `name`: its node's, for its errors."""
         self.layers, self.name = range(first, stop), name
         # Ray gives a worker asking no CPUs (a stage moved beside another when healing)
         # OMP_NUM_THREADS=1, which BLAS read at import: its count is what cores.Blas restores on

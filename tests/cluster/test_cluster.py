@@ -157,17 +157,11 @@ def test_serve_answers_two_requests_at_once_over_the_cluster(cluster):
 
 
 # a client's first lines: the server at `base` answering /health "ok" (it loads first)
-HEALTHY = """
-import json, time, urllib.request
-deadline = time.time() + 120
-while True:
-    try:
-        if json.load(urllib.request.urlopen(base + "/health"))["status"] == "ok":
-            break
-    except Exception:
-        if time.time() > deadline:
-            raise
-        time.sleep(0.5)
+HEALTHY = f"""
+import json, sys, time, urllib.request
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+from support.sse import healthy
+healthy(base, 120)
 """
 
 CLIENT = """
